@@ -1,0 +1,33 @@
+# Two entry points: `make run` and `make test`. Both create .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-fast bench lint clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch pinned exactly (CPU build from local disk; a range would pull CUDA wheels); numpy explicit.
+	$(BIN)/pip install -q torch==2.13.0 numpy
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/hybridpar plan --model resnet50 --cluster dgx1-v100 --gpus 16 --batch 512
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,66 @@
+"""`hybridpar` command line. Each module in hybridpar.cli.commands defines `register(app)`;
+they are discovered here so that adding a command never edits a shared file."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import click
+import typer
+
+from hybridpar.errors import UserError
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(
+        name="hybridpar",
+        help="Plan and run hybrid-parallel (data x model x channel/filter) deep-learning training.",
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        no_args_is_help=True,
+    )
+    from hybridpar.cli import commands
+
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        mod = importlib.import_module(f"hybridpar.cli.commands.{info.name}")
+        if hasattr(mod, "register"):
+            mod.register(app)
+    return app
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    app = build_app()
+    try:
+        app(args=argv, prog_name="hybridpar", standalone_mode=False)
+    except UserError as err:
+        print(f"hybridpar: error: {_one_line(err)}", file=sys.stderr)
+        return _exit(2, argv)
+    except click.exceptions.UsageError as err:
+        print(f"hybridpar: error: {_one_line(err.format_message())}", file=sys.stderr)
+        return _exit(2, argv)
+    except click.exceptions.Exit as err:
+        return _exit(err.exit_code, argv)
+    except click.exceptions.Abort:
+        print("hybridpar: aborted", file=sys.stderr)
+        return _exit(130, argv)
+    except KeyboardInterrupt:
+        print("hybridpar: interrupted", file=sys.stderr)
+        return _exit(130, argv)
+    return _exit(0, argv)
+
+
+def _exit(code: int, argv: list[str] | None) -> int:
+    # As a console script we exit; called from Python (tests) we return the code.
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The Plan: everything the runtime needs, nothing about how it was found. JSON, versioned."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hybridpar.errors import UserError
+
+SCHEMA_VERSION = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LayerLayout(_Frozen):
+    """How one layer is split over its DP worker's ranks.
+
+    sample: sample (batch) parallel degree; channel: input channels / in_features split (stationary-x,
+    row-parallel FC); filter: output filters / out_features split (stationary-y, column-parallel FC).
+    channel and filter together are stationary-w. sample*channel*filter == ranks of one DP worker group.
+    """
+
+    sample: int = Field(1, ge=1)
+    channel: int = Field(1, ge=1)
+    filter: int = Field(1, ge=1)
+
+    @property
+    def size(self) -> int:
+        return self.sample * self.channel * self.filter
+
+    @property
+    def algorithm(self) -> str:
+        if self.channel > 1 and self.filter > 1:
+            return "stationary-w"
+        if self.channel > 1:
+            return "stationary-x"
+        if self.filter > 1:
+            return "stationary-y"
+        return "sample"
+
+    def to_strategy(self) -> str:
+        parts = [f"{k}={v}" for k, v in (("sample", self.sample), ("channel", self.channel),
+                                          ("filter", self.filter)) if v > 1]
+        return ",".join(parts) or "sample=1"
+
+
+class Prediction(_Frozen):
+    """Predicted per-step figures (seconds, bytes)."""
+
+    step_time_s: float = Field(ge=0)
+    compute_s: float = Field(0.0, ge=0)
+    comm_s: float = Field(0.0, ge=0)
+    exposed_comm_s: float = Field(0.0, ge=0)
+    idle_s: float = Field(0.0, ge=0)
+    memory_bytes: list[int] = Field(default_factory=list)
+    comm_bytes: dict[str, int] = Field(default_factory=dict)
+    per_layer: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+
+class Plan(_Frozen):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model: str = Field(min_length=1)
+    input_shape: list[int] | None = None
+    cluster: str = "localhost"
+    world_size: int = Field(ge=1)
+    batch: int = Field(ge=1, description="global batch per step")
+    dp: int = Field(1, ge=1, description="data-parallel replicas of one MP group")
+    mp: int = Field(1, ge=1, description="devices per data-parallel worker (model parallel)")
+    default_layout: LayerLayout = LayerLayout()
+    layers: dict[str, LayerLayout] = Field(default_factory=dict, description="module name -> layout")
+    placement: dict[str, int] | None = Field(None, description="module/node name -> device in MP group")
+    strategy: str | None = None
+    predicted: Prediction | None = None
+    notes: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        if self.dp * self.mp != self.world_size:
+            raise ValueError(f"dp*mp = {self.dp}*{self.mp} != world_size {self.world_size}")
+        per_worker = self.world_size // self.mp
+        for name, lay in [("default_layout", self.default_layout), *self.layers.items()]:
+            if lay.size != per_worker:
+                raise ValueError(f"layout of {name} uses {lay.size} ranks, expected {per_worker}")
+        if self.placement is not None:
+            bad = {k: v for k, v in self.placement.items() if not 0 <= v < self.mp}
+            if bad:
+                k, v = next(iter(bad.items()))
+                raise ValueError(f"placement[{k}] = {v} outside 0..{self.mp - 1}")
+        if self.batch % self.dp and self.mp == 1 and self.default_layout.sample == 1:
+            raise ValueError(f"batch {self.batch} not divisible by dp {self.dp}")
+        return self
+
+    def layout_of(self, module_name: str) -> LayerLayout:
+        return self.layers.get(module_name, self.default_layout)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Atomic write: a kill never leaves a half-written plan."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _first_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"]) or "plan"
+    return f"{loc}: {e['msg']}"
+
+
+def plan_from_dict(data: object) -> Plan:
+    if not isinstance(data, dict):
+        raise UserError("plan: expected a JSON object")
+    if data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise UserError(f"plan: schema_version {data.get('schema_version')!r} unsupported "
+                        f"(this hybridpar reads {SCHEMA_VERSION})")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as err:
+        raise UserError(f"invalid plan: {_first_error(err)}") from None
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise UserError(f"cannot read plan {path}: {err.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"plan {path} is not valid JSON: line {err.lineno}: {err.msg}") from None
+    return plan_from_dict(data)
