@@ -8,19 +8,16 @@ import pkgutil
 import sys
 
 import click
-import typer
 
 from hybridpar.errors import UserError
 
 
-def build_app() -> typer.Typer:
-    app = typer.Typer(
-        name="hybridpar",
-        help="Plan and run hybrid-parallel (data x model x channel/filter) deep-learning training.",
-        add_completion=False,
-        pretty_exceptions_enable=False,
-        no_args_is_help=True,
-    )
+def build_app() -> click.Group:
+    @click.group(name="hybridpar", context_settings={"help_option_names": ["-h", "--help"]})
+    @click.version_option(package_name="hybridpar")
+    def app() -> None:
+        """Plan and run hybrid-parallel (data x model x channel/filter) deep-learning training."""
+
     from hybridpar.cli import commands
 
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
@@ -37,7 +34,9 @@ def _one_line(msg: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     app = build_app()
     try:
-        app(args=argv, prog_name="hybridpar", standalone_mode=False)
+        rv = app.main(args=argv, prog_name="hybridpar", standalone_mode=False)
+        if isinstance(rv, int) and rv:
+            return _exit(rv, argv)
     except UserError as err:
         print(f"hybridpar: error: {_one_line(err)}", file=sys.stderr)
         return _exit(2, argv)

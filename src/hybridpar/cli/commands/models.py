@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import typer
+import click
 
 from hybridpar.cli.output import console, print_json, table
 
 
-def register(app: typer.Typer) -> None:
+def register(app: click.Group) -> None:
     @app.command("models")
-    def models_cmd(json_: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    @click.option("--json", "json_", is_flag=True, help="machine-readable output")
+    def models_cmd(json_: bool) -> None:
         """List the built-in models."""
         from hybridpar.graph.zoo import ZOO
 
