@@ -1,0 +1,42 @@
+import json
+from pathlib import Path
+
+import pytest
+
+
+def plan_dict(**over) -> dict:
+    """A valid hand-made plan with a prediction (what `hybridpar plan --out` writes)."""
+    d = {
+        "schema_version": 1, "model": "small_resnet", "world_size": 4, "batch": 32, "dp": 4, "mp": 1,
+        "default_layout": {"sample": 4},
+        "layers": {"layers.0.conv1": {"sample": 2, "channel": 2}},
+        "predicted": {
+            "step_time_s": 0.012, "compute_s": 0.009, "comm_s": 0.004, "exposed_comm_s": 0.002,
+            "idle_s": 0.001, "memory_bytes": [10**8, 10**8, 9 * 10**7, 9 * 10**7],
+            "comm_bytes": {"allreduce": 1_200_000, "allgather": 300_000},
+            "per_layer": {"layers.0.conv1": {"compute_s": 0.001, "comm_s": 0.0004}, "fc": {"compute_s": 2e-4}},
+        },
+    }
+    d.update(over)
+    return d
+
+
+def run_dict() -> dict:
+    """The shape of `hybridpar train --json` output the report reads."""
+    return {"world_size": 4, "strategy": "sample=4",
+            "steps": [{"step": i, "loss": 2.3 - 0.1 * i, "time_s": t} for i, t in enumerate([0.05, 0.02, 0.0201])],
+            "comm_bytes_per_step": {"allreduce": 1_000_000}}
+
+
+@pytest.fixture
+def plan_file(tmp_path: Path) -> Path:
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(plan_dict()))
+    return p
+
+
+@pytest.fixture
+def run_file(tmp_path: Path) -> Path:
+    p = tmp_path / "run.json"
+    p.write_text(json.dumps(run_dict()))
+    return p
