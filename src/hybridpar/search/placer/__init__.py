@@ -1,0 +1,39 @@
+"""DLPlacer: device placement for model parallelism (ILP + baselines), its schedule and Gantt chart.
+
+`place_model(model, cluster, devices, ...)` is the entry point (also `hybridpar.place`); the solvers
+work on the abstract `PlacementProblem` so they can be used and tested without a model.
+"""
+
+from __future__ import annotations
+
+from hybridpar.search.placer.baselines import BASELINES, best_baseline
+from hybridpar.search.placer.problem import PlacementProblem, Task, contract, uniform_links
+from hybridpar.search.placer.result import PlacementResult, memory_per_device
+
+SOLVERS = ("ilp", *BASELINES)
+
+__all__ = ["SOLVERS", "BASELINES", "PlacementProblem", "PlacementResult", "Task", "best_baseline",
+           "contract", "memory_per_device", "place_model", "solve", "uniform_links"]
+
+
+def solve(problem: PlacementProblem, solver: str = "ilp", *, time_limit_s: float = 30.0,
+          workers: int = 2, time_unit_s: float | None = None) -> PlacementResult:
+    """Place `problem` with one solver; the ILP is warm-started from the best baseline."""
+    from hybridpar.errors import UserError
+
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    problem.check_capacity()
+    if solver != "ilp":
+        return BASELINES[solver](problem)
+    from hybridpar.search.placer.ilp import solve_ilp
+
+    hint, _ = best_baseline(problem)
+    return solve_ilp(problem, time_limit_s=time_limit_s, hint=hint, workers=workers, time_unit_s=time_unit_s)
+
+
+def place_model(*args, **kwargs):
+    """Place a model (zoo name, nn.Module or Graph) on `devices` devices of a cluster; see api.place_model."""
+    from hybridpar.search.placer.api import place_model as _place
+
+    return _place(*args, **kwargs)

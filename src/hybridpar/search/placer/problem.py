@@ -1,0 +1,197 @@
+"""The abstract placement problem DLPlacer solves: a DAG of tasks, M devices, the links between them.
+
+Kept free of Graph/Cluster so that the solver, the baselines and the brute-force check can be tested on
+random graphs; `adapter.problem_from_graph` builds one from a model graph and a cluster preset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from hybridpar.errors import InfeasibleError, UserError
+
+
+@dataclass(frozen=True)
+class Task:
+    """One node of the (coarsened) graph.
+
+    fwd_s / bwd_s: time on each device (bwd_s includes this task's weight update, which runs right
+    after its backward on the same device). mem_bytes: resident on its device for the whole step
+    (weights, gradients, optimizer state, activations kept for backward). out_bytes: the output
+    activation, sent once to every other device that consumes it (its gradient travels back).
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    mem_bytes: int = 0
+    out_bytes: int = 0
+    modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlacementProblem:
+    """Tasks in topological order; bw_Bps/latency_s/links are M x M (diagonal unused).
+
+    links[a][b] are the ids of the links a transfer a->b occupies; transfers sharing a link id are
+    serialised (the solver and the simulator both treat a link as one resource).
+    """
+
+    name: str
+    tasks: tuple[Task, ...]
+    num_devices: int
+    mem_capacity_bytes: tuple[int, ...]
+    bw_Bps: tuple[tuple[float, ...], ...]
+    latency_s: tuple[tuple[float, ...], ...]
+    links: tuple[tuple[tuple[str, ...], ...], ...]
+    device_ids: tuple[int, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        m = self.num_devices
+        if m < 1:
+            raise UserError(f"number of devices must be >= 1, got {m}")
+        if len(self.mem_capacity_bytes) != m:
+            raise ValueError("mem_capacity_bytes needs one entry per device")
+        for mat in (self.bw_Bps, self.latency_s, self.links):
+            if len(mat) != m or any(len(row) != m for row in mat):
+                raise ValueError("bw_Bps, latency_s and links must be num_devices x num_devices")
+        seen: set[str] = set()
+        for t in self.tasks:
+            if len(t.fwd_s) != m or len(t.bwd_s) != m:
+                raise ValueError(f"task {t.name}: fwd_s/bwd_s need one time per device")
+            missing = [i for i in t.inputs if i not in seen]
+            if missing:
+                raise ValueError(f"task {t.name}: input {missing[0]} not an earlier task (not topological)")
+            seen.add(t.name)
+        if len(seen) != len(self.tasks):
+            raise ValueError("task names must be unique")
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        return {t.name: i for i, t in enumerate(self.tasks)}
+
+    @cached_property
+    def preds(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self.index[i] for i in t.inputs) for t in self.tasks)
+
+    @cached_property
+    def succs(self) -> tuple[tuple[int, ...], ...]:
+        out: list[list[int]] = [[] for _ in self.tasks]
+        for v, ps in enumerate(self.preds):
+            for u in ps:
+                out[u].append(v)
+        return tuple(tuple(s) for s in out)
+
+    def transfer_s(self, bytes_: int, a: int, b: int) -> float:
+        if a == b:
+            return 0.0
+        return self.latency_s[a][b] + bytes_ / self.bw_Bps[a][b]
+
+    def serial_time_s(self, device: int = 0) -> float:
+        return sum(t.fwd_s[device] + t.bwd_s[device] for t in self.tasks)
+
+    @property
+    def devices_interchangeable(self) -> bool:
+        """True when any permutation of devices maps the problem to itself (lets the ILP pin task 0)."""
+        m = self.num_devices
+        if any(len(set(t.fwd_s)) > 1 or len(set(t.bwd_s)) > 1 for t in self.tasks):
+            return False
+        off = [(a, b) for a in range(m) for b in range(m) if a != b]
+        if len(set(self.mem_capacity_bytes)) > 1:
+            return False
+        if len({self.bw_Bps[a][b] for a, b in off}) > 1 or len({self.latency_s[a][b] for a, b in off}) > 1:
+            return False
+        # each ordered pair on its own private link(s), all with the same count
+        ids = [self.links[a][b] for a, b in off]
+        flat = [i for ls in ids for i in ls]
+        return len(set(flat)) == len(flat) and len({len(ls) for ls in ids}) <= 1
+
+    def check_capacity(self) -> None:
+        """Raise InfeasibleError naming the bottleneck when no placement can fit in memory."""
+        cap = max(self.mem_capacity_bytes)
+        big = max(self.tasks, key=lambda t: t.mem_bytes, default=None)
+        if big is not None and big.mem_bytes > cap:
+            raise InfeasibleError(
+                f"node {big.name!r} alone needs {big.mem_bytes / 2**30:.2f} GiB but the largest device holds "
+                f"{cap / 2**30:.2f} GiB (reduce the batch, coarsen less, or use a bigger device)")
+        total = sum(t.mem_bytes for t in self.tasks)
+        if total > sum(self.mem_capacity_bytes):
+            raise InfeasibleError(
+                f"{self.name} needs {total / 2**30:.2f} GiB (weights, gradients, optimizer state, activations) "
+                f"but {self.num_devices} device(s) hold {sum(self.mem_capacity_bytes) / 2**30:.2f} GiB in total "
+                f"(use more devices or a smaller batch)")
+
+
+def uniform_links(m: int, bw_Bps: float, latency_s: float = 0.0) -> tuple[tuple, tuple, tuple]:
+    """bw, latency and link-id matrices for m devices, every ordered pair on its own full-duplex link."""
+    bw = tuple(tuple(bw_Bps for _ in range(m)) for _ in range(m))
+    lat = tuple(tuple(latency_s for _ in range(m)) for _ in range(m))
+    links = tuple(tuple((f"{a}->{b}",) if a != b else () for b in range(m)) for a in range(m))
+    return bw, lat, links
+
+
+def contract(problem: PlacementProblem, groups: Sequence[Sequence[str]]) -> PlacementProblem:
+    """Merge each group of tasks into one (times and memory summed, internal edges dropped).
+
+    Any placement/schedule of the contracted problem is one of the original problem with the group's
+    tasks on one device run back to back, so its optimum can only be >= the original optimum.
+    The merged task's output is the group's largest output that leaves the group (an approximation
+    when several members feed outside). Raises ValueError if the contraction creates a cycle.
+    """
+    owner = {t.name: t.name for t in problem.tasks}
+    for g in groups:
+        head = "+".join(g)
+        for n in g:
+            owner[n] = head
+    merged: dict[str, dict] = {}
+    order: list[str] = []
+    for t in problem.tasks:
+        key = owner[t.name]
+        if key not in merged:
+            order.append(key)
+            merged[key] = dict(inputs=[], fwd=[0.0] * problem.num_devices, bwd=[0.0] * problem.num_devices,
+                               mem=0, out=0, modules=[])
+        d = merged[key]
+        d["fwd"] = [x + y for x, y in zip(d["fwd"], t.fwd_s)]
+        d["bwd"] = [x + y for x, y in zip(d["bwd"], t.bwd_s)]
+        d["mem"] += t.mem_bytes
+        d["modules"] += list(t.modules)
+        for i in t.inputs:
+            if owner[i] != key and owner[i] not in d["inputs"]:
+                d["inputs"].append(owner[i])
+    for t in problem.tasks:
+        if any(owner[problem.tasks[s].name] != owner[t.name] for s in problem.succs[problem.index[t.name]]):
+            merged[owner[t.name]]["out"] = max(merged[owner[t.name]]["out"], t.out_bytes)
+    tasks = [Task(k, tuple(merged[k]["inputs"]), tuple(merged[k]["fwd"]), tuple(merged[k]["bwd"]),
+                  merged[k]["mem"], merged[k]["out"], tuple(merged[k]["modules"])) for k in order]
+    return _replace_tasks(problem, _toposort(tasks))
+
+
+def _toposort(tasks: list[Task]) -> list[Task]:
+    by_name = {t.name: t for t in tasks}
+    indeg = {t.name: len(t.inputs) for t in tasks}
+    succ: dict[str, list[str]] = {t.name: [] for t in tasks}
+    for t in tasks:
+        for i in t.inputs:
+            succ[i].append(t.name)
+    ready = [t.name for t in tasks if indeg[t.name] == 0]
+    out: list[Task] = []
+    while ready:
+        n = ready.pop(0)
+        out.append(by_name[n])
+        for s in succ[n]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    if len(out) != len(tasks):
+        raise ValueError("contraction creates a cycle")
+    return out
+
+
+def _replace_tasks(problem: PlacementProblem, tasks: list[Task]) -> PlacementProblem:
+    return PlacementProblem(problem.name, tuple(tasks), problem.num_devices, problem.mem_capacity_bytes,
+                            problem.bw_Bps, problem.latency_s, problem.links, problem.device_ids, problem.notes)

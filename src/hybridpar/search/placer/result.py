@@ -1,0 +1,65 @@
+"""A solved placement: assignment, its timed schedule, and how it was found."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from hybridpar.search.placer.problem import PlacementProblem
+from hybridpar.search.placer.schedule import Breakdown, Schedule, breakdown, build_ops, list_schedule
+
+
+def memory_per_device(problem: PlacementProblem, assignment: Sequence[int]) -> list[int]:
+    """Resident bytes per device: its tasks' memory plus a buffer for every activation it receives."""
+    mem = [0] * problem.num_devices
+    for u, t in enumerate(problem.tasks):
+        mem[assignment[u]] += t.mem_bytes
+        for b in {assignment[v] for v in problem.succs[u]} - {assignment[u]}:
+            mem[b] += t.out_bytes
+    return mem
+
+
+def fits(problem: PlacementProblem, assignment: Sequence[int]) -> bool:
+    return all(m <= c for m, c in zip(memory_per_device(problem, assignment), problem.mem_capacity_bytes))
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    problem: PlacementProblem
+    assignment: tuple[int, ...]
+    schedule: Schedule
+    solver: str
+    solve_time_s: float = 0.0
+    status: str = "heuristic"  # "optimal" | "feasible" | "heuristic"
+    bound_s: float | None = None  # proven lower bound on the step time (ILP only)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def step_time_s(self) -> float:
+        return self.schedule.makespan
+
+    @property
+    def gap(self) -> float | None:
+        """Relative optimality gap (step - bound) / step; None when no bound was proven."""
+        if self.bound_s is None or self.step_time_s <= 0:
+            return None
+        return max(0.0, (self.step_time_s - self.bound_s) / self.step_time_s)
+
+    @cached_property
+    def breakdown(self) -> Breakdown:
+        return breakdown(self.schedule, self.problem.num_devices)
+
+    @cached_property
+    def memory_bytes(self) -> list[int]:
+        return memory_per_device(self.problem, self.assignment)
+
+    @property
+    def devices_used(self) -> int:
+        return len(set(self.assignment))
+
+
+def evaluate(problem: PlacementProblem, assignment: Sequence[int], solver: str, **kw) -> PlacementResult:
+    """Time a placement with the list scheduler (how every baseline is costed)."""
+    sched = list_schedule(build_ops(problem, assignment))
+    return PlacementResult(problem, tuple(assignment), sched, solver, **kw)
