@@ -40,3 +40,18 @@ def run_file(tmp_path: Path) -> Path:
     p = tmp_path / "run.json"
     p.write_text(json.dumps(run_dict()))
     return p
+
+
+# Fuzz tallies, printed at the end of the run (the issue asks for the counts to be shown).
+FUZZ_COUNTS: dict[str, int] = {}
+
+
+def pytest_terminal_summary(terminalreporter):
+    if FUZZ_COUNTS:
+        terminalreporter.section("hybridpar fuzz counts")
+        for k, v in sorted(FUZZ_COUNTS.items()):
+            terminalreporter.write_line(f"{k:<48} {v:>6}")
+        total = sum(v for k, v in FUZZ_COUNTS.items() if k.endswith(": rejected"))
+        generated = total + sum(v for k, v in FUZZ_COUNTS.items() if k.endswith(": accepted"))
+        terminalreporter.write_line(f"{'generated inputs (total)':<48} {generated:>6}")
+        terminalreporter.write_line(f"{'malformed inputs rejected cleanly (total)':<48} {total:>6}")

@@ -16,7 +16,8 @@ SCHEMA_VERSION = 1
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No inf/NaN: JSON cannot carry them, so such a plan would not survive its own save/load.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class LayerLayout(_Frozen):
@@ -137,11 +138,15 @@ def plan_from_dict(data: object) -> Plan:
 
 def load_plan(path: str | os.PathLike) -> Plan:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise UserError(f"cannot read plan {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"plan {path} is not UTF-8 text (byte {err.start})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise UserError(f"plan {path} is not valid JSON: line {err.lineno}: {err.msg}") from None
+    except RecursionError:
+        raise UserError(f"plan {path}: JSON nested too deeply") from None
     return plan_from_dict(data)
