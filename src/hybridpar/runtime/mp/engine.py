@@ -1,0 +1,161 @@
+"""MPEngine: model-parallel and hybrid DP x MP training of one Plan on torch.distributed.
+
+Implements the runtime Engine contract (docs/INTERFACES.md): local_batch, train_step,
+parameters, full_state_dict, comm_log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from hybridpar.errors import UserError
+from hybridpar.plan import Plan
+from hybridpar.runtime.mp.comm import MPCommLog
+from hybridpar.runtime.mp.executor import crossings, message_count, meta_copy, meta_values, run_forward
+from hybridpar.runtime.mp.layout import HybridLayout, dp_group
+from hybridpar.runtime.mp.p2p import Link
+from hybridpar.runtime.mp.partition import Partition, partition_module
+from hybridpar.runtime.mp.state import gather_state
+
+
+def loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy; sequence outputs [N, T, V] against targets [N, T] are flattened."""
+    if logits.dim() > 2 and y.dim() == logits.dim() - 1:
+        logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+    return F.cross_entropy(logits, y, reduction="sum")
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class MPEngine:
+    """Runs `plan` (mp devices per replica, dp replicas) on the initialised default process group.
+
+    The engine takes over `module`: weights placed on other devices are moved to the meta device
+    (freed), so each rank holds only its own share. `micro_batches` > 1 splits each replica's
+    batch GPipe-style: all forwards, then all backwards, one gradient sync per step (equal to
+    serial training for models without batch statistics). `ordered_p2p` (default: unless the
+    backend is gloo) issues every pair's sends and receives in one global order, without
+    pre-posted receives, as NCCL needs; gloo gets non-blocking, pre-posted, lazy receives."""
+
+    def __init__(self, module: nn.Module, plan: Plan, *, micro_batches: int = 1,
+                 device: torch.device | None = None, ordered_p2p: bool | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("MPEngine needs torch.distributed initialised (launch.init())")
+        if dist.get_world_size() != plan.world_size:
+            raise UserError(f"plan needs {plan.world_size} ranks (dp={plan.dp} x mp={plan.mp}), "
+                            f"running on {dist.get_world_size()}")
+        if micro_batches < 1:
+            raise UserError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.plan = plan
+        self.micro_batches = micro_batches
+        self.layout = HybridLayout(plan.dp, plan.mp, dist.get_rank())
+        self.device = device or _default_device()
+        self.comm_log = MPCommLog()
+        ordered = dist.get_backend() != "gloo" if ordered_p2p is None else ordered_p2p
+        self.partition: Partition = partition_module(module, plan.placement, plan.mp, lazy_recv=not ordered)
+        self._meta = meta_copy(module)
+        full = module.state_dict(keep_vars=True)
+        owner = self.partition.owner_of_key
+        self._schema = {k: (owner[k], t.shape, t.dtype) for k, t in full.items()}
+        self._local_state = {k: t for k, t in full.items() if owner[k] == self.layout.device}
+        self._take_over(module)
+        self._params = [p for k, p in module.named_parameters() if owner[k] == self.layout.device]
+        self._group = dp_group(self.layout)
+        lay = self.layout
+        self.link = Link(rank_of_device=lambda d: lay.rank_of(lay.replica, d), log=self.comm_log,
+                         prepost=not ordered)
+        self._cross_cache: dict[tuple, tuple[dict, int]] = {}
+        self._global_count: int | None = None
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _take_over(self, module: nn.Module) -> None:
+        """Free the weights other devices own; move ours to this rank's device."""
+        owned = {id(t) for t in self._local_state.values()}
+        for mod in module.modules():
+            for store in (mod._parameters, mod._buffers):
+                for name, t in list(store.items()):
+                    if t is None:
+                        continue
+                    if id(t) in owned:
+                        t.data = t.data.to(self.device)
+                    elif t.device.type != "meta":
+                        store[name] = (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                                       if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+
+    def _crossings(self, inputs: tuple) -> tuple[dict, int]:
+        key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
+        if key not in self._cross_cache:
+            cross = crossings(self.partition, meta_values(self.partition, self._meta, inputs))
+            self._cross_cache[key] = (cross, message_count(cross))
+        return self._cross_cache[key]
+
+    # -- the Engine contract -----------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters this rank owns (its device's share of the model)."""
+        return iter(self._params)
+
+    def local_batch(self, x_global: torch.Tensor, y_global: torch.Tensor):
+        """This replica's contiguous slice of the global batch (every device of a replica gets it)."""
+        if len(x_global) < self.layout.dp:
+            raise UserError(f"global batch {len(x_global)} smaller than dp={self.layout.dp}")
+        self._global_count = y_global.numel()
+        k = self.layout.replica
+        return torch.tensor_split(x_global, self.layout.dp)[k], torch.tensor_split(y_global, self.layout.dp)[k]
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward, loss (summed cross-entropy / global target count), backward, gradient
+        allreduce across replicas. Returns the global-batch mean loss on every rank."""
+        count = self._global_count or y.numel() * self.layout.dp
+        mbs = min(self.micro_batches, len(x))
+        xs, ys = torch.tensor_split(x, mbs), torch.tensor_split(y, mbs)
+        loss_local = torch.zeros((), device=self.device)
+        roots = []
+        msg_base = 0
+        for xm, ym in zip(xs, ys):
+            cross, n_msgs = self._crossings((xm,))
+            out, token = run_forward(self.partition, self.layout.device, self.link, (xm,), cross,
+                                     msg_base, self.device)
+            msg_base += n_msgs
+            loss = loss_sum(out, ym.to(self.device)) / count if out is not None else None
+            if loss is not None:
+                loss_local += loss.detach()
+            roots.append((loss, token))
+        for loss, token in reversed(roots):  # GPipe order: last micro-batch first
+            tensors = [token] if loss is None else [loss, token]
+            torch.autograd.backward(tensors, [torch.zeros_like(token) if t is token else None for t in tensors])
+        self.link.wait_all()
+        self._allreduce_grads()
+        dist.all_reduce(loss_local)  # only each replica's loss device contributes
+        self.comm_log.record("allreduce", dist.get_world_size(), loss_local.element_size(), phase="loss")
+        return loss_local
+
+    def _allreduce_grads(self) -> None:
+        if self._group is None:
+            return
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self._group)
+        self.comm_log.record("allreduce", self.layout.dp, flat.numel() * flat.element_size(), phase="grad")
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+    def full_state_dict(self):
+        """The undistributed model's state_dict (on CPU) on rank 0; None on other ranks."""
+        return gather_state(self._local_state, self._schema, self.layout, self.comm_log)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def param_bytes(self) -> int:
+        """Bytes of parameters held by this rank."""
+        return sum(p.numel() * p.element_size() for p in self._params)
