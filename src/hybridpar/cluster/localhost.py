@@ -1,0 +1,77 @@
+"""The `localhost` cluster: this machine's cores as devices, one gloo rank per device.
+
+All ranks sit on one node. Figures come from the calibration file when there is one (measured by
+`hybridpar profile`), else from the conservative defaults in presets/localhost.yaml (labelled there as
+approximations). With more ranks than cores the ranks time-share the cores: compute stretches by
+ranks/cores (DeviceSpec.time_share), and the gloo alpha/beta are taken from the calibrated world
+size nearest to the rank count, scaled by the ratio of the two oversubscription factors.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hybridpar.cluster.loader import build_cluster
+from hybridpar.cluster.model import Cluster
+from hybridpar.cluster.spec import ClusterFile
+from hybridpar.profile.calibration import Calibration, default_calibration_path, load_calibration
+
+
+def physical_cores() -> int:
+    """Cores this process may run on (affinity mask), falling back to os.cpu_count()."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _physical_memory_bytes() -> float | None:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def oversubscription(ranks: int, cores: int) -> float:
+    return max(1.0, ranks / cores)
+
+
+def localhost_cluster(spec: ClusterFile, ranks: int | None, calibration: str | os.PathLike | None) -> Cluster:
+    cores = physical_cores()
+    ranks = cores if ranks is None else ranks
+    cal = load_calibration(calibration)
+    base = build_cluster(spec.model_copy(update={"gpus_per_node": ranks}), ranks)
+    share = oversubscription(ranks, cores)
+    device = base.device.model_copy(update={"time_share": share})
+    memory = _physical_memory_bytes()
+    if memory is not None:
+        device = device.model_copy(update={"memory_bytes": memory / ranks})
+    intra = base.intra
+    sources = dict(base.sources)
+    notes = list(base.notes)
+    if cal is not None:
+        where = str(calibration or default_calibration_path())
+        device = device.model_copy(update={"name": cal.device_name,
+                                           "peak_flops": {"fp32": cal.peak_flops_fp32},
+                                           "mem_bw_Bps": cal.mem_bw_Bps})
+        for key in ("device.peak_flops.fp32", "device.mem_bw_Bps"):
+            sources[key] = f"measured by `hybridpar profile` ({where})"
+        alpha, beta = _gloo_alpha_beta(cal, ranks, cores)
+        if alpha is not None and beta is not None:
+            intra = intra.model_copy(update={"link_latency_s": alpha, "link_bw_Bps": 1.0 / beta})
+            for key in ("intra.link_latency_s", "intra.link_bw_Bps"):
+                sources[key] = f"fitted to gloo allreduce runs by `hybridpar profile` ({where})"
+        notes.append(f"calibrated from {where}")
+    else:
+        notes.append("no calibration file: built-in approximate figures (run `hybridpar profile`)")
+    return base.model_copy(update={"device": device, "intra": intra, "ranks_share_cores": True,
+                                   "cores": cores, "sources": sources, "notes": tuple(notes)})
+
+
+def _gloo_alpha_beta(cal: Calibration, ranks: int, cores: int) -> tuple[float | None, float | None]:
+    fit = cal.gloo_fit(ranks)
+    if fit is None or fit.beta_s_per_byte <= 0:
+        return None, None
+    # Calibration measured at its own cpu_count; scale by the change in oversubscription.
+    stretch = oversubscription(ranks, cal.cpu_count) / oversubscription(fit.world_size, cal.cpu_count)
+    return fit.alpha_s * stretch, fit.beta_s_per_byte * stretch

@@ -1,0 +1,377 @@
+"""Collective times on a real topology: alpha-beta-gamma with each transfer's bottleneck link.
+
+Notation: p ranks, n bytes (one rank's buffer: for allgather the gathered result, for reduce-scatter
+the input), alpha = per-message latency of a hop, beta = 1/bandwidth of a hop, gamma = seconds per
+byte reduced. On a homogeneous network the functions reduce to the textbook closed forms
+(Thakur, Rabenseifner & Gropp, IJHPCA 2005; Chan et al. 2007):
+
+    p2p                 alpha + n beta
+    ring allreduce      2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
+    ring reduce-scatter (p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma
+    ring allgather      (p-1) alpha + (p-1)/p n beta
+    tree allreduce      2 ceil(log2 p) (alpha + n beta) + ceil(log2 p) n gamma   (binomial reduce + bcast)
+    tree broadcast      ceil(log2 p) (alpha + n beta)
+    scatter-allgather   (ceil(log2 p) + p-1) alpha + 2(p-1)/p n beta             (broadcast, p = 2^k)
+    pairwise alltoall   (p-1) (alpha + n/p beta)
+    hierarchical        intra-node reduce-scatter + inter-node allreduce of n/L (L ranks per node,
+                        L concurrent rings) + intra-node allgather
+
+plus `cluster.collective_base_latency_s` once per call (library start-up, NCCL's base latency).
+
+On a real topology each ring step's time is its slowest transfer: max hop latency + chunk / the
+bandwidth the transfer gets, where a link's capacity is shared evenly by all transfers that use it at
+the same time (other groups' rings too: that is the segmented allreduce's contention). Rings run in
+both directions with half the data each, as NCCL does, so full-duplex links (NVLink, the two
+directions of a mesh pair) carry both halves at once while a shared port (an NVSwitch port, a NIC)
+gains nothing. The ring order is chosen as a library would: grouped by node and, inside a mesh node,
+the Hamiltonian cycle with the widest bottleneck (on DGX-1 the cycle over the double NVLinks).
+Not modelled: NCCL using several rings at once over spare links (on DGX-1 the single-link cycle),
+NVLink SHARP, protocol switching, and overlap with computation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from hybridpar.cluster.model import Cluster
+
+Algo = Literal["auto", "ring", "tree", "hierarchical"]
+_Flow = tuple[int, int, float]  # (src, dst, bytes per unit of n)
+
+
+@dataclass(frozen=True)
+class _Affine:
+    """time(n) = a + b n for one ring/tree/phase."""
+
+    a: float
+    b: float
+
+    def at(self, n: float) -> float:
+        return self.a + self.b * n
+
+
+_CACHE: dict[tuple, object] = {}
+
+
+def _cached(key: tuple, make):
+    hit = _CACHE.get(key)
+    if hit is None:
+        if len(_CACHE) > 200_000:
+            _CACHE.clear()
+        hit = _CACHE[key] = make()
+    return hit
+
+
+# -- the link-sharing core -------------------------------------------------------------------------
+
+def _step(flows: Sequence[_Flow], cluster: Cluster, load: Counter | None = None) -> _Affine:
+    """One step in which `flows` run at once: max latency + max (bytes / bandwidth it gets).
+    `load` counts every transfer on each link in this step, including other groups' transfers."""
+    if not flows:
+        return _Affine(0.0, 0.0)
+    caps = cluster.capacities
+    routes = [cluster.route(s, d) for s, d, _ in flows]
+    if load is None:
+        load = Counter(link for r in routes for link in r.links)
+    alpha = max(r.latency_s for r in routes)
+    beta = 0.0
+    for (_, _, coef), r in zip(flows, routes):
+        if r.links:
+            bw = min(caps[link] / load[link] for link in r.links)
+            beta = max(beta, coef / bw)
+    return _Affine(alpha, beta)
+
+
+def _ring_flows(ring: Sequence[int], coef: float) -> list[_Flow]:
+    """One ring step in both directions, each carrying half of `coef`."""
+    p = len(ring)
+    fwd = [(ring[i], ring[(i + 1) % p], coef / 2) for i in range(p)]
+    rev = [(ring[(i + 1) % p], ring[i], coef / 2) for i in range(p)]
+    return fwd + rev
+
+
+# -- ring order ------------------------------------------------------------------------------------
+
+def ring_order(ranks: Iterable[int], cluster: Cluster) -> tuple[int, ...]:
+    """The order a collective library would run a ring in: node by node, and inside a mesh node the
+    cycle whose bottleneck link is widest."""
+    members = tuple(ranks)
+    by_node: dict[int, list[int]] = {}
+    for r in members:
+        by_node.setdefault(cluster.node_of(r), []).append(r)
+    out: list[int] = []
+    for node in sorted(by_node):
+        out.extend(_best_node_order(tuple(sorted(by_node[node])), cluster))
+    return tuple(out)
+
+
+def _best_node_order(devs: tuple[int, ...], cluster: Cluster) -> tuple[int, ...]:
+    if cluster.intra.kind != "mesh" or len(devs) <= 3:
+        return devs
+    # Every node is wired alike: search once per set of local indices, then shift to this node.
+    offset = devs[0] - cluster.local_of(devs[0])
+    local = tuple(d - offset for d in devs)
+    key = ("order", cluster.intra.model_dump_json(), cluster.gpus_per_node, local)
+    best = _cached(key, lambda: _search_order(local, cluster))
+    return tuple(d + offset for d in best)
+
+
+def _search_order(devs: tuple[int, ...], cluster: Cluster) -> tuple[int, ...]:
+    caps = cluster.capacities
+    hop = {(a, b): cluster.route(a, b) for a in devs for b in devs if a != b}
+
+    def score(order: tuple[int, ...]) -> tuple[float, float]:
+        # Same as _step(_ring_flows(order, 1.0)) but fast enough to enumerate 7! cycles.
+        pairs = [(order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
+        pairs += [(b, a) for a, b in pairs]
+        load = Counter(link for pr in pairs for link in hop[pr].links)
+        worst_bw = min(caps[link] / load[link] for pr in pairs for link in hop[pr].links)
+        return (1.0 / worst_bw, max(hop[pr].latency_s for pr in pairs))
+
+    first, rest = devs[0], devs[1:]
+    if len(devs) <= 9:
+        candidates = ((first, *perm) for perm in itertools.permutations(rest))
+        return min(candidates, key=score)
+    # Too many members to enumerate: greedy, always to the neighbour with most direct links.
+    order, left = [first], set(rest)
+    while left:
+        nxt = max(sorted(left), key=lambda d: cluster.nvlinks(order[-1], d))
+        order.append(nxt)
+        left.remove(nxt)
+    return tuple(order)
+
+
+# -- phases: concurrent rings ----------------------------------------------------------------------
+
+_STEPS = {"allreduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1, "allgather": lambda p: p - 1}
+
+
+def _rings_phase(rings: Sequence[tuple[int, ...]], kind: str, frac: float, cluster: Cluster) -> list[_Affine]:
+    """Per-ring time of `kind` on each ring, all rings running at once over n*frac bytes each."""
+    rings = [r for r in rings if len(r) > 1]
+    per_ring = [_ring_flows(r, frac / len(r)) for r in rings]
+    load = Counter(link for flows in per_ring for s, d, _ in flows for link in cluster.route(s, d).links)
+    reduces = kind != "allgather"
+    out = []
+    for ring, flows in zip(rings, per_ring):
+        p, steps = len(ring), _STEPS[kind](len(ring))
+        st = _step(flows, cluster, load)
+        gamma = (p - 1) / p * frac * cluster.gamma_s_per_byte if reduces else 0.0
+        out.append(_Affine(steps * st.a, steps * st.b + gamma))
+    return out
+
+
+def _phase_time(parts: Sequence[_Affine], n: float) -> float:
+    return max((x.at(n) for x in parts), default=0.0)
+
+
+def _groups_key(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    out = []
+    for g in groups:
+        t = tuple(g)
+        if len(set(t)) != len(t):
+            raise ValueError(f"a collective group lists a rank twice: {t}")
+        out.append(t)
+    return tuple(out)
+
+
+def _base(cluster: Cluster, groups: Sequence[Sequence[int]]) -> float:
+    return cluster.collective_base_latency_s if any(len(g) > 1 for g in groups) else 0.0
+
+
+# -- allreduce -------------------------------------------------------------------------------------
+
+def _ring_allreduce(groups, cluster) -> list[list[_Affine]]:
+    rings = [ring_order(g, cluster) for g in groups]
+    return [_rings_phase(rings, "allreduce", 1.0, cluster)]
+
+
+def _hier_allreduce(groups, cluster) -> list[list[_Affine]] | None:
+    """Reduce-scatter inside each node, allreduce across nodes per local position, allgather inside."""
+    intra_rings, inter_rings, frac = [], [], 1.0
+    for g in groups:
+        ordered = ring_order(g, cluster)
+        by_node: dict[int, list[int]] = {}
+        for r in ordered:
+            by_node.setdefault(cluster.node_of(r), []).append(r)
+        if len(by_node) < 2 or max(len(v) for v in by_node.values()) < 2:
+            return None  # one node, or one rank per node: nothing hierarchical about it
+        width = max(len(v) for v in by_node.values())
+        frac = min(frac, 1.0 / width)
+        intra_rings += [tuple(v) for v in by_node.values()]
+        inter_rings += [tuple(v[j] for v in by_node.values() if j < len(v)) for j in range(width)]
+    return [_rings_phase(intra_rings, "reduce_scatter", 1.0, cluster),
+            _rings_phase(inter_rings, "allreduce", frac, cluster),
+            _rings_phase(intra_rings, "allgather", 1.0, cluster)]
+
+
+def _tree_levels(order: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Binomial-tree reduce levels over `order` (index 0 is the root): (child, parent) pairs."""
+    p, out, dist = len(order), [], 1
+    while dist < p:
+        out.append([(order[i], order[i - dist]) for i in range(dist, p, 2 * dist) if i % (2 * dist) == dist])
+        dist *= 2
+    return out
+
+
+def _tree_allreduce(groups, cluster) -> list[list[_Affine]]:
+    (g,) = groups
+    order = ring_order(g, cluster)
+    levels = _tree_levels(order)
+    up = [_step([(c, par, 1.0) for c, par in lvl], cluster) for lvl in levels]
+    down = [_step([(par, c, 1.0) for c, par in lvl], cluster) for lvl in reversed(levels)]
+    gamma = len(levels) * cluster.gamma_s_per_byte
+    return [[_Affine(sum(s.a for s in up + down), sum(s.b for s in up + down) + gamma)]]
+
+
+_ALGOS = {"ring": _ring_allreduce, "hierarchical": _hier_allreduce, "tree": _tree_allreduce}
+
+
+def _allreduce_phases(groups, cluster, algo: str):
+    return _cached(("ar", cluster.cache_key, groups, algo), lambda: _ALGOS[algo](groups, cluster))
+
+
+def _phases_time(phases, n: float) -> float:
+    return sum(_phase_time(ph, n) for ph in phases)
+
+
+def allreduce_time(bytes_: float, ranks: Sequence[int], cluster: Cluster, algo: Algo = "auto") -> float:
+    """Seconds for an allreduce of `bytes_` among `ranks` (algo ring/tree/hierarchical; auto = fastest)."""
+    return concurrent_allreduce_time(bytes_, [ranks], cluster, algo=algo)
+
+
+def allreduce_algo(bytes_: float, ranks: Sequence[int], cluster: Cluster) -> str:
+    """The algorithm `auto` picks for this size and group."""
+    groups = _groups_key([ranks])
+    return min(_candidates(groups), key=lambda a: _phases_time(_allreduce_phases(groups, cluster, a), bytes_)
+               if _allreduce_phases(groups, cluster, a) is not None else math.inf)
+
+
+def _candidates(groups) -> list[str]:
+    return ["ring", "hierarchical"] + (["tree"] if len(groups) == 1 else [])
+
+
+def concurrent_allreduce_time(bytes_: float, groups: Sequence[Sequence[int]], cluster: Cluster,
+                              algo: Algo = "auto") -> float:
+    """Disjoint groups allreducing `bytes_` each at the same time (the segmented allreduce of
+    channel/filter parallelism): every group's transfers share the links they use; the result is the
+    slowest group. algo: ring, hierarchical (tree only for a single group); auto = fastest."""
+    key = _groups_key(groups)
+    seen: set[int] = set()
+    for g in key:
+        if seen & set(g):
+            raise ValueError("concurrent allreduce groups must be disjoint")
+        seen |= set(g)
+    if all(len(g) <= 1 for g in key) or bytes_ <= 0:
+        return 0.0
+    names = _candidates(key) if algo == "auto" else [algo]
+    if algo == "tree" and len(key) > 1:
+        raise ValueError("tree allreduce is modelled for a single group only")
+    best = math.inf
+    for name in names:
+        phases = _allreduce_phases(key, cluster, name)
+        if phases is None:
+            if algo != "auto":  # hierarchical asked for where it does not apply: it is the ring
+                phases = _allreduce_phases(key, cluster, "ring")
+            else:
+                continue
+        best = min(best, _phases_time(phases, bytes_))
+    return best + _base(cluster, key)
+
+
+# -- the other collectives -------------------------------------------------------------------------
+
+def p2p_time(bytes_: float, a: int, b: int, cluster: Cluster) -> float:
+    """alpha + n beta over the route a -> b (0 for a == b)."""
+    if a == b or bytes_ <= 0:
+        return 0.0
+    return cluster.p2p_latency_s(a, b) + bytes_ / cluster.p2p_bw_Bps(a, b)
+
+
+def reduce_scatter_time(bytes_total: float, ranks: Sequence[int], cluster: Cluster) -> float:
+    """Ring reduce-scatter of a `bytes_total` input per rank (each keeps 1/p of the reduced result)."""
+    return _ring_collective(bytes_total, ranks, cluster, "reduce_scatter")
+
+
+def allgather_time(bytes_total: float, ranks: Sequence[int], cluster: Cluster) -> float:
+    """Ring allgather whose gathered result is `bytes_total` per rank."""
+    return _ring_collective(bytes_total, ranks, cluster, "allgather")
+
+
+def concurrent_collective_time(kind: Literal["allreduce", "reduce_scatter", "allgather"], bytes_: float,
+                               groups: Sequence[Sequence[int]], cluster: Cluster) -> float:
+    """Ring `kind` in several disjoint groups at once, sharing links (e.g. the allgathers of all
+    channel groups of a layer)."""
+    key = _groups_key(groups)
+    if all(len(g) <= 1 for g in key) or bytes_ <= 0:
+        return 0.0
+    parts = _cached(("rc", cluster.cache_key, key, kind),
+                    lambda: _rings_phase([ring_order(g, cluster) for g in key], kind, 1.0, cluster))
+    return _phase_time(parts, bytes_) + _base(cluster, key)
+
+
+def _ring_collective(n: float, ranks: Sequence[int], cluster: Cluster, kind: str) -> float:
+    return concurrent_collective_time(kind, n, [ranks], cluster)  # type: ignore[arg-type]
+
+
+def broadcast_time(bytes_: float, ranks: Sequence[int], cluster: Cluster,
+                   algo: Literal["auto", "tree", "scatter_allgather"] = "auto") -> float:
+    """Broadcast from ranks[0]: binomial tree, or scatter + ring allgather (better for large n)."""
+    key = _groups_key([ranks])
+    (g,) = key
+    if len(g) <= 1 or bytes_ <= 0:
+        return 0.0
+    order = (g[0], *[r for r in ring_order(g, cluster) if r != g[0]])
+    levels = list(reversed(_tree_levels(order)))  # root first
+
+    def tree() -> _Affine:
+        steps = [_step([(par, c, 1.0) for c, par in lvl], cluster) for lvl in levels]
+        return _Affine(sum(s.a for s in steps), sum(s.b for s in steps))
+
+    def scatter() -> _Affine:
+        # Level k from the root forwards the half of the data its subtree needs: n / 2^(k+1).
+        steps = [_step([(par, c, 0.5 ** (k + 1)) for c, par in lvl], cluster) for k, lvl in enumerate(levels)]
+        ag = _rings_phase([ring_order(g, cluster)], "allgather", 1.0, cluster)[0]
+        return _Affine(sum(s.a for s in steps) + ag.a, sum(s.b for s in steps) + ag.b)
+
+    makers = {"tree": tree, "scatter_allgather": scatter}
+    names = list(makers) if algo == "auto" else [algo]
+    return min(_cached(("bc", cluster.cache_key, key, a), makers[a]).at(bytes_) for a in names) + \
+        _base(cluster, key)
+
+
+def alltoall_time(bytes_: float, ranks: Sequence[int], cluster: Cluster) -> float:
+    """Pairwise-exchange alltoall: `bytes_` is one rank's whole send buffer (n/p to each peer);
+    p-1 steps, in step i rank j sends to rank j+i."""
+    key = _groups_key([ranks])
+    (g,) = key
+    p = len(g)
+    if p <= 1 or bytes_ <= 0:
+        return 0.0
+
+    def make() -> _Affine:
+        steps = [_step([(g[j], g[(j + i) % p], 1.0 / p) for j in range(p)], cluster) for i in range(1, p)]
+        return _Affine(sum(s.a for s in steps), sum(s.b for s in steps))
+
+    return _cached(("a2a", cluster.cache_key, key), make).at(bytes_) + _base(cluster, key)
+
+
+def collective_time(kind: str, bytes_: float, group: Sequence[int], cluster: Cluster) -> float:
+    """Dispatch by name (allreduce, reduce_scatter, allgather, broadcast, alltoall, p2p/send)."""
+    if kind == "allreduce":
+        return allreduce_time(bytes_, group, cluster)
+    if kind in ("reduce_scatter", "allgather"):
+        return concurrent_collective_time(kind, bytes_, [group], cluster)  # type: ignore[arg-type]
+    if kind == "broadcast":
+        return broadcast_time(bytes_, group, cluster)
+    if kind == "alltoall":
+        return alltoall_time(bytes_, group, cluster)
+    if kind in ("p2p", "send", "recv"):
+        a, b = group
+        return p2p_time(bytes_, a, b, cluster)
+    raise ValueError(f"unknown collective kind {kind!r}")

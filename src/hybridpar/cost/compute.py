@@ -1,0 +1,196 @@
+"""Compute time of one graph node under a decomposition: measured table first, roofline otherwise.
+
+Local shape. A layer split `sample`/`channel`/`filter` ways runs on one device with the fractions
+sample_frac = 1/sample, channel_frac = 1/channel, filter_frac = 1/filter:
+  - conv2d (x N,C,H,W; w F,C,k,k; y N,F,H',W') and linear (in_features = C, out_features = F):
+    N, C and F are each cut to ceil(dim * frac) (uneven shards: the largest shard sets the time);
+    stationary-x has channel_frac < 1, stationary-y filter_frac < 1, stationary-w both.
+  - ops without weights work on their local tensor: all sizes scale by sample*channel*filter fractions.
+Forward, backward-data (grad of the input) and backward-weight (grad of the weights) are separate.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from hybridpar.cluster.model import Cluster, DeviceSpec
+from hybridpar.graph.types import DTYPE_BYTES, Node
+from hybridpar.profile.calibration import Calibration, OpRecord, load_calibration, op_key
+
+EFFICIENCY_FILE = Path(__file__).with_name("efficiency.yaml")
+
+_CLASS = {
+    "conv2d": "conv2d", "linear": "linear", "lstm": "lstm", "attention": "attention",
+    "embedding": "embedding", "batchnorm": "normalization", "layernorm": "normalization",
+    "maxpool": "pooling", "avgpool": "pooling", "adaptive_avgpool": "pooling",
+    "relu": "elementwise", "pointwise": "elementwise", "add": "elementwise", "mul": "elementwise",
+    "concat": "elementwise", "dropout": "elementwise", "softmax": "softmax", "loss": "softmax",
+}
+_FREE = {"input", "output", "flatten", "reshape"}  # views and graph plumbing: no work
+_MATMUL = {"conv2d", "linear", "lstm", "attention"}  # run at the dtype's tensor-core rate
+
+
+@dataclass(frozen=True)
+class OpTime:
+    fwd_s: float
+    bwd_data_s: float
+    bwd_weight_s: float
+    source: str = "roofline"  # "measured", "measured-scaled" or "roofline"
+
+    @property
+    def bwd_s(self) -> float:
+        return self.bwd_data_s + self.bwd_weight_s
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+@dataclass(frozen=True)
+class LocalShapes:
+    x: tuple[int, ...]
+    w: tuple[int, ...] | None
+    y: tuple[int, ...]
+    x_frac: float  # local / global size of the input, weights, output and FLOPs
+    w_frac: float
+    y_frac: float
+    flop_frac: float
+
+    def key(self, op: str) -> str:
+        return op_key(op, self.x, self.w, self.y)
+
+
+def _weight_shape(node: Node) -> tuple[int, ...] | None:
+    for name, shape in node.param_shapes:
+        if name.endswith("weight"):
+            return tuple(shape)
+    return None
+
+
+def local_shapes(node: Node, sample_frac: float = 1.0, channel_frac: float = 1.0,
+                 filter_frac: float = 1.0) -> LocalShapes:
+    """The shapes one device works on (see the module docstring)."""
+    for name, f in (("sample_frac", sample_frac), ("channel_frac", channel_frac), ("filter_frac", filter_frac)):
+        if not 0 < f <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {f}")
+    x = tuple(node.in_shapes[0]) if node.in_shapes else ()
+    y = tuple(node.out_shape)
+    w = _weight_shape(node)
+    if node.op in ("conv2d", "linear") and w is not None and x and y:
+        cdim = 1 if node.op == "conv2d" else len(x) - 1
+        fdim = 1 if node.op == "conv2d" else len(y) - 1
+        n, c, f = x[0], x[cdim], y[fdim]
+        n2, c2, f2 = (max(1, math.ceil(v * fr)) for v, fr in ((n, sample_frac), (c, channel_frac), (f, filter_frac)))
+        xl = list(x)
+        xl[0], xl[cdim] = n2, c2
+        yl = list(y)
+        yl[0], yl[fdim] = n2, f2
+        wl = list(w)
+        wl[0] = f2
+        if len(wl) > 1:
+            wl[1] = max(1, math.ceil(w[1] * channel_frac))
+        sn, sc, sf = n2 / n, c2 / c, f2 / f
+        return LocalShapes(tuple(xl), tuple(wl), tuple(yl), sn * sc, sc * sf, sn * sf, sn * sc * sf)
+    frac = sample_frac * channel_frac * filter_frac
+
+    def cut(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not shape:
+            return shape
+        out = list(shape)
+        out[0] = max(1, math.ceil(shape[0] * sample_frac))
+        if len(out) > 1:
+            out[1] = max(1, math.ceil(shape[1] * channel_frac * filter_frac))
+        return tuple(out)
+
+    return LocalShapes(cut(x), w, cut(y), frac, 1.0, frac, frac)
+
+
+@lru_cache(maxsize=1)
+def efficiency_table() -> dict:
+    return yaml.safe_load(EFFICIENCY_FILE.read_text())
+
+
+def op_class(op: str) -> str:
+    return _CLASS.get(op, "other")
+
+
+def _nbytes(shapes, dtype: str) -> float:
+    return float(sum(math.prod(s) for s in shapes if s)) * DTYPE_BYTES[dtype]
+
+
+def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample_frac: float = 1.0,
+                  channel_frac: float = 1.0, filter_frac: float = 1.0) -> OpTime:
+    """max(FLOPs / (peak * compute_eff), bytes / (mem_bw * memory_eff)) + launch, per pass."""
+    if node.op in _FREE:
+        return OpTime(0.0, 0.0, 0.0)
+    loc = local_shapes(node, sample_frac, channel_frac, filter_frac)
+    table = efficiency_table()[device.kind]
+    eff = table["classes"][op_class(node.op)]
+    peak = device.peak(dtype) if node.op in _MATMUL else device.peak("fp32")
+    b = DTYPE_BYTES[dtype]
+    x_b = _nbytes(node.in_shapes, dtype) * loc.x_frac
+    y_b = node.out_numel * b * loc.y_frac
+    w_b = node.params * b * loc.w_frac
+
+    def t(flops: float, bytes_: float) -> float:
+        if flops <= 0 and bytes_ <= 0:
+            return 0.0
+        work = max(flops / (peak * eff["compute"]), bytes_ / (device.mem_bw_Bps * eff["memory"]))
+        return (work + table["launch_s"]) * device.time_share
+
+    fwd = t(node.fwd_flops * loc.flop_frac, x_b + w_b + y_b)
+    # A weighted op with no data-gradient FLOPs is the first layer: autograd skips its dx entirely.
+    skip_dx = node.op in _MATMUL and node.bwd_data_flops == 0
+    bwd_data = 0.0 if skip_dx else t(node.bwd_data_flops * loc.flop_frac, y_b + w_b + x_b + (0 if w_b else y_b))
+    bwd_weight = t(node.bwd_weight_flops * loc.flop_frac, x_b + y_b + w_b) if node.params else 0.0
+    return OpTime(fwd, bwd_data, bwd_weight)
+
+
+def _lookup(cal: Calibration, node: Node, loc: LocalShapes) -> tuple[OpRecord, float] | None:
+    """Exact local-shape match, else the same op and per-sample shapes at another batch size
+    (time scaled linearly in the batch)."""
+    rec = cal.ops.get(loc.key(node.op))
+    if rec is not None:
+        return rec, 1.0
+    if not loc.x or not loc.y:
+        return None
+    for other in cal.ops.values():
+        if other.op != node.op:
+            continue
+        parts = dict(p.split("=", 1) for p in other.key.split("|")[1:])
+        ox, oy = parts["x"].split("x"), parts["y"].split("x")
+        same_w = parts["w"] == ("x".join(map(str, loc.w)) if loc.w else "-")
+        if same_w and ox[1:] == [str(v) for v in loc.x[1:]] and oy[1:] == [str(v) for v in loc.y[1:]]:
+            return other, loc.x[0] / int(ox[0])
+    return None
+
+
+def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sample_frac: float = 1.0,
+            channel_frac: float = 1.0, filter_frac: float = 1.0,
+            calibration: Calibration | str | os.PathLike | None = None) -> OpTime:
+    """Forward / backward-data / backward-weight seconds of `node` on one device at its local shape.
+
+    A measured time from the calibration table is used when the table was measured on this device
+    (`calibration` None: the default calibration file, for CPU devices); measured times are
+    single-threaded per rank, so they stretch by `device.time_share` when ranks share cores."""
+    dev = device.device if isinstance(device, Cluster) else device
+    cal = calibration if isinstance(calibration, Calibration) else None
+    if cal is None and (calibration is not None or dev.kind == "cpu"):
+        cal = load_calibration(calibration)
+    if cal is not None and cal.device_name == dev.name and dtype == "fp32" and node.op not in _FREE:
+        loc = local_shapes(node, sample_frac, channel_frac, filter_frac)
+        hit = _lookup(cal, node, loc)
+        if hit is not None:
+            rec, scale = hit
+            k = scale * dev.time_share
+            bw = rec.bwd_weight.median_s * k if rec.bwd_weight is not None else 0.0
+            return OpTime(rec.fwd.median_s * k, rec.bwd_data.median_s * k, bw,
+                          "measured" if scale == 1.0 else "measured-scaled")
+    return roofline_time(node, dev, dtype=dtype, sample_frac=sample_frac, channel_frac=channel_frac,
+                         filter_frac=filter_frac)

@@ -1,0 +1,148 @@
+"""The calibration file `hybridpar profile` writes and `cluster`/`cost` read.
+
+Kept free of torch so that loading a cluster stays fast. JSON, validated by pydantic, written
+atomically (temporary file + rename) so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hybridpar.errors import UserError
+
+CALIBRATION_VERSION = 1
+ENV_VAR = "HYBRIDPAR_CALIBRATION"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Measurement(_Model):
+    """Summary of repeated timings of one thing (after warm-up)."""
+
+    median_s: float = Field(ge=0)
+    p10_s: float = Field(ge=0)
+    p90_s: float = Field(ge=0)
+    repeats: int = Field(ge=1)
+
+    @property
+    def rel_spread(self) -> float:
+        """(p90 - p10) / median: the noise of this measurement."""
+        return (self.p90_s - self.p10_s) / self.median_s if self.median_s > 0 else 0.0
+
+
+class GlooFit(_Model):
+    """Least-squares fit T(n) = intercept + slope * n of gloo allreduce at one world size, and the
+    ring-model alpha/beta it implies: T = 2(p-1) alpha + 2(p-1)/p n beta (reduction folded into beta)."""
+
+    world_size: int = Field(ge=2)
+    intercept_s: float = Field(ge=0)
+    slope_s_per_byte: float = Field(ge=0)
+    alpha_s: float = Field(ge=0)
+    beta_s_per_byte: float = Field(ge=0)
+    sizes_bytes: list[int]
+    times: list[Measurement]
+    max_rel_residual: float = Field(ge=0)  # worst |fit - median| / median over the sizes
+
+    def predict_s(self, bytes_: float) -> float:
+        return self.intercept_s + self.slope_s_per_byte * bytes_
+
+
+class OpRecord(_Model):
+    """Measured times of one op at one local shape (see `op_key`)."""
+
+    key: str
+    op: str
+    fwd: Measurement
+    bwd_data: Measurement
+    bwd_weight: Measurement | None = None
+
+
+class Calibration(_Model):
+    version: int = CALIBRATION_VERSION
+    device_name: str = "localhost-cpu"
+    created: str = ""
+    hostname: str = ""
+    cpu_count: int = Field(ge=1)
+    torch_version: str = ""
+    threads_per_rank: int = 1
+    peak_flops_fp32: float = Field(gt=0)  # measured single-thread matmul FLOP/s
+    matmul: Measurement | None = None
+    mem_bw_Bps: float = Field(gt=0)  # measured copy bandwidth (read + write bytes / time)
+    gloo: dict[int, GlooFit] = {}
+    ops: dict[str, OpRecord] = {}
+
+    def gloo_fit(self, world_size: int) -> GlooFit | None:
+        """The fit at `world_size`, else the measured world size nearest to it."""
+        if not self.gloo:
+            return None
+        if world_size in self.gloo:
+            return self.gloo[world_size]
+        return self.gloo[min(self.gloo, key=lambda p: (abs(p - world_size), p))]
+
+
+def op_key(op: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...] | None,
+           y_shape: tuple[int, ...]) -> str:
+    """Profile-table key of an op at a local shape: op kind, input, weight and output shapes."""
+    w = "x".join(map(str, w_shape)) if w_shape else "-"
+    return f"{op}|x={'x'.join(map(str, x_shape))}|w={w}|y={'x'.join(map(str, y_shape))}"
+
+
+def default_calibration_path() -> Path:
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/hybridpar/calibration.json").expanduser()
+
+
+_CACHE: dict[tuple[str, float], Calibration] = {}
+
+
+def load_calibration(path: str | os.PathLike | None = None, *, required: bool = False) -> Calibration | None:
+    """Read a calibration file (default path when None). Missing -> None (or UserError if required);
+    malformed -> UserError naming the field."""
+    p = Path(path).expanduser() if path is not None else default_calibration_path()
+    try:
+        mtime = p.stat().st_mtime
+    except OSError:
+        if required:
+            raise UserError(f"calibration file {str(p)!r} not found (run `hybridpar profile`)") from None
+        return None
+    cached = _CACHE.get((str(p), mtime))
+    if cached is not None:
+        return cached
+    try:
+        data = json.loads(p.read_text())
+        cal = Calibration.model_validate(data)
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"calibration file {str(p)!r} is unreadable: {err}") from None
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        raise UserError(f"calibration file {str(p)!r}: field {where}: {first['msg']}") from None
+    if cal.version != CALIBRATION_VERSION:
+        raise UserError(f"calibration file {str(p)!r}: version {cal.version}, expected "
+                        f"{CALIBRATION_VERSION} (run `hybridpar profile` again)")
+    _CACHE[(str(p), mtime)] = cal
+    return cal
+
+
+def save_calibration(cal: Calibration, path: str | os.PathLike | None = None) -> Path:
+    """Write atomically: a temporary file in the same folder, then rename over the target."""
+    p = Path(path).expanduser() if path is not None else default_calibration_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".json", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(cal.model_dump_json(indent=2))
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
