@@ -45,7 +45,9 @@ def test_groups_match_the_runtime_grid():
     sets = set(grid._rank_sets(2, 4, [(2, 2)]))
     for groups in (filter_groups(lay), channel_groups(lay), shard_groups(lay)):
         assert {tuple(g) for g in groups} <= sets
-    assert filter_groups(lay)[0] == [0, 1]  # consecutive: inside a node when it fits
-    assert channel_groups(lay)[0] == [0, 2]
-    assert shard_groups(lay)[0] == [0, 4]
+    assert filter_groups(lay)[0] == (0, 1)  # consecutive: inside a node when it fits
+    assert channel_groups(lay)[0] == (0, 2)
+    assert shard_groups(lay)[0] == (0, 4)
+    for groups in (filter_groups(lay), channel_groups(lay), shard_groups(lay)):
+        assert sorted(r for g in groups for r in g) == list(range(8))  # disjoint, cover the world
     assert distribution_of(lay) == Distribution(2, 4)

@@ -14,6 +14,7 @@ holding the same weight shard — the segmented-allreduce group — are c·f apa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hybridpar.plan import LayerLayout
 
@@ -50,18 +51,23 @@ def all_layouts(ranks: int) -> list[LayerLayout]:
 
 
 def layout_problem(layout: LayerLayout, batch: int, in_channels: int, out_channels: int,
-                   splittable: bool = True, even: bool = False) -> str | None:
+                   splittable: bool = True, even: bool = False, empty_ok: bool = False) -> str | None:
     """Why `layout` cannot run this layer, or None if it can. Uneven channel pieces are allowed
-    (the runtime pads nothing: pieces differ by one) unless `even`; more groups than channels never."""
+    (pieces differ by one) unless `even`; more groups than channels only if `empty_ok` (the runtime
+    runs them with empty pieces; the search prunes them as wasted ranks)."""
     s, c, f = layout.sample, layout.channel, layout.filter
     if batch % s:
         return f"batch {batch} not divisible into {s} sample groups"
     if not splittable and c * f > 1:
         return "grouped/depthwise layer: sample split only"
+    if empty_ok:
+        return None
     if c > in_channels:
         return f"more channel groups ({c}) than input channels ({in_channels})"
     if f > out_channels:
         return f"more filter groups ({f}) than filters ({out_channels})"
+    if c * f > out_channels:
+        return f"output split into more pieces ({c * f}) than its {out_channels} channels"
     if even and c > 1 and in_channels % c:
         return f"{in_channels} input channels not divisible by channel={c}"
     if even and f > 1 and out_channels % f:
@@ -79,17 +85,25 @@ def rank_of(i_s: int, i_c: int, i_f: int, layout: LayerLayout) -> int:
     return (i_s * layout.channel + i_c) * layout.filter + i_f
 
 
-def filter_groups(layout: LayerLayout) -> list[list[int]]:
-    s, c, f = layout.sample, layout.channel, layout.filter
-    return [[rank_of(i, j, k, layout) for k in range(f)] for i in range(s) for j in range(c)]
+Groups = tuple[tuple[int, ...], ...]
 
 
-def channel_groups(layout: LayerLayout) -> list[list[int]]:
-    s, c, f = layout.sample, layout.channel, layout.filter
-    return [[rank_of(i, j, k, layout) for j in range(c)] for i in range(s) for k in range(f)]
+@lru_cache(maxsize=1024)
+def filter_groups(layout: LayerLayout) -> Groups:
+    """f consecutive ranks: same sample group, same grid row."""
+    n, f = layout.size, layout.filter
+    return tuple(tuple(range(b, b + f)) for b in range(0, n, f))
 
 
-def shard_groups(layout: LayerLayout) -> list[list[int]]:
+@lru_cache(maxsize=1024)
+def channel_groups(layout: LayerLayout) -> Groups:
+    """c ranks f apart: same sample group, same grid column."""
+    c, f, g = layout.channel, layout.filter, layout.channel * layout.filter
+    return tuple(tuple(base + j + i * f for i in range(c)) for base in range(0, layout.size, g) for j in range(f))
+
+
+@lru_cache(maxsize=1024)
+def shard_groups(layout: LayerLayout) -> Groups:
     """Ranks holding the same weight shard (and the same channel slice): the segmented allreduce."""
-    s, c, f = layout.sample, layout.channel, layout.filter
-    return [[rank_of(i, j, k, layout) for i in range(s)] for j in range(c) for k in range(f)]
+    g = layout.channel * layout.filter
+    return tuple(tuple(range(k, layout.size, g)) for k in range(g))

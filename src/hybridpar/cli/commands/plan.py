@@ -1,0 +1,124 @@
+"""`hybridpar plan`: per-layer sample/channel/filter decomposition (Dryden et al. SC19)."""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+from hybridpar.cli.output import console, err_console, human_bytes, human_time, print_json, table
+from hybridpar.errors import UserError
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str | None) -> float | None:
+    """'16GiB', '16 GB', '1.5e9' -> bytes."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UserError(f"--memory-limit {text!r}: expected bytes or a size like 16GiB / 12GB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise UserError(f"--memory-limit {text!r} must be positive")
+    return value
+
+
+def _result_json(res) -> dict:
+    base = res.baseline
+    return {
+        "plan": res.plan.model_dump(),
+        "method": res.method,
+        "solve_s": res.solve_s,
+        "predicted": res.prediction.model_dump(exclude={"memory_bytes"}) | {
+            "memory_bytes_per_device": res.prediction.memory_bytes[0] if res.prediction.memory_bytes else 0},
+        "data_parallel": None if base is None else {
+            "step_time_s": base.step_time_s, "comm_s": base.comm_s, "exposed_comm_s": base.exposed_comm_s,
+            "memory_bytes_per_device": base.memory_bytes[0] if base.memory_bytes else 0},
+        "data_parallel_note": res.baseline_note,
+        "speedup_vs_dp": res.speedup_vs_dp,
+        "layers": [{"name": r.name, "module": r.module, "op": r.op, "choice": r.choice,
+                    "algorithm": r.layout.algorithm if r.layout else "join",
+                    "compute_s": r.cost.fwd_s + r.cost.bwd_s, "comm_s": r.cost.comm_fwd_s + r.cost.comm_bwd_s,
+                    "grad_sync_s": r.cost.grad_sync_s, "memory_bytes": r.cost.memory_bytes} for r in res.layers],
+        "pruned": {k: [{"layout": p.layout.to_strategy(), "reason": p.reason} for p in v]
+                   for k, v in res.pruned.items()},
+    }
+
+
+def _short(choice: str) -> str:
+    return " ".join(part.replace("sample=", "s").replace("channel=", "c").replace("filter=", "f")
+                    for part in choice.split(","))
+
+
+def _print(res, gpus: int) -> None:
+    rows = [[r.module or r.name, _short(r.choice), r.layout.algorithm if r.layout else "-",
+             human_time(r.cost.fwd_s + r.cost.bwd_s), human_time(r.cost.comm_fwd_s + r.cost.comm_bwd_s),
+             human_bytes(r.cost.memory_bytes)] for r in res.layers if r.layout is not None]
+    p = res.plan
+    console.print(table(f"{p.model} on {gpus} x {p.cluster}, batch {p.batch}: {res.method}",
+                        ["layer", "layout", "algorithm", "compute", "comm", "memory"], rows,
+                        justify_right=lambda c: c in ("compute", "comm", "memory")))
+    pr, base = res.prediction, res.baseline
+    cols = ["per step", "time", "compute", "comm", "exposed", "memory"]
+    summary = [["plan", human_time(pr.step_time_s), human_time(pr.compute_s), human_time(pr.comm_s),
+                human_time(pr.exposed_comm_s), human_bytes(pr.memory_bytes[0])]]
+    if base is not None:
+        summary.append(["data parallel", human_time(base.step_time_s), human_time(base.compute_s),
+                        human_time(base.comm_s), human_time(base.exposed_comm_s), human_bytes(base.memory_bytes[0])])
+    console.print(table("predicted", cols, summary, justify_right=lambda c: c != "per step"))
+    if base is not None:
+        console.print(f"speedup over data parallelism: [bold]{res.speedup_vs_dp:.2f}x[/bold] "
+                      f"({p.batch / pr.step_time_s:,.0f} vs {p.batch / base.step_time_s:,.0f} samples/s)")
+    else:
+        console.print(f"data parallelism: {res.baseline_note}")
+    for n in p.notes:
+        console.print(f"note: {n}")
+
+
+def register(app: click.Group) -> None:
+    @app.command("plan")
+    @click.option("--model", required=True, help="zoo name or path/to/file.py:factory")
+    @click.option("--cluster", default="localhost", show_default=True, help="preset name or cluster file")
+    @click.option("--gpus", type=int, required=True, help="devices (world size)")
+    @click.option("--batch", type=int, required=True, help="global batch per step")
+    @click.option("--memory-limit", default=None, help="bytes per device (e.g. 16GiB); default: device memory")
+    @click.option("--strategy", default=None, help="evaluate this uniform layout (e.g. sample=2,channel=2)")
+    @click.option("--dtype", default="fp32", type=click.Choice(["fp32", "fp16", "bf16", "tf32"]),
+                  show_default=True)
+    @click.option("--input-shape", default=None, help="per-sample input shape C,H,W for file models")
+    @click.option("--grad-sync", type=click.Choice(["flat", "overlap"]), default="flat", show_default=True,
+                  help="flat: one gradient allreduce after backward (hybridpar train); overlap: per layer, "
+                       "overlapping backward")
+    @click.option("--free-sample", is_flag=True,
+                  help="let each layer pick its own sample degree (redistribution between; projection only)")
+    @click.option("--out", "out", default=None, type=click.Path(dir_okay=False), help="write the Plan JSON")
+    @click.option("--json", "json_", is_flag=True, help="machine-readable output")
+    def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample, out,
+                 json_) -> None:
+        """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
+        from hybridpar.graph.models import parse_shape
+        from hybridpar.search.planner import plan_model
+
+        limit = parse_bytes(memory_limit)
+        shape = parse_shape(input_shape)
+        status = None if json_ else err_console.status("planning", spinner="dots")
+        if status is not None:
+            status.start()
+        try:
+            res = plan_model(model, cluster, gpus, batch, memory_limit=limit, strategy=strategy, dtype=dtype,
+                             input_shape=shape, grad_sync=grad_sync, free_sample=free_sample,
+                             progress=None if status is None else (lambda msg: status.update(msg)))
+        finally:
+            if status is not None:
+                status.stop()
+        if out:
+            res.plan.save(out)
+        if json_:
+            print_json(_result_json(res))
+            return
+        _print(res, gpus)
+        if out:
+            console.print(f"plan written to {out} (run it: hybridpar train --plan {out})")

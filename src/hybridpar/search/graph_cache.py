@@ -1,0 +1,73 @@
+"""On-disk cache of traced graphs, so that planning a zoo model needs neither torch nor a trace.
+
+Key: the model spec, the input shape, and a hash of the sources that decide the graph (the
+hybridpar.graph package, and the user's model file for `file.py:factory` specs). The graph is traced
+at batch 1; the planner scales it to the global batch. Location: $HYBRIDPAR_CACHE or
+~/.cache/hybridpar. A corrupt or unreadable entry is traced again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+from hybridpar.graph.types import Graph
+
+_GRAPH_PKG = Path(__file__).resolve().parent.parent / "graph"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HYBRIDPAR_CACHE") or Path.home() / ".cache" / "hybridpar") / "graphs"
+
+
+def _sources_hash(spec: str) -> str:
+    h = hashlib.sha256()
+    files = sorted(_GRAPH_PKG.rglob("*.py"))
+    path = spec.rpartition(":")[0] if ":" in spec else (spec if spec.endswith(".py") else "")
+    if path:
+        files.append(Path(path).resolve())
+    for f in files:
+        try:
+            h.update(str(f).encode())
+            h.update(f.read_bytes())
+        except OSError:
+            h.update(b"missing")
+    return h.hexdigest()[:16]
+
+
+def _key(spec: str, input_shape: tuple[int, ...] | None) -> str:
+    raw = f"{spec}|{input_shape}|{_sources_hash(spec)}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def traced_graph(spec: str, input_shape: tuple[int, ...] | None) -> tuple[Graph, tuple[int, ...] | None]:
+    """(graph at batch 1, per-sample input shape) from the cache, tracing on a miss."""
+    path = cache_dir() / f"{_key(spec, input_shape)}.pkl"
+    try:
+        with open(path, "rb") as f:
+            graph, shape = pickle.load(f)
+        if isinstance(graph, Graph):
+            return graph, shape
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
+        pass
+    from hybridpar.graph.models import load_model
+    from hybridpar.graph.trace import trace
+
+    loaded = load_model(spec, batch=1, input_shape=input_shape)
+    graph = trace(loaded.module, loaded.example_inputs, name=loaded.name)
+    _store(path, (graph, loaded.input_shape))
+    return graph, loaded.input_shape
+
+
+def _store(path: Path, obj: object) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-trace next time

@@ -1,0 +1,260 @@
+"""Time, communication and memory of one layer under one decomposition (Dryden et al. SC19, §IV).
+
+A *layer* is a weight layer (conv2d or linear) or a join (add, concat), together with the nodes that
+follow it up to the next layer (batch norm, ReLU, pooling, flatten...) which run on its output's
+distribution. Its cost under a layout is:
+
+- local compute of the local shapes (forward, backward-data, backward-weight) from
+  `hybridpar.cost.compute.op_time` with the sample/channel/filter fractions;
+- the algorithm's collectives on the real groups of the topology (`layout_collectives`): stationary-x
+  reduce-scatters the partial outputs in the channel group (forward) and allgathers dy there (backward);
+  stationary-y allgathers x in the filter group (forward) and reduce-scatters dx there (backward);
+  batch norm allreduces its statistics across the sample group (global-batch statistics);
+- the weight-gradient allreduce among the ranks holding the same shard: all c·f groups at once
+  (`concurrent_allreduce_time`, the segmented allreduce, links shared);
+- memory per device: weights, gradients and momentum of the local shard, the activations kept for
+  backward (the gathered input too under stationary-y).
+
+All groups of a collective (every channel group of a layer, every weight-shard group) run at once
+and share links (`concurrent_collective_time`, `concurrent_allreduce_time`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import ceil, prod
+
+from hybridpar.graph.types import DTYPE_BYTES, Node
+from hybridpar.plan import LayerLayout
+from hybridpar.search.decomposition import (
+    Distribution,
+    channel_groups,
+    filter_groups,
+    shard_groups,
+)
+
+WEIGHT_OPS = ("conv2d", "linear")
+JOIN_OPS = ("add", "mul", "concat")
+# Bytes of optimizer state per parameter byte beyond weight + gradient (SGD momentum: one buffer).
+OPTIMIZER_STATE_COPIES = 1
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One collective a layer issues per step: kind, phase, group and the full buffer of one rank."""
+
+    kind: str  # "allgather" | "reduce_scatter" | "allreduce" | "alltoall"
+    phase: str  # "fwd" | "bwd" | "grad" (weight-gradient sync, may overlap backward)
+    bytes_: int
+    groups: tuple[tuple[int, ...], ...] = field(compare=False, hash=False, repr=False)
+    group_kind: str = ""  # names the group structure with `layout`, a cheap cache key
+    layout: LayerLayout | None = None
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0])
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    fwd_s: float
+    bwd_s: float
+    comm_fwd_s: float
+    comm_bwd_s: float
+    grad_sync_s: float  # this layer's weight-gradient allreduce alone (the optimiser's additive cost)
+    memory_bytes: float
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+    grad_bytes: int = 0  # local gradient bytes (weights and its batch norms) to allreduce
+    grad_key: LayerLayout | None = None  # (sample, channel=c·f): names the shard groups they go to
+
+    @property
+    def total_s(self) -> float:
+        """Everything serialised (the optimiser's conservative additive cost)."""
+        return self.fwd_s + self.bwd_s + self.comm_fwd_s + self.comm_bwd_s + self.grad_sync_s
+
+
+class CostContext:
+    """The cluster, dtype and global batch the costs are for, with memoised collective times."""
+
+    def __init__(self, cluster, batch: int, ranks: int, dtype: str = "fp32", calibration=None):
+        from hybridpar.cost import collectives
+
+        self.cluster = cluster
+        self.batch = batch
+        self.ranks = ranks
+        self.dtype = dtype
+        self.calibration = calibration
+        self.elem = DTYPE_BYTES[dtype]
+        self._coll = collectives
+        self._memo: dict[tuple, float] = {}
+
+    def _time(self, kind: str, bytes_: int, key, groups) -> float:
+        k = (kind, bytes_, key)
+        if k not in self._memo:
+            self._memo[k] = self._time_uncached(kind, bytes_, key, groups)
+        return self._memo[k]
+
+    def op(self, node: Node, s: int, channel_frac: float, filter_frac: float = 1.0):
+        from hybridpar.cost.compute import op_time
+
+        return op_time(node, self.cluster.device, dtype=self.dtype, sample_frac=1.0 / s,
+                       channel_frac=channel_frac, filter_frac=filter_frac, calibration=self.calibration)
+
+    def comm_time(self, op: CommOp) -> float:
+        key = (op.group_kind, op.layout) if op.group_kind else op.groups
+        return self._time(op.kind, op.bytes_, key, op.groups)
+
+    def _time_uncached(self, kind: str, bytes_: int, key, groups: tuple[tuple[int, ...], ...]) -> float:
+        if bytes_ <= 0 or len(groups[0]) <= 1:
+            return 0.0
+        cl, co = self.cluster, self._coll
+        if kind == "allreduce":
+            return self._segmented_allreduce(bytes_, groups)
+        if kind == "alltoall":
+            return co.alltoall_time(bytes_, groups[0], cl)
+        return co.concurrent_collective_time(kind, bytes_, groups, cl)
+
+    def _segmented_allreduce(self, bytes_: int, groups) -> float:
+        """Concurrent allreduces. The cost model offers the tree algorithm for one group only, yet
+        small (latency-bound) allreduces in many groups at once run as trees too (NCCL picks per
+        communicator); so the best single-group time, stretched by the link contention the ring
+        algorithm sees among these groups, is taken when it beats the concurrent ring/hierarchical.
+        (Approximation: contention of concurrent trees = that of concurrent rings.)"""
+        cl, co = self.cluster, self._coll
+        shared = co.concurrent_allreduce_time(bytes_, groups, cl)
+        if len(groups) == 1:
+            return shared
+        ring_many = co.concurrent_allreduce_time(bytes_, groups, cl, algo="ring")
+        ring_one = co.allreduce_time(bytes_, groups[0], cl, algo="ring")
+        alone = co.allreduce_time(bytes_, groups[0], cl)
+        return min(shared, alone * max(1.0, ring_many / ring_one if ring_one > 0 else 1.0))
+
+
+def _per_sample(shape: Sequence[int]) -> int:
+    return prod(shape[1:]) if len(shape) > 1 else 1
+
+
+def piece_frac(n: int, p: int) -> float:
+    """Fraction of n channels in the largest of p pieces (uneven pieces differ by one)."""
+    return ceil(n / p) / n if n > 0 else 1.0
+
+
+def local_numel(shape: Sequence[int], batch: int, dist: Distribution) -> int:
+    """Elements of a boundary tensor on the rank with the largest piece."""
+    if len(shape) < 2:
+        return batch // dist.sample
+    spatial = prod(shape[2:]) if len(shape) > 2 else 1
+    return batch // dist.sample * ceil(shape[1] / dist.channel) * spatial
+
+
+def channels_of(shape: Sequence[int]) -> int:
+    return int(shape[1]) if len(shape) > 1 else 1
+
+
+def layout_collectives(node: Node, followers: Sequence[Node], layout: LayerLayout,
+                       ctx: CostContext) -> list[CommOp]:
+    """The collectives a weight layer (and its batch norms) issue per step under `layout`, as the
+    runtime issues them (hybridpar.runtime.conv / norm)."""
+    s, c, f = layout.sample, layout.channel, layout.filter
+    e, b = ctx.elem, ctx.batch
+    dist = Distribution(s, c * f)
+    x_local = local_numel(node.in_shapes[0], b, dist)
+    y_local = local_numel(node.out_shape, b, dist)
+    ops: list[CommOp] = []
+    if c > 1:  # partial outputs of this rank's filter rows, reduce-scattered; dy gathered back
+        groups = channel_groups(layout)
+        ops.append(CommOp("reduce_scatter", "fwd", y_local * c * e, groups, "channel", layout))
+        ops.append(CommOp("allgather", "bwd", y_local * c * e, groups, "channel", layout))
+    if f > 1:  # input channels gathered over the filter group; dx reduce-scattered back
+        groups = filter_groups(layout)
+        ops.append(CommOp("allgather", "fwd", x_local * f * e, groups, "filter", layout))
+        ops.append(CommOp("reduce_scatter", "bwd", x_local * f * e, groups, "filter", layout))
+    if s > 1:
+        shard = shard_groups(layout)
+        key = LayerLayout(sample=s, channel=c * f)  # shard groups depend on s and c·f only
+        if node.params:
+            ops.append(CommOp("allreduce", "grad", ceil(node.params / (c * f)) * e, shard, "shard", key))
+        for bn in followers:
+            if bn.op == "batchnorm":  # global-batch statistics: sum, centred sum of squares; 2 sums back
+                ch = ceil(channels_of(bn.out_shape) / (c * f))
+                ops.append(CommOp("allreduce", "fwd", ch * e, shard, "shard", key))
+                ops.append(CommOp("allreduce", "fwd", ch * e, shard, "shard", key))
+                ops.append(CommOp("allreduce", "bwd", 2 * ch * e, shard, "shard", key))
+                if bn.params:
+                    ops.append(CommOp("allreduce", "grad", ceil(bn.params / (c * f)) * e, shard, "shard", key))
+    return ops
+
+
+def _follower_time(followers: Sequence[Node], dist: Distribution, ctx: CostContext) -> tuple[float, float]:
+    fwd = bwd = 0.0
+    for n in followers:
+        t = ctx.op(n, dist.sample, piece_frac(channels_of(n.out_shape), dist.channel))
+        fwd += t.fwd_s
+        bwd += t.bwd_s
+    return fwd, bwd
+
+
+def _kept_bytes(nodes: Sequence[Node], dist: Distribution, ctx: CostContext) -> float:
+    return sum(local_numel(n.out_shape, ctx.batch, dist) * ctx.elem for n in nodes if n.out_shape)
+
+
+def _summarise(ops: Sequence[CommOp], ctx: CostContext) -> tuple[float, float, float, dict[str, int]]:
+    t = {"fwd": 0.0, "bwd": 0.0, "grad": 0.0}
+    nbytes: dict[str, int] = {}
+    for op in ops:
+        if op.phase == "grad":  # one allreduce of the layer's weight and norm gradients together
+            continue
+        t[op.phase] += ctx.comm_time(op)
+        nbytes[op.kind] = nbytes.get(op.kind, 0) + op.bytes_
+    grad = [op for op in ops if op.phase == "grad"]
+    if grad:
+        t["grad"] = ctx.comm_time(grad_allreduce(sum(op.bytes_ for op in grad), grad[0].layout))
+    return t["fwd"], t["bwd"], t["grad"], nbytes
+
+
+def grad_allreduce(bytes_: int, key: LayerLayout) -> CommOp:
+    """The segmented allreduce of `bytes_` of gradients among ranks holding the same shards."""
+    return CommOp("allreduce", "grad", bytes_, shard_groups(key), "shard", key)
+
+
+def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout, ctx: CostContext) -> LayerCost:
+    s, c, f = layout.sample, layout.channel, layout.filter
+    dist = Distribution(s, c * f)
+    t = ctx.op(node, s, 1.0 / c, 1.0 / f)  # op_time cuts C and F to ceil(dim / pieces) itself
+    ffwd, fbwd = _follower_time(followers, dist, ctx)
+    ops = layout_collectives(node, followers, layout, ctx)
+    cf, cb, grad, nbytes = _summarise(ops, ctx)
+    weights = (node.params + sum(n.params for n in followers)) / (c * f) * ctx.elem
+    kept = _kept_bytes([node, *followers], dist, ctx)
+    if f > 1:  # stationary-y keeps the input gathered over the filter group for dw
+        kept += local_numel(node.in_shapes[0], ctx.batch, dist) * f * ctx.elem
+    memory = weights * (2 + OPTIMIZER_STATE_COPIES) + kept
+    grad_bytes = sum(op.bytes_ for op in ops if op.phase == "grad")
+    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, memory, nbytes, grad_bytes,
+                     LayerLayout(sample=s, channel=c * f))
+
+
+def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerCost:
+    t = ctx.op(node, dist.sample, piece_frac(channels_of(node.out_shape), dist.channel))
+    ffwd, fbwd = _follower_time(followers, dist, ctx)
+    kept = _kept_bytes([node, *followers], dist, ctx)
+    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, kept, {})
+
+
+def redistribution(tensor_numel: int, src: Distribution, dst: Distribution, ctx: CostContext) -> CommOp | None:
+    """The all-to-all that moves a boundary tensor between distributions (None when they agree).
+
+    Each rank holds numel/G of the tensor before and after; the two layouts' rank sets interleave, so
+    the exchange is one all-to-all over all G ranks (only in the planner's free space: the runtime's
+    layouts share one distribution and never redistribute)."""
+    if src == dst:
+        return None
+    per_rank = tensor_numel // ctx.ranks * ctx.elem
+    return CommOp("alltoall", "fwd", per_rank, (tuple(range(ctx.ranks)),), "world", LayerLayout(sample=ctx.ranks))
+
+
+def redistribution_time(tensor_numel: int, src: Distribution, dst: Distribution, ctx: CostContext) -> float:
+    """Forward redistribution of the activation and backward of its gradient (same volume)."""
+    op = redistribution(tensor_numel, src, dst, ctx)
+    return 0.0 if op is None else 2 * ctx.comm_time(op)

@@ -1,0 +1,416 @@
+"""Per-layer decomposition planner (Dryden et al. SC19, planning half): choose sample/channel/filter
+splits per layer to minimise the predicted step time under per-device memory.
+
+Pipeline: graph -> layer graph (weight layers and joins) -> options per layer with their costs
+(`layer_cost`) -> choice problem with redistribution costs on edges -> exact optimiser (DP on
+series-parallel graphs, ILP otherwise or when memory binds) -> step-time prediction with the
+gradient allreduce overlapping backward as the runtime does it -> `hybridpar.plan.Plan`.
+
+The optimiser adds costs; overlap is not additive. So the optimiser runs with the gradient
+allreduce weighted 1, ½ and 0, the uniform layouts are added as candidates, and the one whose
+*simulated* step time is lowest wins — never worse than pure data parallelism when that fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from hybridpar.errors import InfeasibleError, UserError
+from hybridpar.plan import LayerLayout, Plan, Prediction, parse_strategy
+from hybridpar.search.decomposition import (
+    Distribution,
+    Pruned,
+    all_layouts,
+    distribution_of,
+    distributions,
+    filter_groups,
+    layout_problem,
+    shard_groups,
+)
+from hybridpar.search.layer_cost import (
+    CommOp,
+    CostContext,
+    LayerCost,
+    channels_of,
+    grad_allreduce,
+    join_cost,
+    redistribution_time,
+    weight_layer_cost,
+)
+from hybridpar.search.layer_graph import LayerGraph, Vertex, build_layer_graph
+from hybridpar.search.layout_ilp import solve
+from hybridpar.search.sp_dp import INF, ChoiceProblem
+
+GRAD_WEIGHTS = (1.0, 0.5, 0.0)
+
+
+@dataclass(frozen=True)
+class VertexOptions:
+    vertex: Vertex
+    options: tuple[LayerLayout | Distribution, ...]
+    costs: tuple[LayerCost, ...]
+    pruned: tuple[Pruned, ...]
+
+    def dist(self, k: int) -> Distribution:
+        o = self.options[k]
+        return o if isinstance(o, Distribution) else distribution_of(o)
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    name: str
+    module: str | None
+    op: str
+    choice: str
+    layout: LayerLayout | None
+    cost: LayerCost
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: Plan
+    layers: tuple[LayerChoice, ...]
+    prediction: Prediction
+    baseline: Prediction | None  # pure data parallelism (None when it does not fit)
+    baseline_note: str
+    method: str
+    pruned: dict[str, tuple[Pruned, ...]]
+    solve_s: float
+
+    @property
+    def speedup_vs_dp(self) -> float | None:
+        if self.baseline is None or self.prediction.step_time_s <= 0:
+            return None
+        return self.baseline.step_time_s / self.prediction.step_time_s
+
+
+# -- graph -------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=16)
+def _traced(model: str, input_shape: tuple[int, ...] | None):
+    """Graph traced once per model at batch 1 (costs scale the batch; tracing is the slow part)."""
+    from hybridpar.search.graph_cache import traced_graph
+
+    return traced_graph(model, input_shape)
+
+
+def _scaled(graph, batch: int):
+    """Node FLOPs and shapes for the global batch (all layer costs are linear in the batch)."""
+    import dataclasses
+
+    b0 = graph.batch or 1
+    k = batch / b0
+
+    def shape(s: tuple[int, ...]) -> tuple[int, ...]:
+        return (batch, *s[1:]) if s and s[0] == b0 else s
+
+    nodes = tuple(dataclasses.replace(
+        n, in_shapes=tuple(shape(s) for s in n.in_shapes), out_shape=shape(n.out_shape),
+        fwd_flops=int(n.fwd_flops * k), bwd_data_flops=int(n.bwd_data_flops * k),
+        bwd_weight_flops=int(n.bwd_weight_flops * k)) for n in graph.nodes)
+    return dataclasses.replace(graph, nodes=nodes, batch=batch)
+
+
+# -- options -----------------------------------------------------------------------------------
+
+def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout], capacity: float,
+                    even_only: bool, empty_ok: bool = False) -> VertexOptions:
+    node = v.node
+    cin, cout = channels_of(node.in_shapes[0]), channels_of(node.out_shape)
+    groups = int(node.attr("groups", 1) or 1)
+    opts, costs, pruned = [], [], []
+    for lay in layouts:
+        reason = layout_problem(lay, ctx.batch, cin, cout, splittable=groups == 1, even=even_only,
+                               empty_ok=empty_ok)
+        if reason is None:
+            cost = weight_layer_cost(node, v.followers, lay, ctx)
+            if cost.memory_bytes > capacity:
+                reason = f"needs {cost.memory_bytes / 2**30:.2f} GiB per device for this layer alone"
+            else:
+                opts.append(lay)
+                costs.append(cost)
+                continue
+        pruned.append(Pruned(lay, reason))
+    return VertexOptions(v, tuple(opts), tuple(costs), tuple(pruned))
+
+
+def _join_options(v: Vertex, ctx: CostContext, dists: Sequence[Distribution]) -> VertexOptions:
+    return VertexOptions(v, tuple(dists), tuple(join_cost(v.node, v.followers, d, ctx) for d in dists), ())
+
+
+def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequence[LayerLayout],
+             even_only: bool, empty_ok: bool = False) -> list[VertexOptions]:
+    """Options of every vertex; joins take the distributions the weight layers' layouts produce."""
+    dists = sorted({distribution_of(lay) for lay in layouts})
+    out = []
+    for v in lg.vertices:
+        if v.is_weight:
+            vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok)
+            if not vo.options:
+                why = "; ".join(f"{p.layout.to_strategy()}: {p.reason}" for p in vo.pruned[:3])
+                raise InfeasibleError(f"layer {v.node.module or v.name} has no feasible decomposition ({why})")
+        else:
+            ch = channels_of(v.node.out_shape)
+            ok = [d for d in dists if d in distributions(ctx.ranks, ctx.batch, ch)] if even_only else dists
+            vo = _join_options(v, ctx, ok or dists)
+        out.append(vo)
+    return out
+
+
+def runtime_layouts(ranks: int, batch: int) -> dict[int, list[LayerLayout]]:
+    """The runtime's space: one sample degree S for the whole model (its S x G process grid), each
+    layer choosing channel x filter = G = ranks / S. Keyed by S."""
+    out: dict[int, list[LayerLayout]] = {}
+    for lay in all_layouts(ranks):
+        if batch % lay.sample == 0:
+            out.setdefault(lay.sample, []).append(lay)
+    return out
+
+
+# -- problem and prediction --------------------------------------------------------------------
+
+def _problem(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext, grad_weight: float) -> ChoiceProblem:
+    node_cost = tuple(np.array([c.fwd_s + c.bwd_s + c.comm_fwd_s + c.comm_bwd_s + grad_weight * c.grad_sync_s
+                                for c in vo.costs]) for vo in opts)
+    node_mem = tuple(np.array([c.memory_bytes for c in vo.costs]) for vo in opts)
+    edge_cost = []
+    for e in lg.edges:
+        su, sv = opts[e.src], opts[e.dst]
+        numel = e.per_sample_numel * ctx.batch
+        cache: dict[tuple[Distribution, Distribution], float] = {}
+        m = np.empty((len(su.options), len(sv.options)))
+        for i in range(len(su.options)):
+            for j in range(len(sv.options)):
+                key = (su.dist(i), sv.dist(j))
+                if key not in cache:
+                    cache[key] = redistribution_time(numel, *key, ctx)
+                m[i, j] = cache[key]
+        edge_cost.append(m)
+    names = tuple(vo.vertex.name for vo in opts)
+    return ChoiceProblem(names, node_cost, node_mem, tuple((e.src, e.dst) for e in lg.edges), tuple(edge_cost))
+
+
+def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext) -> list[CommOp]:
+    """Per-step collectives outside the layers (hybridpar.runtime.engine): the channel-split output
+    gathered over the sample group (when G > 1) and the loss allreduced over the replica group."""
+    last = opts[-1].dist(choice[-1])
+    out_node = opts[-1].vertex.out_node
+    grid = LayerLayout(sample=last.sample, channel=1, filter=last.channel)
+    ops = []
+    if last.channel > 1:
+        per_sample = out_node.out_numel // max(out_node.out_shape[0], 1) if out_node.out_shape else 1
+        gathered = ctx.batch // last.sample * per_sample * ctx.elem
+        ops.append(CommOp("allgather", "fwd", gathered, filter_groups(grid), "filter", grid))
+    if last.sample > 1:
+        key = LayerLayout(sample=last.sample, channel=last.channel)
+        ops.append(CommOp("allreduce", "fwd", ctx.elem, shard_groups(key), "shard", key))
+    return ops
+
+
+def predict(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
+            grad_sync: str = "flat") -> Prediction:
+    """Step time: forward in order, backward in reverse, then the weight-gradient allreduce.
+
+    grad_sync="flat": as hybridpar.runtime.engine does it, one flat allreduce of all local gradients
+    per shard group after backward (no overlap). "overlap": each layer's allreduce is queued on one
+    communication stream as soon as its backward is done (LBANN/Horovod style)."""
+    costs = [vo.costs[k] for vo, k in zip(opts, choice)]
+    redist = [0.0] * len(opts)  # per destination vertex, forward + backward
+    for e in lg.edges:
+        redist[e.dst] += redistribution_time(e.per_sample_numel * ctx.batch, opts[e.src].dist(choice[e.src]),
+                                             opts[e.dst].dist(choice[e.dst]), ctx)
+    extras = _step_extras(opts, choice, ctx)
+    extra_s = sum(ctx.comm_time(op) for op in extras)
+    t = sum(c.fwd_s + c.comm_fwd_s for c in costs) + sum(r / 2 for r in redist) + extra_s
+    comm_free = 0.0
+    for c, r in zip(reversed(costs), reversed(redist)):
+        t += c.bwd_s + c.comm_bwd_s + r / 2
+        if grad_sync == "overlap" and c.grad_sync_s:
+            comm_free = max(comm_free, t) + c.grad_sync_s
+    by_key: dict[LayerLayout, int] = {}
+    for c in costs:
+        if c.grad_bytes and c.grad_key is not None:
+            by_key[c.grad_key] = by_key.get(c.grad_key, 0) + c.grad_bytes
+    if grad_sync == "overlap":
+        grad = sum(c.grad_sync_s for c in costs)
+        step = max(t, comm_free)
+    else:
+        grad = sum(ctx.comm_time(grad_allreduce(b, key)) for key, b in by_key.items())
+        step = t + grad
+    compute = sum(c.fwd_s + c.bwd_s for c in costs)
+    comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs) + sum(redist) + grad + extra_s
+    nbytes: dict[str, int] = {}
+    for op in [*extras, *(grad_allreduce(b, k) for k, b in by_key.items())]:
+        nbytes[op.kind] = nbytes.get(op.kind, 0) + op.bytes_
+    for c in costs:
+        for k, b in c.comm_bytes.items():
+            nbytes[k] = nbytes.get(k, 0) + b
+    mem = int(sum(c.memory_bytes for c in costs))
+    per_layer = {}
+    for vo, k, c, r in zip(opts, choice, costs, redist):
+        key = vo.vertex.node.module or vo.vertex.name
+        per_layer[key] = {"fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.comm_fwd_s + c.comm_bwd_s + r,
+                          "grad_sync_s": c.grad_sync_s, "memory_bytes": c.memory_bytes}
+    return Prediction(step_time_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=max(0.0, step - compute),
+                      memory_bytes=[mem] * ctx.ranks, comm_bytes=nbytes, per_layer=per_layer)
+
+
+# -- public API --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Setup:
+    lg: LayerGraph
+    ctx: CostContext
+    capacity: float
+    input_shape: tuple[int, ...] | None
+    cluster_name: str
+
+
+def _setup(model: str, cluster: str, gpus: int, batch: int, memory_limit: float | None,
+           dtype: str, input_shape: tuple[int, ...] | None, calibration) -> _Setup:
+    from hybridpar.cluster import load_cluster
+
+    if gpus < 1:
+        raise UserError(f"--gpus must be >= 1, got {gpus}")
+    if batch < 1:
+        raise UserError(f"--batch must be >= 1, got {batch}")
+    cl = load_cluster(cluster, gpus=gpus)
+    if cl.num_devices < gpus:
+        raise UserError(f"cluster {cluster!r} has {cl.num_devices} devices, fewer than --gpus {gpus}")
+    graph, shape = _traced(model, tuple(input_shape) if input_shape else None)
+    lg = build_layer_graph(_scaled(graph, batch))
+    if not any(v.is_weight for v in lg.vertices):
+        raise UserError(f"model {model!r} has no conv2d or linear layer to decompose")
+    capacity = float(memory_limit) if memory_limit is not None else float(cl.device.memory_bytes)
+    return _Setup(lg, CostContext(cl, batch, gpus, dtype, calibration), capacity, shape, cl.name)
+
+
+def _to_plan(model: str, s: _Setup, opts: list[VertexOptions], choice: Sequence[int], pred: Prediction,
+             strategy: str | None, notes: list[str]) -> tuple[Plan, tuple[LayerChoice, ...]]:
+    layers: dict[str, LayerLayout] = {}
+    rows = []
+    for vo, k in zip(opts, choice):
+        o = vo.options[k]
+        lay = o if isinstance(o, LayerLayout) else None
+        if lay is not None and vo.vertex.node.module:
+            layers[vo.vertex.node.module] = lay
+        text = lay.to_strategy() if lay else f"sample={o.sample},channel={o.channel}"
+        rows.append(LayerChoice(vo.vertex.name, vo.vertex.node.module, vo.vertex.node.op, text, lay, vo.costs[k]))
+    counts: dict[LayerLayout, int] = {}
+    for lay in layers.values():
+        counts[lay] = counts.get(lay, 0) + 1
+    default = max(counts, key=counts.get) if counts else LayerLayout(sample=s.ctx.ranks)
+    plan = Plan(model=model, input_shape=list(s.input_shape) if s.input_shape else None, cluster=s.cluster_name,
+                world_size=s.ctx.ranks, batch=s.ctx.batch, dp=s.ctx.ranks, mp=1, default_layout=default,
+                layers=layers, strategy=strategy, predicted=pred, notes=notes)
+    return plan, tuple(rows)
+
+
+def _evaluate_uniform(s: _Setup, lay: LayerLayout, grad_sync: str):
+    opts = _options(s.lg, s.ctx, INF, [lay], even_only=False, empty_ok=True)
+    choice = [0] * len(opts)
+    return opts, choice, predict(s.lg, opts, choice, s.ctx, grad_sync)
+
+
+def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, grad_sync: str):
+    """Best (choice, prediction, method, options) over one option space, or None if nothing fits."""
+    opts = _options(s.lg, s.ctx, s.capacity, layouts, even_only)
+    best = None
+    for w in GRAD_WEIGHTS:
+        try:
+            sol = solve(_problem(s.lg, opts, s.ctx, w), s.capacity)
+        except ValueError:
+            continue
+        pred = predict(s.lg, opts, sol.choice, s.ctx, grad_sync)
+        if pred.memory_bytes[0] <= s.capacity and (best is None or pred.step_time_s < best[1].step_time_s):
+            best = (list(sol.choice), pred, sol.method, opts)
+    for lay in layouts:  # uniform layouts as candidates (overlap is not additive)
+        idx = []
+        for vo in opts:
+            want = lay if vo.vertex.is_weight else distribution_of(lay)
+            if want not in vo.options:
+                break
+            idx.append(vo.options.index(want))
+        else:
+            pred = predict(s.lg, opts, idx, s.ctx, grad_sync)
+            if pred.memory_bytes[0] <= s.capacity and (best is None or pred.step_time_s < best[1].step_time_s):
+                best = (idx, pred, f"uniform {lay.to_strategy()}", opts)
+    return best
+
+
+def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int = 32, *,
+               memory_limit: float | None = None, strategy: str | None = None, dtype: str = "fp32",
+               input_shape: Sequence[int] | None = None, grad_sync: str = "flat", free_sample: bool = False,
+               calibration=None, progress: Callable[[str], None] | None = None) -> PlanResult:
+    """Plan `model` on `gpus` devices of `cluster` at global batch `batch` (or evaluate `strategy`).
+
+    By default the space is the runtime's: one sample degree S for the model, each layer choosing
+    channel x filter = gpus / S (no redistribution between layers). `free_sample` lets every layer
+    choose its own sample degree too, paying an all-to-all redistribution where neighbours differ
+    (Dryden et al.'s full space; such a plan runs only if its sample degrees agree)."""
+    import time
+
+    t0 = time.perf_counter()
+    s = _setup(model, cluster, gpus, batch, memory_limit, dtype,
+               tuple(input_shape) if input_shape else None, calibration)
+    baseline, note = None, ""
+    if batch % gpus:
+        note = f"data parallelism needs the batch ({batch}) divisible by {gpus}"
+    else:
+        try:
+            _, _, baseline = _evaluate_uniform(s, LayerLayout(sample=gpus), grad_sync)
+            if baseline.memory_bytes and baseline.memory_bytes[0] > s.capacity:
+                note = (f"data parallelism needs {baseline.memory_bytes[0] / 2**30:.2f} GiB per device, "
+                        f"over the {s.capacity / 2**30:.2f} GiB limit")
+                baseline = None
+        except InfeasibleError as err:
+            note = f"data parallelism infeasible: {err}"
+    if strategy is not None:
+        strat = parse_strategy(strategy, gpus)
+        if strat.mp != 1:
+            raise UserError("plan --strategy evaluates channel/filter/sample layouts; mp>1 is `hybridpar place`")
+        reason = layout_problem(strat.layout, batch, 1 << 30, 1 << 30)
+        if reason:
+            raise UserError(f"strategy {strategy!r}: {reason}")
+        opts, choice, pred = _evaluate_uniform(s, strat.layout, grad_sync)
+        notes = [f"fixed layout {strat.layout.to_strategy()} evaluated (not searched)"]
+        if pred.memory_bytes[0] > s.capacity:
+            notes.append(f"over the memory limit: {pred.memory_bytes[0] / 2**30:.2f} GiB per device")
+        plan, rows = _to_plan(model, s, opts, choice, pred, strat.layout.to_strategy(), notes)
+        return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0)
+
+    if free_sample:
+        spaces = {"free": [lay for lay in all_layouts(gpus) if batch % lay.sample == 0]}
+    else:
+        spaces = {f"S={k}": v for k, v in runtime_layouts(gpus, batch).items()}
+    best, reasons = None, []
+    for key, layouts in spaces.items():
+        if progress:
+            progress(f"optimising {key}")
+        try:
+            found = _search_space(s, layouts, even_only=free_sample, grad_sync=grad_sync)
+        except InfeasibleError as err:
+            reasons.append(f"{key}: {err}")
+            continue
+        if found is None:
+            reasons.append(f"{key}: over the memory limit")
+        elif best is None or found[1].step_time_s < best[1].step_time_s:
+            best = (found[0], found[1], found[2] if free_sample else f"{key}, {found[2]}", found[3])
+    if best is None:
+        raise InfeasibleError(f"no decomposition of {model} fits {s.capacity / 2**30:.2f} GiB per device "
+                              f"on {gpus} devices at batch {batch} ({'; '.join(reasons[:3])})")
+    choice, pred, method, opts = best
+    notes = [f"optimiser: {method}"] + ([note] if note else [])
+    if free_sample and len({lay.sample for lay in _chosen_layouts(opts, choice)}) > 1:
+        notes.append("layers use different sample degrees: the runtime needs one (plan for projection only)")
+    plan, rows = _to_plan(model, s, opts, choice, pred, None, notes)
+    pruned = {vo.vertex.node.module or vo.vertex.name: vo.pruned for vo in opts if vo.pruned}
+    return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0)
+
+
+def _chosen_layouts(opts: list[VertexOptions], choice: Sequence[int]) -> list[LayerLayout]:
+    return [vo.options[k] for vo, k in zip(opts, choice) if isinstance(vo.options[k], LayerLayout)]
