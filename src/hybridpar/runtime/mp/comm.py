@@ -1,40 +1,14 @@
-"""Record of every p2p transfer and collective the MP/hybrid engine issues."""
+"""The engine's communication log: hybridpar.runtime.comm_log.CommLog (kind, group size, bytes,
+tag). p2p transfers are logged by both ends ("send" and "recv", group size 2, tag
+"<phase>:dev<peer>"), so a rank's totals are its own traffic."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+from hybridpar.runtime.comm_log import CommLog
 
 
-@dataclass(frozen=True)
-class CommEvent:
-    kind: str  # "send" | "recv" | "allreduce" | ...
-    group_size: int
-    bytes_: int
-    phase: str = ""  # "fwd" | "bwd" | "grad" | "loss" | "state"
-    peer: int | None = None  # the other device of a p2p transfer (index in the MP group)
+def p2p_tag(phase: str, peer: int) -> str:
+    return f"{phase}:dev{peer}"
 
 
-@dataclass
-class MPCommLog:
-    events: list[CommEvent] = field(default_factory=list)
-
-    def record(self, kind: str, group_size: int, bytes_: int, *, phase: str = "",
-               peer: int | None = None) -> None:
-        self.events.append(CommEvent(kind, group_size, int(bytes_), phase, peer))
-
-    def totals(self) -> dict[str, int]:
-        """Bytes per kind."""
-        out: dict[str, int] = defaultdict(int)
-        for e in self.events:
-            out[e.kind] += e.bytes_
-        return dict(out)
-
-    def counts(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for e in self.events:
-            out[e.kind] += 1
-        return dict(out)
-
-    def clear(self) -> None:
-        self.events.clear()
+__all__ = ["CommLog", "p2p_tag"]

@@ -16,11 +16,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hybridpar.errors import UserError
 from hybridpar.plan import Plan
-from hybridpar.runtime.mp.comm import MPCommLog
+from hybridpar.runtime.mp.comm import CommLog
 from hybridpar.runtime.mp.executor import crossings, message_count, meta_copy, meta_values, run_forward
 from hybridpar.runtime.mp.layout import HybridLayout, dp_group
 from hybridpar.runtime.mp.p2p import Link
 from hybridpar.runtime.mp.partition import Partition, partition_module
+from hybridpar.runtime.mp.placement import resolve_placement
 from hybridpar.runtime.mp.state import gather_state
 
 
@@ -60,10 +61,11 @@ class MPEngine:
         self.micro_batches = micro_batches
         self.layout = HybridLayout(plan.dp, plan.mp, dist.get_rank())
         self.device = device or _default_device()
-        self.comm_log = MPCommLog()
+        self.comm_log = CommLog()
         ordered = dist.get_backend() != "gloo" if ordered_p2p is None else ordered_p2p
-        self.partition: Partition = partition_module(module, plan.placement, plan.mp, lazy_recv=not ordered)
-        self._meta = meta_copy(module)
+        self.placement = resolve_placement(plan)
+        self.partition: Partition = partition_module(module, self.placement, plan.mp, lazy_recv=not ordered)
+        self._meta = meta_copy(module).train()
         full = module.state_dict(keep_vars=True)
         owner = self.partition.owner_of_key
         self._schema = {k: (owner[k], t.shape, t.dtype) for k, t in full.items()}
@@ -112,9 +114,11 @@ class MPEngine:
         k = self.layout.replica
         return torch.tensor_split(x_global, self.layout.dp)[k], torch.tensor_split(y_global, self.layout.dp)[k]
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward, loss (summed cross-entropy / global target count), backward, gradient
         allreduce across replicas. Returns the global-batch mean loss on every rank."""
+        self.comm_log.mark_step()
+        self.partition.gm.train()
         count = self._global_count or y.numel() * self.layout.dp
         mbs = min(self.micro_batches, len(x))
         xs, ys = torch.tensor_split(x, mbs), torch.tensor_split(y, mbs)
@@ -136,8 +140,8 @@ class MPEngine:
         self.link.wait_all()
         self._allreduce_grads()
         dist.all_reduce(loss_local)  # only each replica's loss device contributes
-        self.comm_log.record("allreduce", dist.get_world_size(), loss_local.element_size(), phase="loss")
-        return loss_local
+        self.comm_log.record("allreduce", dist.get_world_size(), loss_local.element_size(), "loss")
+        return float(loss_local)
 
     def _allreduce_grads(self) -> None:
         if self._group is None:
@@ -147,7 +151,7 @@ class MPEngine:
             return
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self._group)
-        self.comm_log.record("allreduce", self.layout.dp, flat.numel() * flat.element_size(), phase="grad")
+        self.comm_log.record("allreduce", self.layout.dp, flat.numel() * flat.element_size(), "grad_sync")
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
 
@@ -159,3 +163,16 @@ class MPEngine:
     def param_bytes(self) -> int:
         """Bytes of parameters held by this rank."""
         return sum(p.numel() * p.element_size() for p in self._params)
+
+    def param_bytes_by_type(self) -> dict[str, int]:
+        """This rank's parameter bytes per layer type (conv, linear, lstm, embedding, norm, other)."""
+        kinds = ((nn.Conv2d, "conv"), (nn.Linear, "linear"), (nn.LSTM, "lstm"), (nn.Embedding, "embedding"),
+                 (nn.modules.batchnorm._BatchNorm, "norm"))
+        mine = {id(p) for p in self._params}
+        out: dict[str, int] = {}
+        for m in self.partition.gm.modules():
+            kind = next((k for t, k in kinds if isinstance(m, t)), "other")
+            b = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if id(p) in mine)
+            if b:
+                out[kind] = out.get(kind, 0) + b
+        return out

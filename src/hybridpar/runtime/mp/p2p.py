@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hybridpar.runtime.mp.comm import MPCommLog
+from hybridpar.runtime.mp.comm import CommLog, p2p_tag
 
 
 @dataclass
@@ -24,18 +24,18 @@ class Link:
     the comm log, and the async sends still in flight (waited at the end of the step)."""
 
     rank_of_device: Callable[[int], int]
-    log: MPCommLog
+    log: CommLog
     prepost: bool  # post gradient receives during forward (gloo: safe and overlaps)
     pending: list = field(default_factory=list)
 
     def isend(self, t: torch.Tensor, dst_dev: int, tag: int, phase: str) -> None:
         buf = t.detach().contiguous().clone()  # the caller may modify t in place later
         self.pending.append((dist.isend(buf, self.rank_of_device(dst_dev), tag=tag), buf))
-        self.log.record("send", 2, buf.numel() * buf.element_size(), phase=phase, peer=dst_dev)
+        self.log.record("send", 2, buf.numel() * buf.element_size(), p2p_tag(phase, dst_dev))
 
     def irecv(self, like: torch.Tensor, src_dev: int, tag: int, phase: str) -> _Incoming:
         buf = torch.empty_like(like, memory_format=torch.contiguous_format)
-        self.log.record("recv", 2, buf.numel() * buf.element_size(), phase=phase, peer=src_dev)
+        self.log.record("recv", 2, buf.numel() * buf.element_size(), p2p_tag(phase, src_dev))
         src = self.rank_of_device(src_dev)
         if self.prepost:
             return _Incoming(buf, dist.irecv(buf, src, tag=tag), None)

@@ -8,12 +8,12 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from hybridpar.runtime.mp.comm import MPCommLog
+from hybridpar.runtime.mp.comm import CommLog, p2p_tag
 from hybridpar.runtime.mp.layout import HybridLayout
 
 
 def gather_state(local: Mapping[str, torch.Tensor], schema: Mapping[str, tuple[int, torch.Size, torch.dtype]],
-                 layout: HybridLayout, log: MPCommLog) -> OrderedDict[str, torch.Tensor] | None:
+                 layout: HybridLayout, log: CommLog) -> OrderedDict[str, torch.Tensor] | None:
     """`schema`: key -> (owner device, shape, dtype) in the full state_dict's order; `local`: the
     entries this rank owns. Replica 0 sends its entries to rank 0 in key order (replicas hold
     identical weights); returns the full state_dict on rank 0, None elsewhere."""
@@ -28,11 +28,11 @@ def gather_state(local: Mapping[str, torch.Tensor], schema: Mapping[str, tuple[i
             else:
                 buf = torch.empty(shape, dtype=dtype, device=_comm_device(local))
                 dist.recv(buf, layout.rank_of(0, owner))
-                log.record("recv", 2, nbytes, phase="state", peer=owner)
+                log.record("recv", 2, nbytes, p2p_tag("state", owner), setup=True)
                 out[key] = buf.to("cpu")
         elif owner == layout.device:
             dist.send(local[key].detach().contiguous(), 0)
-            log.record("send", 2, nbytes, phase="state", peer=0)
+            log.record("send", 2, nbytes, p2p_tag("state", 0), setup=True)
     return out if layout.rank == 0 else None
 
 
