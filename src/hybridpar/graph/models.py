@@ -35,8 +35,11 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
 
 
 def load_model(spec: str, *, batch: int = 1, input_shape: tuple[int, ...] | None = None,
-               **overrides) -> LoadedModel:
-    """Build the module and example inputs for `spec` at `batch` samples."""
+               device: str | torch.device | None = None, **overrides) -> LoadedModel:
+    """Build the module and example inputs for `spec` at `batch` samples.
+
+    `device="meta"` builds a zoo model without allocating weights (enough for tracing and FLOPs);
+    a user's factory always builds where it chooses to."""
     if batch < 1:
         raise UserError(f"batch must be >= 1, got {batch}")
     if ":" in spec or spec.endswith(".py"):
@@ -47,9 +50,17 @@ def load_model(spec: str, *, batch: int = 1, input_shape: tuple[int, ...] | None
     if entry is None:
         raise UserError(f"unknown model {spec!r}; known: {', '.join(sorted(ZOO))} "
                         "(or path/to/file.py:factory)")
-    module = entry.build(**overrides)
     shape = tuple(input_shape) if input_shape else entry.input_shape
-    return LoadedModel(spec, module, entry.example_inputs(batch, shape), entry.kind, shape)
+    if entry.kind == "cnn" and len(shape) != 3:
+        raise UserError(f"model {spec!r} takes images: --input-shape C,H,W, got {','.join(map(str, shape))}")
+    if device is None:
+        module = entry.build(**overrides)
+        inputs = entry.example_inputs(batch, shape)
+    else:
+        with torch.device(device):
+            module = entry.build(**overrides)
+        inputs = tuple(x.to(device) for x in entry.example_inputs(batch, shape))
+    return LoadedModel(spec, module, inputs, entry.kind, shape)
 
 
 def _load_factory(spec: str, batch: int, input_shape: tuple[int, ...] | None) -> LoadedModel:

@@ -1,0 +1,157 @@
+"""FLOP rules per op kind, from shapes alone (so they work on the `meta` device).
+
+Convention: torch.utils.flop_counter.FlopCounterMode, i.e. 2 FLOPs per multiply-add, bias adds not
+counted. FlopCounterMode only counts matrix products and convolutions (mm/addmm/bmm/baddbmm,
+convolution and its backward, SDPA); our "matmul-class" ops (`MATMUL_OPS`) follow exactly those
+rules, so `matmul_flops(graph)` is comparable with it like for like.
+
+Other ops are counted too so the cost model sees them, with these documented approximations
+(n = elements of the output unless stated):
+  relu/pointwise/dropout: fwd n, bwd n.   add: fwd n, bwd 0 (gradient passes through).   mul: fwd n, bwd 2n.
+  batchnorm/layernorm: fwd 5n (mean, variance, normalise, scale, shift), bwd_data 8n, bwd_weight 2n.
+  max/avg pool: fwd n*k*k, bwd = input elements.   adaptive_avgpool: fwd = bwd = input elements.
+  softmax: fwd 5n, bwd 4n.   loss (cross-entropy on logits): fwd 6*logits, bwd 2*logits.
+  embedding, concat, flatten, reshape: 0 (memory movement only).
+LSTM: gate and projection matrix products only (the elementwise gate math, ~0.5% for hidden >= 256,
+is left out), which is what FlopCounterMode counts for nn.LSTM (its aten op decomposes into
+mm/addmm on CPU and meta); backward skips the gradient into the zero initial state, as autograd does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+from hybridpar.graph.types import Graph
+
+MATMUL_OPS = frozenset({"conv2d", "linear", "lstm", "attention"})
+
+
+@dataclass(frozen=True)
+class Flops:
+    fwd: int = 0
+    bwd_data: int = 0
+    bwd_weight: int = 0
+
+
+Shape = tuple[int, ...]
+
+
+def node_flops(op: str, in_shapes: Sequence[Shape], out_shape: Shape, attrs: Mapping[str, Any],
+               input_grads: Sequence[bool], has_weight: bool) -> Flops:
+    """FLOPs of one op. `input_grads[i]` says whether input i needs a gradient (backward-data work
+    for it); `has_weight` whether the op owns trainable parameters (backward-weight work)."""
+    rule = _RULES.get(op)
+    if rule is None:
+        return Flops()
+    return rule(in_shapes, out_shape, attrs, tuple(input_grads), has_weight)
+
+
+def _n(shape: Shape) -> int:
+    return prod(shape) if shape else 0
+
+
+def _conv2d(ins, out, a, grads, has_w) -> Flops:
+    kh, kw = a["kernel"]
+    f = 2 * _n(out) * (a["in_channels"] // a["groups"]) * kh * kw
+    return Flops(f, f if any(grads) else 0, f if has_w else 0)
+
+
+def _linear(ins, out, a, grads, has_w) -> Flops:
+    f = 2 * _n(out[:-1]) * a["in_features"] * a["out_features"]
+    return Flops(f, f if any(grads) else 0, f if has_w else 0)
+
+
+def _attention(ins, out, a, grads, has_w) -> Flops:
+    # An activation x activation product (attention scores / context): out = A @ B over K.
+    f = 2 * _n(out) * int(a["k"])
+    data = sum(f for g in grads[:2] if g)
+    return Flops(f, data, 0)
+
+
+def lstm_flops(*, batch: int, steps: int, input_size: int, hidden: int, proj: int = 0, layers: int = 1,
+               bidirectional: bool = False, input_grad: bool = True) -> Flops:
+    """Gate and projection matmuls of nn.LSTM over `steps` time steps (see module docstring)."""
+    dirs = 2 if bidirectional else 1
+    rec = proj or hidden  # width of the recurrent state fed back into the gates
+    fwd = bwd_data = bwd_weight = 0
+    for layer in range(layers):
+        in_l = input_size if layer == 0 else rec * dirs
+        x_mm = 2 * batch * steps * 4 * hidden * in_l
+        h_mm = 2 * batch * steps * 4 * hidden * rec
+        p_mm = 2 * batch * steps * hidden * proj if proj else 0
+        fwd += dirs * (x_mm + h_mm + p_mm)
+        bwd_weight += dirs * (x_mm + h_mm + p_mm)
+        # No gradient flows into the (zero) initial state, so the first step's recurrent
+        # product has no data gradient.
+        h_data = 2 * batch * (steps - 1) * 4 * hidden * rec
+        x_data = x_mm if (layer > 0 or input_grad) else 0
+        bwd_data += dirs * (x_data + h_data + p_mm)
+    return Flops(fwd, bwd_data, bwd_weight)
+
+
+def _lstm(ins, out, a, grads, has_w) -> Flops:
+    x = ins[0]
+    batch, steps = (x[0], x[1]) if a.get("batch_first", False) else (x[1], x[0])
+    if len(x) == 2:  # unbatched input (T, C)
+        batch, steps = 1, x[0]
+    return lstm_flops(batch=batch, steps=steps, input_size=a["input_size"], hidden=a["hidden"],
+                      proj=a.get("proj", 0), layers=a["layers"], bidirectional=a["bidirectional"],
+                      input_grad=bool(grads and grads[0]))
+
+
+def _per_elem(fwd: float, bwd: float):
+    def rule(ins, out, a, grads, has_w) -> Flops:
+        n = _n(out)
+        return Flops(int(fwd * n), int(bwd * n) if any(grads) else 0, 0)
+    return rule
+
+
+def _norm(ins, out, a, grads, has_w) -> Flops:
+    n = _n(out)
+    return Flops(5 * n, 8 * n if any(grads) else 0, 2 * n if has_w else 0)
+
+
+def _pool(ins, out, a, grads, has_w) -> Flops:
+    k = a.get("kernel", (1, 1))
+    kk = prod(k) if isinstance(k, (tuple, list)) else k * k
+    return Flops(_n(out) * kk, _n(ins[0]) if ins and any(grads) else 0, 0)
+
+
+def _adaptive_pool(ins, out, a, grads, has_w) -> Flops:
+    n = _n(ins[0]) if ins else 0
+    return Flops(n, n if any(grads) else 0, 0)
+
+
+def _loss(ins, out, a, grads, has_w) -> Flops:
+    n = _n(ins[0]) if ins else 0
+    return Flops(6 * n, 2 * n if any(grads) else 0, 0)
+
+
+_RULES = {
+    "conv2d": _conv2d,
+    "linear": _linear,
+    "attention": _attention,
+    "lstm": _lstm,
+    "batchnorm": _norm,
+    "layernorm": _norm,
+    "relu": _per_elem(1, 1),
+    "pointwise": _per_elem(1, 1),
+    "dropout": _per_elem(1, 1),
+    "add": _per_elem(1, 0),
+    "mul": _per_elem(1, 2),
+    "softmax": _per_elem(5, 4),
+    "maxpool": _pool,
+    "avgpool": _pool,
+    "adaptive_avgpool": _adaptive_pool,
+    "loss": _loss,
+}
+
+
+def matmul_flops(graph: Graph) -> Flops:
+    """Sum over the matmul-class nodes: the part FlopCounterMode counts."""
+    nodes = [n for n in graph.nodes if n.op in MATMUL_OPS]
+    return Flops(sum(n.fwd_flops for n in nodes), sum(n.bwd_data_flops for n in nodes),
+                 sum(n.bwd_weight_flops for n in nodes))
