@@ -87,7 +87,7 @@ class PlacementProblem:
         return tuple(tuple(s) for s in out)
 
     def transfer_s(self, bytes_: int, a: int, b: int) -> float:
-        if a == b:
+        if a == b or bytes_ <= 0:
             return 0.0
         return self.latency_s[a][b] + bytes_ / self.bw_Bps[a][b]
 

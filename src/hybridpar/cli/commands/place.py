@@ -1,0 +1,91 @@
+"""`hybridpar place`: DLPlacer device placement of a model over M devices (model parallelism)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import click
+
+from hybridpar.cli.output import console, err_console, human_bytes, human_time, print_json, table
+
+SOLVER_CHOICES = ("ilp", "dp", "etf", "greedy", "single")
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, what: str):
+    """A spinner with elapsed time on stderr (the ILP runs up to --time-limit seconds)."""
+    if not enabled:
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=err_console, transient=True) as prog:
+        prog.add_task(what, total=None)
+        yield
+
+
+def register(app: click.Group) -> None:
+    @app.command("place")
+    @click.option("--model", required=True, help="zoo name or path/to/file.py:factory")
+    @click.option("--cluster", default="dgx1-v100", show_default=True, help="cluster preset or file")
+    @click.option("--devices", default=2, show_default=True, type=int, help="devices of the MP group (M)")
+    @click.option("--solver", type=click.Choice(SOLVER_CHOICES), default="ilp", show_default=True)
+    @click.option("--time-limit", "time_limit", default=30.0, show_default=True, type=float,
+                  help="ILP time limit in seconds")
+    @click.option("--batch", type=int, default=None, help="samples per step of the MP group [32]")
+    @click.option("--coarsen", type=int, default=None, help="max nodes of the coarsened graph [32]")
+    @click.option("--input-shape", default=None, help="per-sample input shape for file models, e.g. 3,32,32")
+    @click.option("--workers", default=2, show_default=True, type=int, help="CP-SAT search workers")
+    @click.option("--gantt", type=click.Path(dir_okay=False), default=None, help="write the schedule as PNG")
+    @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the Plan as JSON")
+    @click.option("--json", "json_", is_flag=True, help="machine-readable output")
+    def place_cmd(model: str, cluster: str, devices: int, solver: str, time_limit: float, batch: int | None,
+                  coarsen: int | None, input_shape: str | None, workers: int, gantt: str | None,
+                  out: str | None, json_: bool) -> None:
+        """Place a model's graph on DEVICES devices (ILP or a baseline) and predict the per-step time."""
+        from hybridpar.errors import UserError
+        from hybridpar.graph.models import parse_shape
+        from hybridpar.search.placer import place_model
+
+        if workers < 1:
+            raise UserError(f"--workers must be >= 1, got {workers}")
+        with _progress(not json_, f"placing {model} on {devices} device(s) with {solver}"):
+            outcome = place_model(model, cluster, devices, solver=solver, time_limit_s=time_limit, batch=batch,
+                                  coarsen=coarsen, input_shape=parse_shape(input_shape), workers=workers)
+        if out:
+            outcome.plan.save(out)
+        if gantt:
+            from hybridpar.search.placer.gantt import save_gantt
+
+            save_gantt(outcome.result, gantt, title=None)
+        summary = outcome.summary()
+        summary.update(placement=outcome.plan.placement, plan=out, gantt=gantt)
+        if json_:
+            print_json(summary)
+            return
+        _print(summary)
+
+
+def _print(s: dict) -> None:
+    gap = "-" if s["gap"] is None else f"{s['gap']:.2%}"
+    fits = "" if s["single_device_fits"] else " (does not fit in one device's memory)"
+    rows = [["solver", f"{s['solver']} ({s['status']})"], ["graph nodes", f"{s['nodes']} (from {s['fine_nodes']})"],
+            ["step time", human_time(s["step_time_s"])],
+            ["one-device step", human_time(s["single_device_step_s"]) + fits],
+            ["speedup over one device", f"{s['speedup']:.3f}x"], ["optimality gap", gap],
+            ["solve time", human_time(s["solve_time_s"])],
+            ["compute on critical path", human_time(s["compute_s"])],
+            ["exposed transfers", human_time(s["exposed_comm_s"])],
+            ["all transfers", human_time(s["comm_s"])], ["mean device idle", human_time(s["idle_s"])]]
+    rows += [[f"memory device {d} (gpu {g})", f"{human_bytes(m)} of {human_bytes(c)}"]
+             for d, (g, m, c) in enumerate(zip(s["device_ids"], s["memory_bytes"], s["memory_capacity_bytes"]))]
+    console.print(table(f"{s['model']} on {s['devices']} x {s['cluster']} (batch {s['batch']})",
+                        ["name", "value"], rows, justify_right=lambda c: c == "value"))
+    base = [[k, human_time(v), f"{s['single_device_step_s'] / v:.3f}x"] for k, v in s["baselines"].items()]
+    console.print(table("baselines (same cost model)", ["name", "step", "speedup"], base))
+    for note in s["notes"]:
+        console.print(f"note: {note}")
+    for what in ("plan", "gantt"):
+        if s[what]:
+            console.print(f"{what} written to {s[what]}")

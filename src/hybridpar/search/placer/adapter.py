@@ -1,0 +1,126 @@
+"""Build a PlacementProblem from a model Graph and a Cluster (hybridpar.cost supplies every figure).
+
+Per coarse node: forward and backward times are the sums of its fine members' op_time (roofline or
+profiled) plus the optimizer update; memory is what training_memory counts for its members (weights,
+gradients, optimizer state, kept activations); the bytes sent to a consumer on another device are the
+outputs of members that leave the node. Transfers use the cluster's routes (link ids, bandwidth,
+latency) between the MP group's devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridpar.cluster import Cluster
+from hybridpar.cost.compute import op_time
+from hybridpar.cost.memory import OPTIMIZER_STATE_BYTES, kept_activations
+from hybridpar.graph.coarsen import merge_groups
+from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
+from hybridpar.search.placer.problem import PlacementProblem, Task
+
+LSTM_STATE_FACTOR = 4  # as cost.memory: an LSTM keeps its 4 gates / cell state besides its output
+# SGD with momentum touches w, grad and momentum: read 3, write 2 tensors of the parameters' size.
+UPDATE_BYTES_PER_PARAM_BYTE = 5
+
+
+def members(node: Node) -> tuple[str, ...]:
+    return tuple(node.attr("members") or (node.name,))
+
+
+def node_modules(node: Node) -> tuple[str, ...]:
+    mods = node.attr("modules")
+    return tuple(mods) if mods is not None else ((node.module,) if node.module else ())
+
+
+def tie_shared_modules(graph: Graph) -> Graph:
+    """Merge the nodes that call one module with weights (e.g. a shared embedding) and every node on a
+    path between them: its weights can live on one device only, and the merged set is convex."""
+    by_mod: dict[str, list[str]] = {}
+    weighted: set[str] = set()
+    for n in graph.nodes:
+        if n.module:
+            by_mod.setdefault(n.module, []).append(n.name)
+            if n.params:  # parameters are attributed to a module's first call only
+                weighted.add(n.module)
+    shared = [names for mod, names in by_mod.items() if len(names) > 1 and mod in weighted]
+    if not shared:
+        return graph
+    succ = graph.successors
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    group_of = {n.name: i for i, n in enumerate(graph.nodes)}
+    for names in shared:
+        hull = _convex_hull(graph, names, succ, index)
+        target = group_of[names[0]]
+        olds = {group_of[x] for x in hull}
+        for n, g in list(group_of.items()):
+            if g in olds:
+                group_of[n] = target
+    groups: dict[int, list[str]] = {}
+    for n in graph.nodes:
+        groups.setdefault(group_of[n.name], []).append(n.name)
+    return merge_groups(graph, list(groups.values()))
+
+
+def _convex_hull(graph: Graph, names: Sequence[str], succ, index) -> set[str]:
+    """Nodes on some path between two of `names` (names included)."""
+    pred = {n.name: n.inputs for n in graph.nodes}
+
+    def reach(starts, nxt) -> set[str]:
+        seen, stack = set(starts), list(starts)
+        while stack:
+            for y in nxt[stack.pop()]:
+                if y not in seen:
+                    seen.add(y)
+                    stack.append(y)
+        return seen
+
+    return reach(names, succ) & reach(names, pred)
+
+
+def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids: Sequence[int], *,
+                       dtype: str = "fp32", optimizer: str = "momentum",
+                       mem_capacity_bytes: float | None = None) -> PlacementProblem:
+    """The placement problem of `coarse` (a coarsening of `fine`) on `device_ids` of `cluster`."""
+    m = len(device_ids)
+    b = DTYPE_BYTES[dtype]
+    master = 4 if b < 4 else 0
+    per_param = b + master + b + OPTIMIZER_STATE_BYTES[optimizer]  # weights (+fp32 master), grads, state
+    kept = set(kept_activations(fine))
+    owner = {x: n.name for n in coarse.nodes for x in members(n)}
+    fine_succ = fine.successors
+    dev = cluster.device
+    tasks = []
+    for n in coarse.nodes:
+        fwd = bwd = 0.0
+        mem = out = 0
+        for x in members(n):
+            fn = fine.node(x)
+            t = op_time(fn, cluster, dtype=dtype)
+            fwd += t.fwd_s
+            bwd += t.bwd_s + UPDATE_BYTES_PER_PARAM_BYTE * fn.params * b / dev.mem_bw_Bps
+            mem += fn.params * per_param
+            if x in kept and fn.out_shape:
+                mem += fn.out_numel * b * (1 + (LSTM_STATE_FACTOR if fn.op == "lstm" else 0))
+            # graph inputs arrive from the data loader on whichever device consumes them
+            if fn.op != "input" and any(owner[s] != n.name for s in fine_succ[x]):
+                out += fn.out_numel * b
+        tasks.append(Task(n.name, tuple(n.inputs), (fwd,) * m, (bwd,) * m, int(mem), int(out), node_modules(n)))
+    bw = tuple(tuple(cluster.p2p_bw_Bps(a, c) if a != c else dev.mem_bw_Bps for c in device_ids) for a in device_ids)
+    lat = tuple(tuple(cluster.p2p_latency_s(a, c) if a != c else 0.0 for c in device_ids) for a in device_ids)
+    links = tuple(tuple(cluster.links_between(a, c) if a != c else () for c in device_ids) for a in device_ids)
+    cap = int(mem_capacity_bytes if mem_capacity_bytes is not None else dev.memory_bytes)
+    return PlacementProblem(coarse.name, tuple(tasks), m, (cap,) * m, bw, lat, links, tuple(device_ids),
+                            (f"{cluster.name}: {dev.name}, {dtype}",))
+
+
+def placement_by_module(coarse: Graph, assignment: Sequence[int]) -> dict[str, int]:
+    """module name -> device. A parameterless module called from nodes on two devices (a reused
+    dropout) is left out: the runtime runs such calls next to their input."""
+    out: dict[str, int] = {}
+    clash: set[str] = set()
+    for n, d in zip(coarse.nodes, assignment):
+        for mod in node_modules(n):
+            if out.get(mod, d) != d:
+                clash.add(mod)
+            out.setdefault(mod, d)
+    return {k: v for k, v in out.items() if k not in clash}

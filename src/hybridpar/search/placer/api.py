@@ -1,0 +1,155 @@
+"""place_model: model + cluster + M devices -> the placement, its predicted step, and a Plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from hybridpar.cluster import Cluster, load_cluster
+from hybridpar.errors import InfeasibleError, UserError
+from hybridpar.graph.types import Graph
+from hybridpar.plan import Plan, Prediction
+from hybridpar.search.placer.adapter import placement_by_module, problem_from_graph, tie_shared_modules
+from hybridpar.search.placer.problem import PlacementProblem
+from hybridpar.search.placer.result import PlacementResult
+
+DEFAULT_BATCH = 32  # per data-parallel worker (one MP group), when the caller gives none
+DEFAULT_COARSEN = 32  # coarse nodes the ILP sees by default (Inception-V3 solves within 60 s on 4 devices)
+
+
+@dataclass(frozen=True)
+class PlaceOutcome:
+    result: PlacementResult
+    single_step_s: float  # the same model on one device (memory ignored; see single_fits)
+    single_fits: bool
+    baselines: dict[str, float]  # baseline name -> predicted step time (those that fit)
+    plan: Plan
+    graph: Graph  # the coarse graph that was placed
+    fine_nodes: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def speedup(self) -> float | None:
+        if self.result.step_time_s <= 0:
+            return None
+        return self.single_step_s / self.result.step_time_s
+
+    @property
+    def problem(self) -> PlacementProblem:
+        return self.result.problem
+
+    def summary(self) -> dict:
+        r, bd = self.result, self.result.breakdown
+        return dict(model=self.plan.model, cluster=self.plan.cluster, devices=self.plan.mp,
+                    device_ids=list(self.problem.device_ids), batch=self.plan.batch, solver=r.solver,
+                    status=r.status, nodes=len(self.graph), fine_nodes=self.fine_nodes,
+                    step_time_s=r.step_time_s, single_device_step_s=self.single_step_s,
+                    single_device_fits=self.single_fits,
+                    speedup=self.speedup, gap=r.gap, bound_s=r.bound_s, solve_time_s=r.solve_time_s,
+                    compute_s=bd.compute_s, exposed_comm_s=bd.exposed_comm_s, comm_s=bd.comm_s,
+                    idle_s=bd.idle_s, memory_bytes=r.memory_bytes,
+                    memory_capacity_bytes=list(self.problem.mem_capacity_bytes),
+                    baselines=self.baselines, notes=list(self.notes) + list(r.notes))
+
+
+@lru_cache(maxsize=16)
+def _traced(model: str, batch: int, input_shape: tuple[int, ...] | None) -> tuple[Graph, str]:
+    from hybridpar.graph.models import load_model
+    from hybridpar.graph.trace import trace
+
+    lm = load_model(model, batch=batch, input_shape=input_shape)
+    return trace(lm.module, lm.example_inputs, lm.name), lm.name
+
+
+def model_graph(model, batch: int, input_shape: tuple[int, ...] | None = None) -> tuple[Graph, str]:
+    """(fine graph, name) of a zoo name / file spec (cached), an nn.Module (needs example inputs via
+    `model=(module, inputs)`), or a Graph."""
+    if isinstance(model, Graph):
+        return model, model.name
+    if isinstance(model, str):
+        return _traced(model, batch, tuple(input_shape) if input_shape else None)
+    if isinstance(model, tuple) and len(model) == 2:
+        from hybridpar.graph.trace import trace
+
+        g = trace(model[0], model[1])
+        return g, g.name
+    raise UserError("model must be a zoo name, 'file.py:factory', a Graph or (module, example_inputs)")
+
+
+_COARSE: dict[tuple[int, int], tuple[Graph, Graph]] = {}  # (id(fine), max_nodes) -> (fine, coarse)
+
+
+def _coarse(fine: Graph, max_nodes: int) -> Graph:
+    from hybridpar.graph.coarsen import coarsen_to
+
+    key = (id(fine), max_nodes)
+    hit = _COARSE.get(key)
+    if hit is None or hit[0] is not fine:  # keep `fine` alive so its id is not reused
+        tied = tie_shared_modules(fine)
+        # coarsen only when needed: collapsing chains would hide the splits a model needs to fit
+        hit = _COARSE[key] = (fine, tied if len(tied) <= max_nodes else coarsen_to(tied, max_nodes))
+    return hit[1]
+
+
+def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, batch: int | None = None,
+                  coarsen: int | None = None, input_shape=None, dtype: str = "fp32",
+                  mem_capacity_bytes: float | None = None) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
+    if devices < 1:
+        raise UserError(f"--devices must be >= 1, got {devices}")
+    if coarsen is not None and coarsen < 2:
+        raise UserError(f"--coarsen must be >= 2 nodes, got {coarsen}")
+    batch = batch or DEFAULT_BATCH
+    if batch < 1:
+        raise UserError(f"--batch must be >= 1, got {batch}")
+    cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, devices)
+    if devices > cl.num_devices:
+        raise UserError(f"cluster {cl.name!r} has {cl.num_devices} devices, asked for {devices}")
+    fine, name = model_graph(model, batch, input_shape)
+    coarse = _coarse(fine, coarsen or DEFAULT_COARSEN)
+    prob = problem_from_graph(coarse, fine, cl, tuple(range(devices)), dtype=dtype,
+                              mem_capacity_bytes=mem_capacity_bytes)
+    return prob, coarse, fine, cl, name
+
+
+def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, solver: str = "ilp",
+                time_limit_s: float = 30.0, batch: int | None = None, coarsen: int | None = None,
+                input_shape=None, dtype: str = "fp32", workers: int = 2,
+                mem_capacity_bytes: float | None = None) -> PlaceOutcome:
+    """Place `model` over `devices` devices (0..devices-1) of `cluster` at `batch` samples per step.
+
+    Returns the placement (solver result with schedule and gap), the one-device step for the speedup,
+    every baseline's step, and a Plan (mp=devices, placement keyed by module name)."""
+    from hybridpar.search.placer import BASELINES, SOLVERS, solve
+
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if time_limit_s <= 0:
+        raise UserError(f"--time-limit must be > 0, got {time_limit_s}")
+    prob, coarse, fine, cl, name = build_problem(model, cluster, devices, batch=batch, coarsen=coarsen,
+                                                 input_shape=input_shape, dtype=dtype,
+                                                 mem_capacity_bytes=mem_capacity_bytes)
+    result = solve(prob, solver, time_limit_s=time_limit_s, workers=workers)
+    baselines: dict[str, float] = {}
+    for bname, fn in BASELINES.items():
+        try:
+            baselines[bname] = fn(prob).step_time_s
+        except InfeasibleError:
+            pass
+    single = baselines.get("single")
+    if single is None:  # does not fit on one device: time it anyway for the speedup, flagged
+        from hybridpar.search.placer.result import evaluate
+
+        single_time = evaluate(prob, [0] * len(prob.tasks), "single").step_time_s
+    else:
+        single_time = single
+    bd = result.breakdown
+    plan = Plan(model=name, input_shape=list(input_shape) if input_shape else None, cluster=cl.name,
+                world_size=devices, batch=batch or DEFAULT_BATCH, dp=1, mp=devices,
+                placement=placement_by_module(coarse, result.assignment), strategy=f"mp={devices}",
+                predicted=Prediction(step_time_s=result.step_time_s, compute_s=bd.compute_s, comm_s=bd.comm_s,
+                                     exposed_comm_s=bd.exposed_comm_s, idle_s=bd.idle_s,
+                                     memory_bytes=[int(x) for x in result.memory_bytes]),
+                notes=[f"placer: {result.solver} ({result.status}"
+                       + (f", gap {result.gap:.2%}" if result.gap is not None else "") + ")",
+                       f"graph coarsened {len(fine)} -> {len(coarse)} nodes"])
+    return PlaceOutcome(result, single_time, single is not None, baselines, plan, coarse, len(fine))
