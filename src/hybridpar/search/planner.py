@@ -48,6 +48,13 @@ from hybridpar.search.sp_dp import INF, ChoiceProblem
 GRAD_WEIGHTS = (1.0, 0.5, 0.0)
 
 
+def _size(n: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 @dataclass(frozen=True)
 class VertexOptions:
     vertex: Vertex
@@ -129,7 +136,7 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
         if reason is None:
             cost = weight_layer_cost(node, v.followers, lay, ctx)
             if cost.memory_bytes > capacity:
-                reason = f"needs {cost.memory_bytes / 2**30:.2f} GiB per device for this layer alone"
+                reason = f"needs {_size(cost.memory_bytes)} per device for this layer alone"
             else:
                 opts.append(lay)
                 costs.append(cost)
@@ -364,8 +371,8 @@ def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int
         try:
             _, _, baseline = _evaluate_uniform(s, LayerLayout(sample=gpus), grad_sync)
             if baseline.memory_bytes and baseline.memory_bytes[0] > s.capacity:
-                note = (f"data parallelism needs {baseline.memory_bytes[0] / 2**30:.2f} GiB per device, "
-                        f"over the {s.capacity / 2**30:.2f} GiB limit")
+                note = (f"data parallelism needs {_size(baseline.memory_bytes[0])} per device, "
+                        f"over the {_size(s.capacity)} limit")
                 baseline = None
         except InfeasibleError as err:
             note = f"data parallelism infeasible: {err}"
@@ -379,7 +386,7 @@ def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int
         opts, choice, pred = _evaluate_uniform(s, strat.layout, grad_sync)
         notes = [f"fixed layout {strat.layout.to_strategy()} evaluated (not searched)"]
         if pred.memory_bytes[0] > s.capacity:
-            notes.append(f"over the memory limit: {pred.memory_bytes[0] / 2**30:.2f} GiB per device")
+            notes.append(f"over the memory limit: {_size(pred.memory_bytes[0])} per device")
         plan, rows = _to_plan(model, s, opts, choice, pred, strat.layout.to_strategy(), notes)
         return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0)
 
@@ -401,7 +408,7 @@ def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int
         elif best is None or found[1].step_time_s < best[1].step_time_s:
             best = (found[0], found[1], found[2] if free_sample else f"{key}, {found[2]}", found[3])
     if best is None:
-        raise InfeasibleError(f"no decomposition of {model} fits {s.capacity / 2**30:.2f} GiB per device "
+        raise InfeasibleError(f"no decomposition of {model} fits {_size(s.capacity)} per device "
                               f"on {gpus} devices at batch {batch} ({'; '.join(reasons[:3])})")
     choice, pred, method, opts = best
     notes = [f"optimiser: {method}"] + ([note] if note else [])
