@@ -1,0 +1,190 @@
+"""`hybridpar project`: end-to-end time to target and speedup vs GPU count for DP, hybrid DPxMP and
+channel/filter layouts (Pal et al. 2019 projection); `--budget G` adds the joint choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hybridpar.cli.commands.measure_convergence import parse_int_list
+from hybridpar.cli.output import console, err_console, human_time, print_json, table
+from hybridpar.errors import UserError
+
+DEFAULT_GPUS = ",".join(str(2**i) for i in range(13))  # 1 .. 4096
+
+
+def register(app: click.Group) -> None:
+    @app.command("project")
+    @click.option("--model", required=True, help="zoo model (built-in curves: resnet50, inception_v3, gnmt, biglstm)")
+    @click.option("--cluster", default="dgx1-v100", show_default=True, help="cluster preset or file")
+    @click.option("--gpus", default=DEFAULT_GPUS, show_default=True, help="comma-separated GPU counts")
+    @click.option("--batch-per-gpu", type=int, default=None,
+                  help="samples per data-parallel worker per step (default: per-model, see docs/convergence.md)")
+    @click.option("--convergence", "curve_path", type=click.Path(dir_okay=False), default=None,
+                  help="curve JSON from `hybridpar measure-convergence --out` (default: built-in curve)")
+    @click.option("--samples-per-epoch", type=int, default=None,
+                  help="data-set size, for absolute times with a measured curve")
+    @click.option("--mp", "mp_text", default="2,4,8", show_default=True, help="model-parallel degrees to try")
+    @click.option("--placer", default="ilp", show_default=True, help="DLPlacer solver: ilp, dp, etf, greedy")
+    @click.option("--placer-time-limit", type=float, default=10.0, show_default=True, help="seconds per ILP solve")
+    @click.option("--cf-max-gpus", type=int, default=64, show_default=True,
+                  help="plan channel/filter layouts (CNNs) up to this many GPUs")
+    @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16", "bf16"]))
+    @click.option("--budget", type=int, default=None, help="also choose batch/DP/MP jointly for this many GPUs")
+    @click.option("--batch-options", default="16,32,64,128,256", show_default=True,
+                  help="per-worker batches the joint choice considers")
+    @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="write speedup vs GPUs (PNG)")
+    @click.option("--no-cache", is_flag=True, help="recompute placements and plans (no on-disk cache)")
+    @click.option("--json", "json_", is_flag=True, help="machine-readable output")
+    def project_cmd(model: str, cluster: str, gpus: str, batch_per_gpu: int | None, curve_path: str | None,
+                    samples_per_epoch: int | None, mp_text: str, placer: str, placer_time_limit: float,
+                    cf_max_gpus: int, dtype: str, budget: int | None, batch_options: str, plot: str | None,
+                    no_cache: bool, json_: bool) -> None:
+        """Project time to target and speedup over one GPU for every strategy and GPU count."""
+        from dataclasses import replace
+
+        from hybridpar.convergence.builtin import builtin_curve, load_curve
+        from hybridpar.search.placer import SOLVERS
+        from hybridpar.search.projection import band_sensitivity, default_batch_per_gpu, project
+        from hybridpar.search.projection_costs import CostModelBackend
+
+        counts = parse_int_list(gpus, "--gpus")
+        mps = parse_int_list(mp_text, "--mp")
+        if placer not in SOLVERS:
+            raise UserError(f"--placer {placer!r}: choose one of {', '.join(SOLVERS)}")
+        if placer_time_limit <= 0:
+            raise UserError("--placer-time-limit must be > 0")
+        if samples_per_epoch is not None and samples_per_epoch < 1:
+            raise UserError("--samples-per-epoch must be >= 1")
+        b = batch_per_gpu if batch_per_gpu is not None else default_batch_per_gpu(model)
+        curve = load_curve(curve_path, model) if curve_path else builtin_curve(model)
+        if samples_per_epoch:
+            curve = replace(curve, samples_per_epoch=float(samples_per_epoch))
+        costs = CostModelBackend(model, cluster, dtype=dtype, placer_solver=placer,
+                                 placer_time_limit_s=placer_time_limit, cf_max_gpus=cf_max_gpus,
+                                 use_disk_cache=not no_cache)
+        kw: dict[str, Any] = {"model": model, "cluster": cluster, "mp_degrees": mps}
+        with _progress(json_) as step:
+            proj = project(costs, curve, counts, b, progress=step, **kw)
+            sens = band_sensitivity(costs, curve, counts, b, **kw)
+            joint = None
+            if budget is not None:
+                from hybridpar.search.joint import choose
+
+                joint = choose(costs, curve, budget, batch_options=parse_int_list(batch_options, "--batch-options"),
+                               mp_degrees=mps, progress=step)
+        proj = replace(proj, notes=(*proj.notes, *costs.notes))
+        if plot:
+            _plot(proj, plot)
+        out = proj.to_dict()
+        out["sensitivity"] = sens
+        out["joint"] = joint.to_dict() if joint else None
+        if json_:
+            print_json(out)
+            return
+        _print(proj, sens, joint, plot)
+
+
+class _progress:
+    """A rich progress line on stderr (not with --json); yields a callback taking a description."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def __enter__(self):
+        if self.quiet:
+            return lambda _msg: None
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._p = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                           console=err_console, transient=True)
+        self._p.__enter__()
+        task = self._p.add_task("projecting")
+        return lambda msg: self._p.update(task, description=f"projecting: {msg}")
+
+    def __exit__(self, *exc) -> None:
+        if not self.quiet:
+            self._p.__exit__(*exc)
+
+
+def _print(proj, sens: dict, joint, plot: str | None) -> None:
+    from hybridpar.search.projection import paper_margin
+
+    timed = bool(proj.curve.samples_per_epoch)
+    rows = []
+    for n in proj.gpu_counts:
+        best = proj.best(n)
+        dp, hyb, cf = proj.best(n, "DP"), proj.best(n, "hybrid"), proj.best(n, "CF")
+        rows.append([n, best.strategy + ("" if best.fits else " (!mem)"),
+                     human_time(best.time_s) if timed else "-",
+                     f"{dp.speedup:.3g}" + ("" if dp.fits else "*"),
+                     f"{hyb.strategy} {hyb.speedup:.3g}" + ("" if hyb.fits else "*") if hyb else "-",
+                     f"{cf.strategy} {cf.speedup:.3g}" + ("" if cf.fits else "*") if cf else "-",
+                     f"{dp.global_batch:,}", f"{dp.epochs:.3g}"])
+    console.print(table(f"{proj.model} on {proj.cluster}: projected speedup over 1 GPU "
+                        f"({proj.batch_per_gpu} samples per worker)",
+                        ["GPUs", "best", "time", "DP", "best hybrid", "channel/filter", "DP batch", "DP epochs"],
+                        rows))
+    console.print("  * does not fit in device memory (shown as if it did); speedups include epochs to target")
+    c = proj.crossover()
+    console.print(f"crossover: hybrid overtakes DP-only at {c} GPUs" if c else
+                  "crossover: hybrid does not overtake DP-only in this GPU range")
+    m1, m2, pm = proj.margin_at_scale(), proj.margin_best_vs_best(), paper_margin(proj.model)
+    paper = f"   paper (Pal et al. 2019): {pm:.1%}" if pm is not None else ""
+    console.print(f"margin at {proj.gpu_counts[-1]} GPUs: {_pct(m1)}; best hybrid vs best DP over the range: "
+                  f"{_pct(m2)}{paper}")
+    for label, s in sens.items():
+        console.print(f"  with {label} ({s['b_noise']:.4g}): crossover {s['crossover_gpus'] or 'none'}, "
+                      f"margin at scale {_pct(s['margin_at_scale'])}, best vs best {_pct(s['margin_best_vs_best'])}")
+    for note in [*proj.curve.notes(), *proj.notes]:
+        console.print(f"  note: {note}")
+    if joint:
+        console.print(f"\n[bold]joint choice for {joint.budget} GPUs[/bold]: {joint.explanation}")
+    if plot:
+        console.print(f"plot written to {plot}")
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
+
+
+def _plot(proj, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hybridpar.search.projection import paper_margin
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for strat in dict.fromkeys(p.strategy for p in proj.points):
+        pts = sorted((p for p in proj.points if p.strategy == strat), key=lambda p: p.gpus)
+        x = [p.gpus for p in pts]
+        line, = ax.plot(x, [p.speedup for p in pts], marker="o", ms=3, label=strat,
+                        lw=2.2 if strat == "DP" else 1.4)
+        ax.fill_between(x, [p.speedup_lo for p in pts], [p.speedup_hi for p in pts], color=line.get_color(),
+                        alpha=0.12, lw=0)
+        bad = [p for p in pts if not p.fits]
+        if bad:
+            ax.plot([p.gpus for p in bad], [p.speedup for p in bad], ls="none", marker="x", color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("speedup over 1 GPU (time to target)")
+    pm = paper_margin(proj.model)
+    m = proj.margin_best_vs_best()
+    title = f"{proj.model} on {proj.cluster}, {proj.batch_per_gpu}/worker"
+    if m is not None:
+        title += f"\nhybrid vs DP best: {m:+.1%}" + (f" (paper: {pm:+.1%})" if pm is not None else "")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, title="band: epochs +-1 sd; x: over memory", title_fontsize=7)
+    fig.tight_layout()
+    try:
+        fig.savefig(Path(path), dpi=120)
+    except OSError as err:
+        raise UserError(f"cannot write plot {path!r}: {err.strerror}") from None
+    finally:
+        plt.close(fig)

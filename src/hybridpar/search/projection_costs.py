@@ -1,0 +1,221 @@
+"""The projection's step costs from hybridpar's cost model, DLPlacer and the per-layer planner.
+
+Expensive results (traced profiles, placements, plans) are cached in memory and on disk, keyed by the
+request and a fingerprint of the code and presets that produce them, so a sweep over 1..4096 GPUs is
+fast after the first run and a changed cost model never reuses stale numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridpar.errors import InfeasibleError
+from hybridpar.graph.types import DTYPE_BYTES, Graph
+from hybridpar.search.projection import CFStep, MPStep, Profile
+
+# Packages whose code decides the numbers cached here.
+_FINGERPRINT_DIRS = ("cost", "cluster", "graph", "search")
+
+
+@cache
+def code_fingerprint() -> str:
+    import hybridpar
+
+    root = Path(hybridpar.__file__).parent
+    h = hashlib.sha1()
+    for sub in _FINGERPRINT_DIRS:
+        for p in sorted((root / sub).rglob("*")):
+            if p.suffix in (".py", ".yaml", ".json") and p.is_file():
+                h.update(str(p.relative_to(root)).encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("HYBRIDPAR_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "hybridpar" / "projection"
+
+
+class DiskCache:
+    """JSON values under cache_dir(), one file per key; unreadable entries are recomputed."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._mem: dict[str, Any] = {}
+
+    def get(self, key: tuple, make: Callable[[], Any]) -> Any:
+        k = hashlib.sha1(json.dumps([code_fingerprint(), *key], default=str).encode()).hexdigest()
+        if k in self._mem:
+            return self._mem[k]
+        path = cache_dir() / f"{k}.json"
+        if self.enabled and path.is_file():
+            try:
+                self._mem[k] = json.loads(path.read_text())
+                return self._mem[k]
+            except (OSError, json.JSONDecodeError):
+                pass
+        val = self._mem[k] = make()
+        if self.enabled:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(val))
+                tmp.replace(path)  # atomic: concurrent sweeps never read half a file
+            except OSError:
+                pass  # a read-only home only costs speed
+        return val
+
+
+class CostModelBackend:
+    """`StepCosts` for a zoo model on a cluster preset (see hybridpar.search.projection)."""
+
+    def __init__(self, model: str, cluster: str, *, dtype: str = "fp32", placer_solver: str = "ilp",
+                 placer_time_limit_s: float = 10.0, cf_max_gpus: int = 64, use_disk_cache: bool = True) -> None:
+        from hybridpar.cluster import load_cluster
+        from hybridpar.graph.zoo import ZOO
+
+        self.model, self.cluster_name, self.dtype = model, cluster, dtype
+        self.placer_solver, self.placer_time_limit_s = placer_solver, placer_time_limit_s
+        self.cf_max_gpus = cf_max_gpus
+        base = load_cluster(cluster)
+        self.capacity_bytes = float(base.device.memory_bytes)
+        self.gpus_per_node = int(base.gpus_per_node)
+        entry = ZOO.get(model)
+        self.is_cnn = entry is not None and entry.kind == "cnn"
+        self._cache = DiskCache(use_disk_cache)
+        self.notes: list[str] = []
+
+    # -- helpers ------------------------------------------------------------------------------------
+    @cache  # noqa: B019 - one backend per projection; the cache dies with it
+    def cluster(self, gpus: int):
+        from hybridpar.cluster import load_cluster
+
+        return load_cluster(self.cluster_name, gpus=gpus)
+
+    @cache  # noqa: B019
+    def graph(self, batch: int) -> Graph:
+        from hybridpar.graph.models import load_model
+        from hybridpar.graph.trace import trace
+
+        # Build on the meta device: BigLSTM's 1.8 B weights are never allocated.
+        with torch.device("meta"):
+            lm = load_model(self.model, batch=batch)
+        return trace(lm.module, lm.example_inputs, self.model)
+
+    def _key(self, *parts: Any) -> tuple:
+        return (self.model, self.cluster_name, self.dtype, *parts)
+
+    # -- StepCosts ----------------------------------------------------------------------------------
+    def profile(self, batch: int) -> Profile:
+        d = self._cache.get(self._key("profile", batch), lambda: self._profile(batch))
+        return Profile(d["fwd_s"], d["bwd_s"], d["param_bytes"], tuple(map(tuple, d["grad_ready"])),
+                       d["memory_bytes"])
+
+    def _profile(self, batch: int) -> dict:
+        from hybridpar.cost.compute import op_time
+        from hybridpar.cost.memory import training_memory
+
+        g = self.graph(batch)
+        dev = self.cluster(1).device
+        times = {n.name: op_time(n, dev, dtype=self.dtype) for n in g.nodes}
+        fwd = sum(t.fwd_s for t in times.values())
+        # Backward runs in reverse topological order; a node's weight gradient is ready after it.
+        ready, clock = [], 0.0
+        for n in reversed(g.nodes):
+            clock += times[n.name].bwd_data_s + times[n.name].bwd_weight_s
+            if n.params:
+                ready.append((clock, n.params * DTYPE_BYTES[self.dtype]))
+        mem = training_memory(g, dtype=self.dtype, dp_ranks=2)
+        return {"fwd_s": fwd, "bwd_s": clock, "param_bytes": g.params * DTYPE_BYTES[self.dtype],
+                "grad_ready": ready, "memory_bytes": int(mem.total_bytes)}
+
+    def allreduce_s(self, bytes_: int, ranks: int) -> float:
+        from hybridpar.cost.collectives import allreduce_time
+
+        return allreduce_time(bytes_, list(range(ranks)), self.cluster(ranks))
+
+    def hybrid_allreduce_s(self, bytes_: int, replicas: int, mp: int) -> float:
+        from hybridpar.cost.collectives import concurrent_allreduce_time
+
+        # Worker d holds devices d*mp .. d*mp+mp-1 (inside one node); device j of every worker
+        # holds the same weights, so the j-th groups allreduce at once.
+        groups = [[d * mp + j for d in range(replicas)] for j in range(mp)]
+        return concurrent_allreduce_time(bytes_, groups, self.cluster(replicas * mp))
+
+    def mp_step(self, mp: int, batch: int) -> MPStep:
+        res = self._cache.get(self._key("place", mp, batch, self.placer_solver, self.placer_time_limit_s),
+                              lambda: self._place(mp, batch))
+        if "infeasible" in res:
+            raise InfeasibleError(res["infeasible"])
+        # The placer's own 1-device step defines the unit: hybrid and DP then share one compute model
+        # and the MP speedup is exactly the placer's ratio.
+        scale = self.profile(batch).compute_s / res["single_step_s"]
+        return MPStep(res["step_s"] * scale, tuple(res["device_param_bytes"]), tuple(res["memory_bytes"]),
+                      res["solver"], res["gap"])
+
+    def _place(self, mp: int, batch: int) -> dict:
+        from hybridpar.search.placer import place_model
+
+        g = self.graph(batch)
+        try:
+            out = place_model(g, self.cluster_name, mp, solver=self.placer_solver,
+                              time_limit_s=self.placer_time_limit_s, batch=batch, dtype=self.dtype)
+        except InfeasibleError as err:
+            return {"infeasible": f"{mp} devices at batch {batch}: {err}"}
+        res = out.result
+        return {"step_s": res.step_time_s, "single_step_s": out.single_step_s,
+                "memory_bytes": [int(x) for x in res.memory_bytes],
+                "solver": f"{res.solver} ({res.status})", "gap": res.gap,
+                "device_param_bytes": _device_param_bytes(g, res, mp, self.dtype)}
+
+    def cf_step(self, gpus: int, groups: int, batch_global: int) -> CFStep | None:
+        if gpus > self.cf_max_gpus:
+            note = f"channel/filter layouts planned up to {self.cf_max_gpus} GPUs only (planner cost); raise --cf-max-gpus"
+            if note not in self.notes:
+                self.notes.append(note)
+            return None
+        d = self._cache.get(self._key("cf", gpus, groups, batch_global), lambda: self._cf(gpus, groups, batch_global))
+        if d is None:
+            return None
+        return CFStep(d["step_s"], d["exposed_comm_s"], d["memory_bytes"], d["method"])
+
+    def _cf(self, gpus: int, groups: int, batch_global: int) -> dict | None:
+        from hybridpar.search.planner import plan_model
+
+        p = gpus // groups
+        try:
+            res = plan_model(self.model, self.cluster_name, gpus, batch_global, dtype=self.dtype,
+                             strategy=f"sample={groups},channel={p}")
+        except InfeasibleError:
+            return None
+        pred = res.prediction
+        return {"step_s": pred.step_time_s, "exposed_comm_s": pred.exposed_comm_s,
+                "memory_bytes": max(pred.memory_bytes) if pred.memory_bytes else 0, "method": res.method}
+
+
+def _device_param_bytes(g: Graph, res: Any, mp: int, dtype: str) -> list[int]:
+    """Weights each device holds under a placement: the parameters of the modules of its tasks.
+    Falls back to an even split (flagged in the cache entry's solver note) when tasks name no modules."""
+    per_module: dict[str, int] = {}
+    for n in g.nodes:
+        if n.params and n.module:
+            per_module[n.module] = per_module.get(n.module, 0) + n.params * DTYPE_BYTES[dtype]
+    out = [0] * mp
+    seen: set[str] = set()
+    for task, dev in zip(res.problem.tasks, res.assignment, strict=True):
+        for mod in task.modules:
+            if mod in per_module and mod not in seen:
+                out[dev] += per_module[mod]
+                seen.add(mod)
+    total = g.params * DTYPE_BYTES[dtype]
+    if sum(out) < 0.9 * total:
+        return [total // mp] * mp
+    return out

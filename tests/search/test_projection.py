@@ -1,0 +1,111 @@
+"""Projection arithmetic on an analytic step-cost model (no tracing, no solver)."""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from hybridpar.convergence.builtin import WorkloadCurve
+from hybridpar.convergence.curve import McCandlishCurve
+from hybridpar.errors import InfeasibleError
+from hybridpar.search.joint import choose, terms_of
+from hybridpar.search.projection import MPStep, Profile, overlapped_end, project
+
+GPUS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+@dataclass
+class AnalyticCosts:
+    """Compute linear in batch, ring allreduce at bw_Bps, MP speedups given per degree."""
+
+    capacity_bytes: float = 16e9
+    gpus_per_node: int = 8
+    is_cnn: bool = False
+    sec_per_sample: float = 2e-3
+    param_bytes: int = 100_000_000
+    bw_Bps: float = 10e9
+    mp_speedup: tuple = ((2, 1.6), (4, 2.2), (8, 2.8))
+    mem_per_sample: float = 50e6
+
+    def profile(self, batch):
+        c = self.sec_per_sample * batch
+        k = 10
+        ready = tuple((2 * c / 3 * (i + 1) / k, self.param_bytes // k) for i in range(k))
+        return Profile(c / 3, 2 * c / 3, self.param_bytes, ready, int(4 * self.param_bytes + self.mem_per_sample * batch))
+
+    def allreduce_s(self, bytes_, ranks):
+        return 2 * (ranks - 1) / ranks * bytes_ / self.bw_Bps + 5e-6 * math.log2(ranks)
+
+    def hybrid_allreduce_s(self, bytes_, replicas, mp):
+        return self.allreduce_s(bytes_, replicas)
+
+    def mp_step(self, mp, batch):
+        s = dict(self.mp_speedup)[mp]
+        mem = self.profile(batch).memory_bytes / mp
+        return MPStep(self.profile(batch).compute_s / s, (self.param_bytes // mp,) * mp, (int(mem),) * mp)
+
+    def cf_step(self, gpus, groups, batch_global):
+        return None
+
+
+def curve(e_min=30.0, b_noise=20000.0):
+    return WorkloadCurve("m", McCandlishCurve(e_min, b_noise, ((1.0, 0.0), (0.0, (0.1 * b_noise) ** 2))),
+                         1_000_000, "target")
+
+
+def test_overlapped_end_hides_allreduce_behind_backward():
+    ready = [(1.0, 10), (2.0, 10), (3.0, 10)]
+    # fast network: each bucket done right after it is ready -> ends just after backward
+    assert overlapped_end(ready, 10, lambda nb: 0.1) == pytest.approx(3.1)
+    # slow network: buckets queue up
+    assert overlapped_end(ready, 10, lambda nb: 2.0) == pytest.approx(7.0)
+    # one big bucket launched at the end
+    assert overlapped_end(ready, 1000, lambda nb: nb / 10) == pytest.approx(6.0)
+
+
+def test_single_gpu_dp_is_the_baseline():
+    p = project(AnalyticCosts(), curve(), [1], 64)
+    (dp,) = p.at(1)
+    assert dp.strategy == "DP" and dp.speedup == pytest.approx(1.0) and dp.exposed_comm_s == 0.0
+    assert p.baseline_time_s == pytest.approx(dp.time_s)
+
+
+def test_dp_saturates_and_hybrid_wins_beyond_a_crossover():
+    p = project(AnalyticCosts(), curve(), GPUS, 64)
+    dp = {n: p.best(n, "DP").speedup for n in GPUS}
+    # DP-only speedup saturates: going 512 -> 4096 GPUs buys less than 1.5x
+    assert dp[4096] < 1.5 * dp[512]
+    cross = p.crossover()
+    assert cross is not None and 8 < cross < 4096
+    assert p.hybrid_wins() == [n for n in GPUS if n >= cross]
+    assert p.best(4096).family == "hybrid"
+    assert p.best(2).family == "DP"
+    assert p.margin_best_vs_best() > 0
+    # far past b_noise both need ~S_min steps, so the margin approaches 1 - 1/S_MP(8)
+    sat = project(AnalyticCosts(), curve(b_noise=2000.0), [4096], 64)
+    assert sat.margin_at_scale() == pytest.approx(1 - 1 / 2.8, abs=0.05)
+
+
+def test_epoch_band_brackets_speedup_and_bigger_batch_needs_more_epochs():
+    p = project(AnalyticCosts(), curve(), [64, 4096], 64)
+    for pt in p.points:
+        assert pt.speedup_lo <= pt.speedup <= pt.speedup_hi
+    assert p.best(4096, "DP").epochs > p.best(64, "DP").epochs
+
+
+def test_without_statistical_penalty_dp_is_never_beaten():
+    # b_noise huge: epochs do not grow with batch, so hybrid's sub-linear MP speedup cannot win
+    p = project(AnalyticCosts(bw_Bps=1e15), curve(b_noise=1e12), GPUS, 64)
+    assert p.crossover() is None and all(p.best(n).family == "DP" for n in GPUS)
+
+
+def test_joint_choice_respects_memory_and_names_the_dominant_term():
+    costs = AnalyticCosts(capacity_bytes=4 * 100e6 + 50e6 * 40)  # DP fits only up to batch 40/GPU
+    jc = choose(costs, curve(), 1024, batch_options=[16, 32, 64, 128])
+    assert jc.best.fits and jc.rejected_memory > 0
+    assert jc.best.time_s == min(p.time_s for p in jc.candidates if p.fits)
+    t = terms_of(jc.best, curve())
+    assert t.compute_s + t.allreduce_s + t.extra_epochs_s == pytest.approx(jc.best.time_s)
+    assert jc.terms.dominant in jc.explanation and "GPUs" in jc.explanation
+    with pytest.raises(InfeasibleError):
+        choose(AnalyticCosts(capacity_bytes=1e6), curve(), 8, batch_options=[16])
