@@ -19,6 +19,7 @@ from hybridpar.plan import Plan
 from hybridpar.runtime.mp.comm import CommLog
 from hybridpar.runtime.mp.executor import crossings, message_count, meta_copy, meta_values, run_forward
 from hybridpar.runtime.mp.layout import HybridLayout, dp_group
+from hybridpar.runtime.mp.norm import has_batch_norm, sync_batch_norms
 from hybridpar.runtime.mp.p2p import Link
 from hybridpar.runtime.mp.partition import Partition, partition_module
 from hybridpar.runtime.mp.placement import resolve_placement
@@ -46,15 +47,20 @@ class MPEngine:
     batch GPipe-style: all forwards, then all backwards, one gradient sync per step (equal to
     serial training for models without batch statistics). `ordered_p2p` (default: unless the
     backend is gloo) issues every pair's sends and receives in one global order, without
-    pre-posted receives, as NCCL needs; gloo gets non-blocking, pre-posted, lazy receives."""
+    pre-posted receives, as NCCL needs; gloo gets non-blocking, pre-posted, lazy receives.
+    bn_stats="global" (default) computes batch-norm statistics over the global batch (all replicas),
+    "local" over each replica's samples."""
 
     def __init__(self, module: nn.Module, plan: Plan, *, micro_batches: int = 1,
-                 device: torch.device | None = None, ordered_p2p: bool | None = None):
+                 device: torch.device | None = None, ordered_p2p: bool | None = None,
+                 bn_stats: str = "global"):
         if not dist.is_initialized():
             raise RuntimeError("MPEngine needs torch.distributed initialised (launch.init())")
         if dist.get_world_size() != plan.world_size:
             raise UserError(f"plan needs {plan.world_size} ranks (dp={plan.dp} x mp={plan.mp}), "
                             f"running on {dist.get_world_size()}")
+        if bn_stats not in ("global", "local"):
+            raise UserError(f"bn_stats must be 'global' or 'local', got {bn_stats!r}")
         if micro_batches < 1:
             raise UserError(f"micro_batches must be >= 1, got {micro_batches}")
         self.plan = plan
@@ -66,13 +72,17 @@ class MPEngine:
         self.placement = resolve_placement(plan)
         self.partition: Partition = partition_module(module, self.placement, plan.mp, lazy_recv=not ordered)
         self._meta = meta_copy(module).train()
+        self._group = dp_group(self.layout)
+        # same decision on every rank (it gates a check in local_batch)
+        self._sync_bn = self._group is not None and bn_stats == "global" and has_batch_norm(module)
+        if self._sync_bn:
+            sync_batch_norms(module, self.partition, self.layout, self._group, self.comm_log)
         full = module.state_dict(keep_vars=True)
         owner = self.partition.owner_of_key
         self._schema = {k: (owner[k], t.shape, t.dtype) for k, t in full.items()}
         self._local_state = {k: t for k, t in full.items() if owner[k] == self.layout.device}
         self._take_over(module)
         self._params = [p for k, p in module.named_parameters() if owner[k] == self.layout.device]
-        self._group = dp_group(self.layout)
         lay = self.layout
         self.link = Link(rank_of_device=lambda d: lay.rank_of(lay.replica, d), log=self.comm_log,
                          prepost=not ordered)
@@ -110,6 +120,9 @@ class MPEngine:
         """This replica's contiguous slice of the global batch (every device of a replica gets it)."""
         if len(x_global) < self.layout.dp:
             raise UserError(f"global batch {len(x_global)} smaller than dp={self.layout.dp}")
+        if self._sync_bn and len(x_global) % self.layout.dp:
+            raise UserError(f"global batch {len(x_global)} must divide evenly over dp={self.layout.dp} "
+                            "replicas for global batch-norm statistics")
         self._global_count = y_global.numel()
         k = self.layout.replica
         return torch.tensor_split(x_global, self.layout.dp)[k], torch.tensor_split(y_global, self.layout.dp)[k]
