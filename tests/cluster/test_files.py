@@ -74,3 +74,17 @@ def test_cli_malformed_file_one_line_exit_2(tmp_path, capsys):
     assert main(["clusters", "--show", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "intra.kind" in err
+
+
+def test_cli_lists_and_shows(capsys):
+    assert main(["clusters", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["dgx1-v100"]["devices_per_node"] == 8 and rows["dgx1-v100"]["peak_flops"]["fp16"] == 125e12
+    assert rows["dgx1-v100"]["inter_bw_per_node_Bps"] == 4 * 12.5e9
+    assert main(["clusters", "--show", "dgx1-v100", "--gpus", "16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["num_nodes"] == 2 and d["link_matrix"][0][3] == "NV2" and d["link_matrix"][0][6] == "SYS"
+    assert "rapidsai/ucx-py" in " ".join(d["sources"].values())
+    assert main(["clusters", "--show", "dgx1-v100"]) == 0
+    out = capsys.readouterr().out
+    assert "NV2" in out and "SYS" in out and "sources" in out

@@ -3,7 +3,7 @@ and communication buffers.
 
 Activations: the output of a node is kept when a consumer needs its input for backward (conv, linear,
 normalisation, pooling, ...) or when the node needs its own output (ReLU, softmax); views (flatten,
-reshape) alias their producer and are counted once. LSTM nodes also keep their four gates and cell
+reshape) alias their producer and are counted once; max-pool also keeps its int64 indices. LSTM nodes also keep their four gates and cell
 state (approximation: 4x the output). Allocator fragmentation and framework workspace are not modelled.
 """
 
@@ -26,6 +26,7 @@ _NEEDS_INPUT = {"conv2d", "linear", "batchnorm", "layernorm", "maxpool", "avgpoo
 _NEEDS_OUTPUT = {"relu", "softmax"}
 _VIEWS = {"flatten", "reshape", "dropout"}  # dropout keeps a mask, counted as a view of its input here
 _LSTM_STATE_FACTOR = 4
+_INDEX_BYTES = 8  # max-pool keeps int64 argmax indices, one per output element
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ def training_memory(graph: Graph, *, dtype: str = "fp32", optimizer: Optimizer =
             loc = local_shapes(n, *_fractions(n, layouts, default))
             factor = 1 + (_LSTM_STATE_FACTOR if n.op == "lstm" else 0)
             acts += n.out_numel * b * loc.y_frac * factor
+        if n.op == "maxpool" and n.out_shape:
+            acts += n.out_numel * _INDEX_BYTES * local_shapes(n, *_fractions(n, layouts, default)).y_frac
     master = 4 if b < 4 else 0
     grads = params * b
     if comm_buffer_bytes is None:

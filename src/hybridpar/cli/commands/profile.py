@@ -1,0 +1,74 @@
+"""`hybridpar profile`: measure this machine and write the calibration file for `localhost`."""
+
+from __future__ import annotations
+
+import click
+
+from hybridpar.cli.output import console, err_console, print_json, table
+
+
+def register(app: click.Group) -> None:
+    @app.command("profile")
+    @click.option("--out", default=None, metavar="PATH",
+                  help="calibration file (default $HYBRIDPAR_CALIBRATION or ~/.cache/hybridpar/calibration.json)")
+    @click.option("--ranks", default="2,4", show_default=True, help="gloo world sizes to measure")
+    @click.option("--model", default="small_cnn", show_default=True,
+                  help="profile this model's conv/linear ops (zoo name or file.py:factory; '' for none)")
+    @click.option("--batch", type=int, default=32, show_default=True)
+    @click.option("--input-shape", default=None, help="C,H,W for a factory model")
+    @click.option("--splits", default="1", show_default=True,
+                  help="also profile each op at 1/k of samples, channels and filters for each k")
+    @click.option("--sizes", default=None, help="allreduce sizes in bytes, e.g. 4K,64K,1M (default 4K..4M)")
+    @click.option("--repeats", type=int, default=10, show_default=True)
+    @click.option("--warmup", type=int, default=2, show_default=True)
+    @click.option("--no-merge", is_flag=True, help="replace the file instead of merging with it")
+    @click.option("--json", "json_", is_flag=True, help="machine-readable output")
+    def profile_cmd(out, ranks, model, batch, input_shape, splits, sizes, repeats, warmup, no_merge, json_):
+        """Measure op times, matmul peak and gloo alpha/beta on this machine."""
+        from hybridpar.graph.models import parse_shape
+        from hybridpar.profile.run import ProfileOptions, op_specs, parse_int_list, run_profile, sizes_default
+
+        opts = ProfileOptions(
+            ranks=parse_int_list(ranks, "--ranks"),
+            sizes=parse_int_list(sizes, "--sizes") if sizes else tuple(sizes_default()),
+            model=model or None, batch=batch, input_shape=parse_shape(input_shape),
+            splits=parse_int_list(splits, "--splits"), warmup=warmup, repeats=repeats, merge=not no_merge)
+        opts.validate()
+        specs = op_specs(opts)  # bad --model fails here, before any progress output
+        if json_:
+            cal, path = run_profile(opts, out, specs=specs)
+            print_json({"path": str(path), **cal.model_dump(mode="json")})
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err_console, transient=True) as bar:
+            task = bar.add_task("profiling", total=None)
+
+            def step(desc: str, total: int) -> None:
+                if bar.tasks[0].total is None:
+                    bar.update(task, total=total)
+                else:
+                    bar.advance(task)
+                bar.update(task, description=desc)
+
+            cal, path = run_profile(opts, out, progress=step, specs=specs)
+        _print(cal, path)
+
+
+def _print(cal, path) -> None:
+    console.print(f"calibration written to {path}")
+    console.print(f"matmul (1 thread): {cal.peak_flops_fp32 / 1e9:.3g} GFLOP/s; copy bandwidth "
+                  f"{cal.mem_bw_Bps / 1e9:.3g} GB/s; {cal.cpu_count} core(s)")
+    rows = [[p, f.alpha_s * 1e6, 1e-6 / f.beta_s_per_byte if f.beta_s_per_byte else float("inf"),
+             f.max_rel_residual, max(m.rel_spread for m in f.times)] for p, f in sorted(cal.gloo.items())]
+    console.print(table("gloo allreduce fit: T = 2(p-1) alpha + 2(p-1)/p n beta",
+                        ["ranks", "alpha us", "1/beta MB/s", "worst fit error", "worst spread (p90-p10)/med"],
+                        rows))
+    if cal.ops:
+        ops_rows = [[r.op, r.key.split("|", 1)[1], r.fwd.median_s * 1e3, r.bwd_data.median_s * 1e3,
+                     r.bwd_weight.median_s * 1e3 if r.bwd_weight else 0.0, r.fwd.rel_spread]
+                    for r in list(cal.ops.values())[:40]]
+        console.print(table(f"op times, ms ({len(cal.ops)} shapes)",
+                            ["op", "shapes", "fwd", "bwd data", "bwd weight", "fwd spread"], ops_rows,
+                            justify_right=lambda c: c not in ("op", "shapes")))

@@ -1,0 +1,128 @@
+"""`run_profile`: measure this machine and write the calibration file."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridpar.errors import UserError
+from hybridpar.profile.calibration import (
+    Calibration,
+    GlooFit,
+    OpRecord,
+    default_calibration_path,
+    load_calibration,
+    save_calibration,
+)
+from hybridpar.profile.gloo import DEFAULT_SIZES, fit_alpha_beta, measure_allreduce
+
+Progress = Callable[[str, int], None]  # (description of the step starting, total steps)
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    ranks: tuple[int, ...] = (2, 4)
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    model: str | None = "small_cnn"
+    batch: int = 32
+    input_shape: tuple[int, ...] | None = None
+    splits: tuple[int, ...] = (1,)
+    warmup: int = 2
+    repeats: int = 10
+    merge: bool = True  # keep op records and gloo fits of an existing file that this run does not redo
+
+    def validate(self) -> None:
+        if not self.ranks or any(r < 2 or r > 64 for r in self.ranks):
+            raise UserError(f"--ranks: each rank count must be in 2..64, got {list(self.ranks)}")
+        if not self.sizes or any(s < 4 for s in self.sizes) or len(set(self.sizes)) < 2:
+            raise UserError("--sizes: need at least two different sizes of >= 4 bytes to fit alpha and beta")
+        if self.batch < 1:
+            raise UserError(f"--batch must be >= 1, got {self.batch}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise UserError("--repeats must be >= 1 and --warmup >= 0")
+        if any(k < 1 for k in self.splits):
+            raise UserError(f"--splits must be positive integers, got {list(self.splits)}")
+
+
+def op_specs(opts: ProfileOptions) -> list:
+    """The conv/linear shapes to profile for `opts.model` (UserError for a bad model spec)."""
+    if not opts.model:
+        return []
+    from hybridpar.graph.models import load_model
+    from hybridpar.profile import ops
+
+    loaded = load_model(opts.model, batch=opts.batch, input_shape=opts.input_shape)
+    return ops.split_variants(ops.collect_op_specs(loaded.module, loaded.example_inputs), opts.splits)
+
+
+def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
+                progress: Progress | None = None, specs: list | None = None) -> tuple[Calibration, Path]:
+    """Measure matmul peak, copy bandwidth, the model's op times and gloo allreduce; write the file."""
+    opts.validate()
+    import torch
+
+    from hybridpar.cluster.localhost import physical_cores
+    from hybridpar.profile import ops
+
+    torch.set_num_threads(1)  # one rank = one core: measure what one rank gets
+    if specs is None:
+        specs = op_specs(opts)
+    total = 2 + len(specs) + len(opts.ranks)
+    step = progress or (lambda desc, total: None)
+
+    step("matmul peak", total)
+    peak, mm = ops.matmul_peak(warmup=opts.warmup, repeats=opts.repeats)
+    step("copy bandwidth", total)
+    bw, _ = ops.copy_bandwidth(warmup=opts.warmup, repeats=opts.repeats)
+    records: dict[str, OpRecord] = {}
+    for s in specs:
+        step(f"{s.op} {'x'.join(map(str, s.x))}", total)
+        rec = ops.profile_op(s, warmup=opts.warmup, repeats=max(3, opts.repeats // 2))
+        records[rec.key] = rec
+    fits: dict[int, GlooFit] = {}
+    for p in opts.ranks:
+        step(f"gloo allreduce, {p} ranks", total)
+        times = measure_allreduce(p, opts.sizes, warmup=opts.warmup, repeats=opts.repeats)
+        fits[p] = fit_alpha_beta(p, opts.sizes, times)
+
+    path = Path(out).expanduser() if out is not None else default_calibration_path()
+    old = _previous(path) if opts.merge else None
+    if old is not None:
+        records = {**old.ops, **records}
+        fits = {**old.gloo, **fits}
+    cal = Calibration(created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                      hostname=platform.node(), cpu_count=physical_cores(), torch_version=torch.__version__,
+                      threads_per_rank=1, peak_flops_fp32=peak, matmul=mm, mem_bw_Bps=bw, gloo=fits,
+                      ops=records)
+    return cal, save_calibration(cal, path)
+
+
+def _previous(path: Path) -> Calibration | None:
+    try:
+        return load_calibration(path)
+    except UserError:
+        return None  # an unreadable old file is simply replaced
+
+
+def parse_int_list(text: str, what: str) -> tuple[int, ...]:
+    """'2,4' -> (2, 4); sizes may use K/M suffixes (binary)."""
+    out = []
+    for tok in str(text).split(","):
+        tok = tok.strip().upper()
+        mult = 1
+        if tok.endswith(("K", "M")):
+            mult = 1024 if tok[-1] == "K" else 1 << 20
+            tok = tok[:-1]
+        try:
+            out.append(int(tok) * mult)
+        except ValueError:
+            raise UserError(f"{what} {text!r}: expected comma-separated integers") from None
+    return tuple(out)
+
+
+def sizes_default() -> Sequence[int]:
+    return DEFAULT_SIZES

@@ -1,0 +1,85 @@
+"""`hybridpar profile` on this machine, end to end, and the calibrated model against a fresh run."""
+
+import json
+
+import pytest
+
+from hybridpar.cli.main import main
+from hybridpar.cluster import load_cluster
+from hybridpar.cost.collectives import allreduce_time
+from hybridpar.profile.calibration import load_calibration
+from hybridpar.profile.gloo import measure_allreduce
+
+SIZES = "16K,256K,2M"
+FRESH_BYTES = 512 << 10  # between the calibrated sizes: a prediction, not a fitted point
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cal") / "calibration.json"
+    argv = ["profile", "--out", str(path), "--ranks", "2", "--model", "small_cnn", "--batch", "4",
+            "--sizes", SIZES, "--repeats", "7", "--warmup", "2", "--json"]
+    return path, main(argv)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_profile_writes_a_calibration_that_localhost_uses(calibration, capsys):
+    path, rc = calibration
+    assert rc == 0 and path.exists()
+    cal = load_calibration(path)
+    assert set(cal.gloo) == {2} and cal.gloo[2].sizes_bytes == [16 << 10, 256 << 10, 2 << 20]
+    assert cal.peak_flops_fp32 > 1e8 and cal.mem_bw_Bps > 1e7
+    assert cal.ops and all(r.fwd.median_s > 0 and r.bwd_weight is not None for r in cal.ops.values())
+    c = load_cluster("localhost", gpus=2, calibration=path)
+    assert c.device.peak("fp32") == cal.peak_flops_fp32
+    assert c.intra.link_latency_s == pytest.approx(cal.gloo[2].alpha_s)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_small_cnn_convs_use_the_measured_table(calibration):
+    trace_mod = pytest.importorskip("hybridpar.graph.trace")
+    from hybridpar.cost.compute import op_time
+    from hybridpar.graph.models import load_model
+
+    path, rc = calibration
+    assert rc == 0
+    m = load_model("small_cnn", batch=4)
+    g = trace_mod.trace(m.module, m.example_inputs)
+    dev = load_cluster("localhost", gpus=2, calibration=path).device
+    convs = [n for n in g.nodes if n.op in ("conv2d", "linear")]
+    assert convs and all(op_time(n, dev, calibration=path).source == "measured" for n in convs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fresh_gloo_allreduce_matches_the_calibrated_prediction(calibration):
+    """Tolerance, from measured spread. The prediction is T = 2 alpha + n beta at p = 2 from the fit;
+    the fresh run is the median of 10 timed allreduces in new processes. On this shared 2-core machine
+    (load average up to 14 while other jobs ran) six calibrate-then-measure trials gave fresh/predicted
+    ratios 0.75, 0.76, 0.76, 2.9, 4.3 and 5.0, while the runs' own (p90 - p10)/median spreads were 0.2
+    to 18: the error is the machine's load changing between runs, and it is as large as the spread the
+    runs themselves show. So the test accepts a ratio within a factor (1 + s)(1 + r), s = the largest
+    spread measured in the calibration or the fresh run, r = the fit's worst relative residual, but
+    at least a factor 1.5. On a quiet machine (spreads ~0.2-0.5) that is a factor ~1.5-2, which a model
+    wrong in form or scale (say a beta off by the ring factor, or 10x) misses. Up to three fresh runs,
+    since a single burst of load from another job can slow one run by more than any earlier spread
+    showed."""
+    path, rc = calibration
+    assert rc == 0
+    cal = load_calibration(path)
+    fit = cal.gloo[2]
+    predicted = allreduce_time(FRESH_BYTES, [0, 1], load_cluster("localhost", gpus=2, calibration=path))
+    assert predicted == pytest.approx(fit.predict_s(FRESH_BYTES), rel=1e-3)
+    calib_spread = max(m.rel_spread for m in fit.times)
+    tries = []
+    for _ in range(3):
+        fresh = measure_allreduce(2, [FRESH_BYTES], warmup=2, repeats=10)[0]
+        tol = max(1.5, (1 + max(calib_spread, fresh.rel_spread)) * (1 + fit.max_rel_residual))
+        ratio = fresh.median_s / predicted
+        tries.append((round(ratio, 3), round(tol, 2)))
+        if 1 / tol <= ratio <= tol:
+            break
+    else:
+        pytest.fail(f"fresh/predicted ratio outside tolerance in every try: {json.dumps(tries)}")
