@@ -2,7 +2,7 @@
 
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 
-__all__ = ["DTYPE_BYTES", "Graph", "Node", "trace", "load_model"]
+__all__ = ["DTYPE_BYTES", "Graph", "Node", "load_model", "trace"]
 
 
 def __getattr__(name):

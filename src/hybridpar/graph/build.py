@@ -60,5 +60,5 @@ def _refine(r: OpRecord, params: tuple[ParamRef, ...], n_data: int) -> tuple[str
         w = params[0][1]
         k = r.attrs.get("k")
         out_f = w[1] if w[0] == k else w[0]
-        return "linear", dict(in_features=k, out_features=out_f, bias=len(params) > 1)
+        return "linear", {"in_features": k, "out_features": out_f, "bias": len(params) > 1}
     return r.kind, r.attrs

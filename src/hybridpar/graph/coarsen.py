@@ -10,6 +10,7 @@ module prefix common to its members). Graph input nodes are never merged.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterable
 
 from hybridpar.graph.types import Graph, Node
@@ -89,7 +90,7 @@ def _greedy_partition(g: Graph, max_nodes: int) -> list[list[str]]:
     while len(members) > max_nodes:
         topo = _topo(members, pred, order)
         pairs = {(a, b) for a in members for b in succ[a]}
-        pairs |= set(zip(topo, topo[1:]))
+        pairs |= set(itertools.pairwise(topo))
         cands = sorted((p for p in pairs if not (set(p) & fixed)),
                        key=lambda p: (-len(_common(scope[p[0]], scope[p[1]])), flops[p[0]] + flops[p[1]],
                                       order[p[0]], order[p[1]]))

@@ -13,8 +13,10 @@ Other ops are counted too so the cost model sees them, with these documented app
   softmax: fwd 5n, bwd 4n.   loss (cross-entropy on logits): fwd 6*logits, bwd 2*logits.
   embedding, concat, flatten, reshape: 0 (memory movement only).
 LSTM: gate and projection matrix products only (the elementwise gate math, ~0.5% for hidden >= 256,
-is left out), which is what FlopCounterMode counts for nn.LSTM (its aten op decomposes into
-mm/addmm on CPU and meta); backward skips the gradient into the zero initial state, as autograd does.
+is left out), which is what FlopCounterMode counts for nn.LSTM where its aten op decomposes into
+mm/addmm (on the meta device, and on CPU with projections; CPU's oneDNN kernel, used without
+projections, is opaque to FlopCounterMode); backward skips the gradient into the zero initial state,
+as autograd does. tests/graph checks the rule against FlopCounterMode on meta.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 Shape = tuple[int, ...]
@@ -117,32 +116,32 @@ def _pair(v) -> tuple[int, int]:
 
 def _conv_attrs(mod, args, kwargs, ins, out) -> dict:
     if isinstance(mod, nn.Conv2d):
-        return dict(in_channels=mod.in_channels, out_channels=mod.out_channels, kernel=tuple(mod.kernel_size),
-                    stride=tuple(mod.stride), padding=_pair(mod.padding) if not isinstance(mod.padding, str)
-                    else mod.padding, dilation=tuple(mod.dilation), groups=mod.groups, bias=mod.bias is not None)
+        return {"in_channels": mod.in_channels, "out_channels": mod.out_channels, "kernel": tuple(mod.kernel_size),
+                    "stride": tuple(mod.stride), "padding": _pair(mod.padding) if not isinstance(mod.padding, str)
+                    else mod.padding, "dilation": tuple(mod.dilation), "groups": mod.groups, "bias": mod.bias is not None}
     w = ins[1]
     groups = int(_arg(args, kwargs, 6, "groups", 1))
-    return dict(in_channels=w[1] * groups, out_channels=w[0], kernel=tuple(w[2:]),
-                stride=_pair(_arg(args, kwargs, 3, "stride", 1)), padding=_pair(_arg(args, kwargs, 4, "padding", 0)),
-                dilation=_pair(_arg(args, kwargs, 5, "dilation", 1)), groups=groups,
-                bias=_arg(args, kwargs, 2, "bias") is not None)
+    return {"in_channels": w[1] * groups, "out_channels": w[0], "kernel": tuple(w[2:]),
+                "stride": _pair(_arg(args, kwargs, 3, "stride", 1)), "padding": _pair(_arg(args, kwargs, 4, "padding", 0)),
+                "dilation": _pair(_arg(args, kwargs, 5, "dilation", 1)), "groups": groups,
+                "bias": _arg(args, kwargs, 2, "bias") is not None}
 
 
 def _linear_attrs(mod, args, kwargs, ins, out) -> dict:
     if isinstance(mod, nn.Linear):
-        return dict(in_features=mod.in_features, out_features=mod.out_features, bias=mod.bias is not None)
+        return {"in_features": mod.in_features, "out_features": mod.out_features, "bias": mod.bias is not None}
     if len(ins) >= 2 and ins[1] is not None and len(ins[1]) == 2:  # F.linear / aten.linear: W is (out, in)
-        return dict(in_features=ins[1][1], out_features=ins[1][0], bias=len(ins) > 2)
+        return {"in_features": ins[1][1], "out_features": ins[1][0], "bias": len(ins) > 2}
     if len(ins) == 3:  # aten.addmm(bias, x, W^T)
-        return dict(in_features=ins[1][-1], out_features=ins[2][-1], bias=True)
-    return dict(in_features=ins[0][-1], out_features=out[-1], bias=False)
+        return {"in_features": ins[1][-1], "out_features": ins[2][-1], "bias": True}
+    return {"in_features": ins[0][-1], "out_features": out[-1], "bias": False}
 
 
 def _lstm_attrs(mod, args, kwargs, ins, out) -> dict:
     if not isinstance(mod, nn.LSTM):
-        raise ValueError("an LSTM op outside nn.LSTM is not supported")
-    return dict(input_size=mod.input_size, hidden=mod.hidden_size, proj=mod.proj_size, layers=mod.num_layers,
-                bidirectional=mod.bidirectional, batch_first=mod.batch_first, bias=mod.bias)
+        raise TypeError("an LSTM op outside nn.LSTM is not supported")
+    return {"input_size": mod.input_size, "hidden": mod.hidden_size, "proj": mod.proj_size, "layers": mod.num_layers,
+                "bidirectional": mod.bidirectional, "batch_first": mod.batch_first, "bias": mod.bias}
 
 
 def _pool_attrs(mod, args, kwargs, ins, out) -> dict:
@@ -152,19 +151,19 @@ def _pool_attrs(mod, args, kwargs, ins, out) -> dict:
         k = _arg(args, kwargs, 1, "kernel_size", 1)
         s = _arg(args, kwargs, 2, "stride", None) or k
         p = _arg(args, kwargs, 3, "padding", 0)
-    return dict(kernel=_pair(k), stride=_pair(s if s is not None else k), padding=_pair(p))
+    return {"kernel": _pair(k), "stride": _pair(s if s is not None else k), "padding": _pair(p)}
 
 
 def _embedding_attrs(mod, args, kwargs, ins, out) -> dict:
     if isinstance(mod, nn.Embedding):
-        return dict(num_embeddings=mod.num_embeddings, embedding_dim=mod.embedding_dim)
+        return {"num_embeddings": mod.num_embeddings, "embedding_dim": mod.embedding_dim}
     w = next((s for s in ins if s and len(s) == 2), (0, out[-1]))
-    return dict(num_embeddings=w[0], embedding_dim=w[1])
+    return {"num_embeddings": w[0], "embedding_dim": w[1]}
 
 
 def _norm_attrs(mod, args, kwargs, ins, out) -> dict:
     n = getattr(mod, "num_features", None) or (out[1] if len(out) > 1 else out[-1])
-    return dict(num_features=int(n), eps=float(getattr(mod, "eps", 1e-5)))
+    return {"num_features": int(n), "eps": float(getattr(mod, "eps", 1e-5))}
 
 
 _ATTRS = {

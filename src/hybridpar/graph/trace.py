@@ -28,10 +28,10 @@ def trace(module: nn.Module, example_inputs, name: str | None = None) -> Graph:
     name = name or type(module).__name__
     try:
         records, tracer = _fx_records(module, inputs), "torch.fx"
-    except Exception as fx_err:  # fx rejects data-dependent Python control flow, among others
+    except Exception as fx_err:  # noqa: BLE001 -- fx rejects Python control flow and more; try export
         try:
             records, tracer = _export_records(module, inputs), "torch.export"
-        except Exception as ex_err:
+        except Exception as ex_err:  # noqa: BLE001 -- a user's model can raise anything
             raise UserError(f"cannot trace model {name!r}: torch.fx: {_short(fx_err)}; "
                             f"torch.export: {_short(ex_err)}") from None
     batch = _batch_of(inputs)
@@ -60,6 +60,10 @@ def _fx_records(module: nn.Module, inputs: tuple) -> list[OpRecord]:
     return [r for n in gm.graph.nodes if (r := _fx_record(gm, n)) is not None]
 
 
+def _to_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
 class _ShapePropRun(nn.Module):
     """Runs ShapeProp inside functional_call, so the graph module sees swapped-in meta weights."""
 
@@ -75,13 +79,12 @@ def _propagate_shapes(gm: GraphModule, inputs: tuple) -> None:
     # Shapes on the meta device: no arithmetic and no weight copies, so big real models trace fast.
     # Modules that build CPU tensors inside forward cannot mix with meta; run those for real.
     # ShapeProp prints a traceback before re-raising; errors reach the user as one line instead.
-    to_meta = lambda t: torch.empty_like(t, device="meta")  # noqa: E731
     with contextlib.redirect_stderr(io.StringIO()):
         try:
-            state = {f"gm.{k}": to_meta(v) for k, v in (*gm.named_parameters(), *gm.named_buffers())}
-            meta_inputs = tuple(to_meta(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+            state = {f"gm.{k}": _to_meta(v) for k, v in (*gm.named_parameters(), *gm.named_buffers())}
+            meta_inputs = tuple(_to_meta(x) if isinstance(x, torch.Tensor) else x for x in inputs)
             torch.func.functional_call(_ShapePropRun(gm), state, meta_inputs)
-        except Exception:
+        except Exception:  # noqa: BLE001 -- any meta failure: retry with the real tensors
             ShapeProp(gm).propagate(*inputs)
 
 

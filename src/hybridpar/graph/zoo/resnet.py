@@ -70,7 +70,7 @@ class ResNet(nn.Module):
         return self.fc(self.flatten(self.avgpool(x)))
 
 
-_IMG = dict(kind="cnn", input_shape=(3, 224, 224), num_classes=1000)
+_IMG = {"kind": "cnn", "input_shape": (3, 224, 224), "num_classes": 1000}
 
 
 @register("resnet50", **_IMG, published_params=25_557_032, reference=_TV,

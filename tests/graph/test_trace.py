@@ -1,0 +1,139 @@
+"""trace(): node kinds, shapes, module names, parameter attribution, FLOPs; torch.export fallback."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpar.errors import UserError
+from hybridpar.graph.flops import lstm_flops, matmul_flops
+from hybridpar.graph.models import load_model
+from hybridpar.graph.trace import trace
+
+
+def _acyclic_and_ordered(g) -> bool:
+    seen = set()
+    for n in g.nodes:
+        if not set(n.inputs) <= seen:
+            return False
+        seen.add(n.name)
+    return True
+
+
+def test_small_resnet_nodes_map_back_to_modules():
+    lm = load_model("small_resnet", batch=2)
+    g = trace(lm.module, lm.example_inputs, "small_resnet")
+    mods = dict(lm.module.named_modules())
+    assert dict(g.meta)["tracer"] == "torch.fx"
+    assert _acyclic_and_ordered(g)
+    assert g.params == sum(p.numel() for p in lm.module.parameters())
+    convs = [n for n in g.nodes if n.op == "conv2d"]
+    assert convs and all(isinstance(mods[n.module], nn.Conv2d) for n in convs)
+    first = g.node("conv1")
+    assert first.attr("kernel") == (3, 3) and first.attr("out_channels") == 16 and first.attr("bias") is False
+    assert first.out_shape == (2, 16, 32, 32) and first.in_shapes == ((2, 3, 32, 32),)
+    # First layer: no gradient w.r.t. the input image; later ones have one.
+    assert first.bwd_data_flops == 0 and first.bwd_weight_flops == first.fwd_flops
+    assert all(n.bwd_data_flops == n.fwd_flops for n in convs[1:])
+    adds = [n for n in g.nodes if n.op == "add"]
+    assert len(adds) == 3 and all(len(n.inputs) == 2 for n in adds) and all(n.module is None for n in adds)
+    assert adds[0].attr("scope") == "layers.0"
+    # Every non-input node reads something: shape-only ops were folded without cutting the DAG.
+    assert all(n.inputs for n in g.nodes if n.op != "input")
+    assert not any(n.op in ("fold", "reshape") for n in g.nodes)
+
+
+def test_functional_ops_and_tied_weights():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 8)
+            self.scale = nn.Parameter(torch.ones(8))
+
+        def forward(self, ids):
+            h = self.emb(ids) * self.scale
+            return F.linear(torch.tanh(h), self.emb.weight)  # output layer tied to the embedding
+
+    m = Tied()
+    g = trace(m, (torch.randint(0, 50, (3, 4)),))
+    assert g.params == 50 * 8 + 8  # the tied weight counts once
+    lin = next(n for n in g.nodes if n.op == "linear")
+    assert lin.attr("in_features") == 8 and lin.attr("out_features") == 50
+    assert lin.fwd_flops == 2 * 12 * 8 * 50 and lin.bwd_weight_flops == lin.fwd_flops
+    assert [n.op for n in g.nodes] == ["input", "embedding", "mul", "pointwise", "linear"]
+
+
+class ShapeBranch(nn.Module):
+    """Python control flow on a tensor's shape: torch.fx cannot trace it, torch.export can."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(x)))
+        if y.shape[-1] > 4:
+            y = F.max_pool2d(y, 2)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1))
+
+
+def test_export_fallback_for_untraceable_module(flop_counter):
+    m = ShapeBranch()
+    x = torch.randn(2, 3, 16, 16)
+    with pytest.raises(torch.fx.proxy.TraceError):
+        torch.fx.symbolic_trace(m)
+    g = trace(m, (x,))
+    assert dict(g.meta)["tracer"] == "torch.export"
+    assert [n.op for n in g.nodes] == ["input", "conv2d", "batchnorm", "relu", "maxpool", "adaptive_avgpool",
+                                       "flatten", "linear"]
+    conv = g.nodes[1]
+    assert conv.module == "conv" and conv.attr("kernel") == (3, 3) and conv.out_shape == (2, 8, 16, 16)
+    assert g.node(g.nodes[-1].name).module == "fc"
+    assert g.params == sum(p.numel() for p in m.parameters())
+    fwd, bwd = flop_counter(m, (x,))
+    mm = matmul_flops(g)
+    assert mm.fwd == fwd and mm.bwd_data + mm.bwd_weight == bwd
+
+
+def test_value_dependent_control_flow_is_a_user_error():
+    class ValueBranch(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    with pytest.raises(UserError, match="cannot trace"):
+        trace(ValueBranch(), (torch.randn(2, 3),))
+
+
+def test_wrong_input_shape_is_a_user_error():
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 30 * 30, 2))
+    with pytest.raises(UserError):
+        trace(m, (torch.randn(1, 3, 16, 16),))
+
+
+@pytest.mark.parametrize("cfg", [
+    {"input_size": 6, "hidden": 8, "proj": 0, "layers": 1, "bidirectional": False, "input_grad": True},
+    {"input_size": 6, "hidden": 8, "proj": 3, "layers": 2, "bidirectional": False, "input_grad": False},
+    {"input_size": 5, "hidden": 4, "proj": 0, "layers": 2, "bidirectional": True, "input_grad": True},
+])
+def test_lstm_rule_matches_flop_counter(cfg, flop_counter):
+    # On the meta device nn.LSTM decomposes into mm/addmm that FlopCounterMode counts; on CPU the
+    # oneDNN kernel (used without projections) is opaque to it and counts 0.
+    with torch.device("meta"):
+        lstm = nn.LSTM(cfg["input_size"], cfg["hidden"], num_layers=cfg["layers"], proj_size=cfg["proj"],
+                       bidirectional=cfg["bidirectional"], batch_first=True)
+        x = torch.randn(3, 7, cfg["input_size"], requires_grad=cfg["input_grad"])
+    fwd, bwd = flop_counter(lambda t: lstm(t)[0], (x,))
+    ours = lstm_flops(batch=3, steps=7, **cfg)
+    assert ours.fwd == fwd and ours.bwd_data + ours.bwd_weight == bwd
+
+
+def test_meta_model_traces_without_weights():
+    lm = load_model("biglstm", batch=1, device="meta")
+    assert all(p.is_meta for p in lm.module.parameters())
+    g = trace(lm.module, lm.example_inputs, "biglstm")
+    assert g.params == 1_776_948_095
+    lstm = next(n for n in g.nodes if n.op == "lstm")
+    assert dict(lstm.attrs)["hidden"] == 8192 and dict(lstm.attrs)["proj"] == 1024
+    assert g.nodes[-1].out_shape == (1, 20, 793_471)
