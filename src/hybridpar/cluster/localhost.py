@@ -44,10 +44,11 @@ def localhost_cluster(spec: ClusterFile, ranks: int | None, calibration: str | o
     share = oversubscription(ranks, cores)
     device = base.device.model_copy(update={"time_share": share})
     memory = _physical_memory_bytes()
-    if memory is not None:
-        device = device.model_copy(update={"memory_bytes": memory / ranks})
     intra = base.intra
     sources = dict(base.sources)
+    if memory is not None:
+        device = device.model_copy(update={"memory_bytes": memory / ranks})
+        sources["device.memory_bytes"] = "this machine's physical memory (os.sysconf) / ranks"
     notes = list(base.notes)
     if cal is not None:
         where = str(calibration or default_calibration_path())
