@@ -8,7 +8,8 @@ from torch import nn
 
 from hybridpar.errors import UserError
 from hybridpar.graph.models import load_model
-from hybridpar.runtime.mp import partition_module
+from hybridpar.plan import Plan
+from hybridpar.runtime.mp import check_mp_plan, partition_module
 from hybridpar.runtime.mp.executor import crossings, meta_copy, meta_values
 
 
@@ -102,3 +103,14 @@ def test_zoo_models_run_and_train(name):
     assert out.shape == (2, 10)
     out.sum().backward()
     assert all(p.grad is not None for p in lm.module.parameters())
+
+
+def test_check_mp_plan_before_spawning():
+    plan = Plan(model="small_cnn", world_size=4, batch=8, dp=2, mp=2, default_layout={"sample": 2},
+                placement={"16": 1})
+    check_mp_plan(load_model("small_cnn").module, plan, 8)
+    with pytest.raises(UserError, match="batch-norm"):
+        check_mp_plan(load_model("small_cnn").module, plan, 9)
+    bad = plan.model_copy(update={"placement": {"conv9": 1}})
+    with pytest.raises(UserError, match="neither a module"):
+        check_mp_plan(load_model("small_cnn").module, bad, 8)

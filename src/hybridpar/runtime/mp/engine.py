@@ -83,6 +83,7 @@ class MPEngine:
         self._local_state = {k: t for k, t in full.items() if owner[k] == self.layout.device}
         self._take_over(module)
         self._params = [p for k, p in module.named_parameters() if owner[k] == self.layout.device]
+        self._placeholder = nn.Parameter(torch.empty(0, device=self.device))
         lay = self.layout
         self.link = Link(rank_of_device=lambda d: lay.rank_of(lay.replica, d), log=self.comm_log,
                          prepost=not ordered)
@@ -113,8 +114,10 @@ class MPEngine:
 
     # -- the Engine contract -----------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The parameters this rank owns (its device's share of the model)."""
-        return iter(self._params)
+        """The parameters this rank owns (its device's share of the model). A device the placement
+        left without weights yields one empty placeholder (never given a gradient, so optimizers
+        skip it), because torch.optim rejects an empty parameter list."""
+        return iter(self._params or [self._placeholder])
 
     def local_batch(self, x_global: torch.Tensor, y_global: torch.Tensor):
         """This replica's contiguous slice of the global batch (every device of a replica gets it)."""
@@ -189,3 +192,16 @@ class MPEngine:
             if b:
                 out[kind] = out.get(kind, 0) + b
         return out
+
+
+def check_mp_plan(module: nn.Module, plan: Plan, batch: int) -> None:
+    """Validate an MP plan against the model before any rank starts (UserError on a problem): the
+    model traces, the placement names its modules, weights sit on one device, the batch splits."""
+    if batch < plan.dp:
+        raise UserError(f"global batch {batch} smaller than dp={plan.dp}")
+    from hybridpar.runtime.mp.norm import has_batch_norm
+
+    if plan.dp > 1 and batch % plan.dp and has_batch_norm(module):
+        raise UserError(f"global batch {batch} must divide evenly over dp={plan.dp} replicas for global "
+                        "batch-norm statistics")
+    partition_module(module, plan.placement, plan.mp)
