@@ -58,6 +58,7 @@ class InterNode(_Frozen):
 class Route:
     links: tuple[str, ...]
     latency_s: float
+    capacities_Bps: tuple[float, ...] = ()  # of each link, in the same order
 
 
 class Cluster(_Frozen):
@@ -145,29 +146,40 @@ class Cluster(_Frozen):
             return [(f"n{n}:dev{la}:tx", port), (f"n{n}:dev{lb}:rx", port)]
         return [(f"n{n}:loop{la}>{lb}", intra.link_bw_Bps)]
 
+    @cached_property
+    def _routes(self) -> dict[tuple[int, int], Route]:
+        return {}  # memo: collectives ask for the same pairs again and again
+
     def route(self, a: int, b: int) -> Route:
-        """Link ids and latency of a transfer from device a to device b."""
+        """Link ids (with capacities) and latency of a transfer from device a to device b."""
+        hit = self._routes.get((a, b))
+        if hit is None:
+            hit = self._routes[(a, b)] = self._route(a, b)
+        return hit
+
+    def _route(self, a: int, b: int) -> Route:
+        self._check(a)
+        self._check(b)
         if a == b:
-            self._check(a)
             return Route((), 0.0)
         if self.node_of(a) == self.node_of(b):
-            links = tuple(link for link, _ in self._intra_links(a, b))
+            links = self._intra_links(a, b)
             direct = self.intra.kind != "mesh" or self.nvlinks(a, b) > 0
-            return Route(links, self.intra.link_latency_s if direct else self.intra.fallback_latency_s)
+            return Route(tuple(link for link, _ in links),
+                         self.intra.link_latency_s if direct else self.intra.fallback_latency_s,
+                         tuple(cap for _, cap in links))
         assert self.inter is not None, "multi-node cluster without an inter-node network"
         na, nb = self.node_of(a), self.node_of(b)
-        return Route((f"n{na}:nic{self.nic_of(a)}:tx", f"n{nb}:nic{self.nic_of(b)}:rx"), self.inter.latency_s)
+        return Route((f"n{na}:nic{self.nic_of(a)}:tx", f"n{nb}:nic{self.nic_of(b)}:rx"), self.inter.latency_s,
+                     (self.inter.nic_bw_Bps, self.inter.nic_bw_Bps))
 
     def links_between(self, a: int, b: int) -> tuple[str, ...]:
         return self.route(a, b).links
 
     def p2p_bw_Bps(self, a: int, b: int) -> float:
         """Bandwidth of one transfer a -> b alone on the cluster (its bottleneck link)."""
-        links = self.route(a, b).links
-        if not links:
-            return self.device.mem_bw_Bps
-        caps = self.capacities
-        return min(caps[link] for link in links)
+        caps = self.route(a, b).capacities_Bps
+        return min(caps) if caps else self.device.mem_bw_Bps
 
     def p2p_latency_s(self, a: int, b: int) -> float:
         return self.route(a, b).latency_s

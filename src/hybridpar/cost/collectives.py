@@ -74,7 +74,6 @@ def _step(flows: Sequence[_Flow], cluster: Cluster, load: Counter | None = None)
     `load` counts every transfer on each link in this step, including other groups' transfers."""
     if not flows:
         return _Affine(0.0, 0.0)
-    caps = cluster.capacities
     routes = [cluster.route(s, d) for s, d, _ in flows]
     if load is None:
         load = Counter(link for r in routes for link in r.links)
@@ -82,7 +81,7 @@ def _step(flows: Sequence[_Flow], cluster: Cluster, load: Counter | None = None)
     beta = 0.0
     for (_, _, coef), r in zip(flows, routes):
         if r.links:
-            bw = min(caps[link] / load[link] for link in r.links)
+            bw = min(cap / load[link] for link, cap in zip(r.links, r.capacities_Bps))
             beta = max(beta, coef / bw)
     return _Affine(alpha, beta)
 
@@ -122,7 +121,6 @@ def _best_node_order(devs: tuple[int, ...], cluster: Cluster) -> tuple[int, ...]
 
 
 def _search_order(devs: tuple[int, ...], cluster: Cluster) -> tuple[int, ...]:
-    caps = cluster.capacities
     hop = {(a, b): cluster.route(a, b) for a in devs for b in devs if a != b}
 
     def score(order: tuple[int, ...]) -> tuple[float, float]:
@@ -130,7 +128,8 @@ def _search_order(devs: tuple[int, ...], cluster: Cluster) -> tuple[int, ...]:
         pairs = [(order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
         pairs += [(b, a) for a, b in pairs]
         load = Counter(link for pr in pairs for link in hop[pr].links)
-        worst_bw = min(caps[link] / load[link] for pr in pairs for link in hop[pr].links)
+        worst_bw = min(cap / load[link] for pr in pairs
+                       for link, cap in zip(hop[pr].links, hop[pr].capacities_Bps))
         return (1.0 / worst_bw, max(hop[pr].latency_s for pr in pairs))
 
     first, rest = devs[0], devs[1:]
