@@ -11,7 +11,7 @@ from hybridpar.errors import InfeasibleError
 from hybridpar.search.placer import BASELINES, PlacementProblem, Task, contract, solve, uniform_links
 from hybridpar.search.placer.ilp import solve_ilp
 from hybridpar.search.placer.result import fits
-from hybridpar.search.placer.schedule import build_ops, replay
+from hybridpar.search.placer.schedule import build_ops
 
 US = 1e-6  # test times are whole microseconds so the ILP (unit 1 us) has no rounding
 
@@ -135,7 +135,7 @@ def test_replayed_schedule_respects_resources_and_precedence():
             by_res.setdefault(res, []).append((a, b))
     for spans in by_res.values():
         spans.sort()
-        assert all(e1 <= s2 + 1e-15 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        assert all(e1 <= s2 + 1e-15 for (_, e1), (s2, _) in itertools.pairwise(spans))
     bd = r.breakdown
     assert bd.compute_s + bd.exposed_comm_s == pytest.approx(r.step_time_s)
 

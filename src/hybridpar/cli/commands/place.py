@@ -50,7 +50,7 @@ def register(app: click.Group) -> None:
 
         if workers < 1:
             raise UserError(f"--workers must be >= 1, got {workers}")
-        with _progress(not json_, f"placing {model} on {devices} device(s) with {solver}"):
+        with _progress(not json_ and err_console.is_terminal, f"placing {model} on {devices} device(s) with {solver}"):
             outcome = place_model(model, cluster, devices, solver=solver, time_limit_s=time_limit, batch=batch,
                                   coarsen=coarsen, input_shape=parse_shape(input_shape), workers=workers)
         if out:

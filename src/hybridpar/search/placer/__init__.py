@@ -12,8 +12,19 @@ from hybridpar.search.placer.result import PlacementResult, memory_per_device
 
 SOLVERS = ("ilp", *BASELINES)
 
-__all__ = ["SOLVERS", "BASELINES", "PlacementProblem", "PlacementResult", "Task", "best_baseline",
-           "contract", "memory_per_device", "place_model", "solve", "uniform_links"]
+__all__ = [
+    "BASELINES",
+    "SOLVERS",
+    "PlacementProblem",
+    "PlacementResult",
+    "Task",
+    "best_baseline",
+    "contract",
+    "memory_per_device",
+    "place_model",
+    "solve",
+    "uniform_links",
+]
 
 
 def solve(problem: PlacementProblem, solver: str = "ilp", *, time_limit_s: float = 30.0,

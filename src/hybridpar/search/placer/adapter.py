@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridpar.cluster import Cluster
+from hybridpar.cost import memory as cost_memory
 from hybridpar.cost.compute import op_time
 from hybridpar.cost.memory import OPTIMIZER_STATE_BYTES, kept_activations
 from hybridpar.graph.coarsen import merge_groups
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 from hybridpar.search.placer.problem import PlacementProblem, Task
 
-LSTM_STATE_FACTOR = 4  # as cost.memory: an LSTM keeps its 4 gates / cell state besides its output
 # SGD with momentum touches w, grad and momentum: read 3, write 2 tensors of the parameters' size.
 UPDATE_BYTES_PER_PARAM_BYTE = 5
 
@@ -92,25 +92,39 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
     tasks = []
     for n in coarse.nodes:
         fwd = bwd = 0.0
-        mem = out = 0
+        mem = out = grad = 0
         for x in members(n):
             fn = fine.node(x)
             t = op_time(fn, cluster, dtype=dtype)
             fwd += t.fwd_s
             bwd += t.bwd_s + UPDATE_BYTES_PER_PARAM_BYTE * fn.params * b / dev.mem_bw_Bps
             mem += fn.params * per_param
-            if x in kept and fn.out_shape:
-                mem += fn.out_numel * b * (1 + (LSTM_STATE_FACTOR if fn.op == "lstm" else 0))
+            grad += fn.params * b
+            mem += _activation_bytes(fn, x in kept, b)
             # graph inputs arrive from the data loader on whichever device consumes them
             if fn.op != "input" and any(owner[s] != n.name for s in fine_succ[x]):
                 out += fn.out_numel * b
-        tasks.append(Task(n.name, tuple(n.inputs), (fwd,) * m, (bwd,) * m, int(mem), int(out), node_modules(n)))
+        tasks.append(Task(n.name, tuple(n.inputs), (fwd,) * m, (bwd,) * m, int(mem), int(out), node_modules(n),
+                          int(grad)))
     bw = tuple(tuple(cluster.p2p_bw_Bps(a, c) if a != c else dev.mem_bw_Bps for c in device_ids) for a in device_ids)
     lat = tuple(tuple(cluster.p2p_latency_s(a, c) if a != c else 0.0 for c in device_ids) for a in device_ids)
     links = tuple(tuple(cluster.links_between(a, c) if a != c else () for c in device_ids) for a in device_ids)
     cap = int(mem_capacity_bytes if mem_capacity_bytes is not None else dev.memory_bytes)
     return PlacementProblem(coarse.name, tuple(tasks), m, (cap,) * m, bw, lat, links, tuple(device_ids),
                             (f"{cluster.name}: {dev.name}, {dtype}",))
+
+
+def _activation_bytes(node: Node, kept: bool, b: int) -> float:
+    """cost.memory.training_memory's activation rule for one node (its constants, so the sum over a
+    graph's nodes equals training_memory's total; a test checks it)."""
+    if not node.out_shape:
+        return 0.0
+    acts = 0.0
+    if kept:
+        acts += node.out_numel * b * (1 + (cost_memory._LSTM_STATE_FACTOR if node.op == "lstm" else 0))
+    if node.op == "maxpool":  # argmax indices kept for backward
+        acts += node.out_numel * cost_memory._INDEX_BYTES
+    return acts
 
 
 def placement_by_module(coarse: Graph, assignment: Sequence[int]) -> dict[str, int]:

@@ -40,16 +40,16 @@ class PlaceOutcome:
 
     def summary(self) -> dict:
         r, bd = self.result, self.result.breakdown
-        return dict(model=self.plan.model, cluster=self.plan.cluster, devices=self.plan.mp,
-                    device_ids=list(self.problem.device_ids), batch=self.plan.batch, solver=r.solver,
-                    status=r.status, nodes=len(self.graph), fine_nodes=self.fine_nodes,
-                    step_time_s=r.step_time_s, single_device_step_s=self.single_step_s,
-                    single_device_fits=self.single_fits,
-                    speedup=self.speedup, gap=r.gap, bound_s=r.bound_s, solve_time_s=r.solve_time_s,
-                    compute_s=bd.compute_s, exposed_comm_s=bd.exposed_comm_s, comm_s=bd.comm_s,
-                    idle_s=bd.idle_s, memory_bytes=r.memory_bytes,
-                    memory_capacity_bytes=list(self.problem.mem_capacity_bytes),
-                    baselines=self.baselines, notes=list(self.notes) + list(r.notes))
+        return {"model": self.plan.model, "cluster": self.plan.cluster, "devices": self.plan.mp,
+                    "device_ids": list(self.problem.device_ids), "batch": self.plan.batch, "solver": r.solver,
+                    "status": r.status, "nodes": len(self.graph), "fine_nodes": self.fine_nodes,
+                    "step_time_s": r.step_time_s, "single_device_step_s": self.single_step_s,
+                    "single_device_fits": self.single_fits,
+                    "speedup": self.speedup, "gap": r.gap, "bound_s": r.bound_s, "solve_time_s": r.solve_time_s,
+                    "compute_s": bd.compute_s, "exposed_comm_s": bd.exposed_comm_s, "comm_s": bd.comm_s,
+                    "idle_s": bd.idle_s, "memory_bytes": r.memory_bytes,
+                    "memory_capacity_bytes": list(self.problem.mem_capacity_bytes),
+                    "baselines": self.baselines, "notes": list(self.notes) + list(r.notes)}
 
 
 @lru_cache(maxsize=16)
@@ -98,12 +98,14 @@ def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2,
         raise UserError(f"--devices must be >= 1, got {devices}")
     if coarsen is not None and coarsen < 2:
         raise UserError(f"--coarsen must be >= 2 nodes, got {coarsen}")
-    batch = batch or DEFAULT_BATCH
+    batch = DEFAULT_BATCH if batch is None else batch
     if batch < 1:
         raise UserError(f"--batch must be >= 1, got {batch}")
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, devices)
-    if devices > cl.num_devices:
-        raise UserError(f"cluster {cl.name!r} has {cl.num_devices} devices, asked for {devices}")
+    if devices > cl.gpus_per_node:
+        # model parallelism sends activations at every cut: keep the group on one node's links
+        raise UserError(f"--devices {devices}: an MP group must fit in one node of {cl.name!r} "
+                        f"({cl.gpus_per_node} devices)")
     fine, name = model_graph(model, batch, input_shape)
     coarse = _coarse(fine, coarsen or DEFAULT_COARSEN)
     prob = problem_from_graph(coarse, fine, cl, tuple(range(devices)), dtype=dtype,
@@ -144,7 +146,7 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
         single_time = single
     bd = result.breakdown
     plan = Plan(model=name, input_shape=list(input_shape) if input_shape else None, cluster=cl.name,
-                world_size=devices, batch=batch or DEFAULT_BATCH, dp=1, mp=devices,
+                world_size=devices, batch=DEFAULT_BATCH if batch is None else batch, dp=1, mp=devices,
                 placement=placement_by_module(coarse, result.assignment), strategy=f"mp={devices}",
                 predicted=Prediction(step_time_s=result.step_time_s, compute_s=bd.compute_s, comm_s=bd.comm_s,
                                      exposed_comm_s=bd.exposed_comm_s, idle_s=bd.idle_s,

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from hybridpar.errors import InfeasibleError
-from hybridpar.search.placer.problem import PlacementProblem
+from hybridpar.search.placer.problem import PlacementProblem, fmt_bytes
 from hybridpar.search.placer.result import PlacementResult, evaluate, fits
 
 
@@ -23,8 +23,8 @@ def place_single(problem: PlacementProblem) -> PlacementResult:
     assignment = [0] * len(problem.tasks)
     if not fits(problem, assignment):
         need = sum(t.mem_bytes for t in problem.tasks)
-        raise InfeasibleError(f"{problem.name} needs {need / 2**30:.2f} GiB on one device, which holds "
-                              f"{problem.mem_capacity_bytes[0] / 2**30:.2f} GiB")
+        raise InfeasibleError(f"{problem.name} needs {fmt_bytes(need)} on one device, which holds "
+                              f"{fmt_bytes(problem.mem_capacity_bytes[0])}")
     return evaluate(problem, assignment, "single", solve_time_s=time.perf_counter() - t0)
 
 
@@ -112,8 +112,8 @@ class _Placer:
 
     def no_fit(self, v: int) -> InfeasibleError:
         t = self.p.tasks[v]
-        return InfeasibleError(f"{self.p.name}: node {t.name!r} ({t.mem_bytes / 2**30:.2f} GiB) fits on no device "
-                               f"once earlier nodes are placed (device memory {self.p.mem_capacity_bytes[0] / 2**30:.2f} GiB)")
+        return InfeasibleError(f"{self.p.name}: node {t.name!r} ({fmt_bytes(t.mem_bytes)}) fits on no device "
+                               f"once earlier nodes are placed (device memory {fmt_bytes(self.p.mem_capacity_bytes[0])})")
 
 
 def place_etf(problem: PlacementProblem) -> PlacementResult:
@@ -124,7 +124,7 @@ def place_etf(problem: PlacementProblem) -> PlacementResult:
     rank = _upward_rank(problem)
     missing = [len(ps) for ps in problem.preds]
     ready = {v for v in range(len(problem.tasks)) if missing[v] == 0}
-    fwd = lambda v, d: problem.tasks[v].fwd_s[d]  # noqa: E731
+    fwd = lambda v, d: problem.tasks[v].fwd_s[d]
     while ready:
         cands = [(st.est(v, d), -rank[v], d, v) for v in ready for d in range(problem.num_devices) if st.fits(v, d)]
         if not cands:
@@ -145,7 +145,7 @@ def place_greedy(problem: PlacementProblem) -> PlacementResult:
     t0 = time.perf_counter()
     st = _Placer(problem)
     rank = _upward_rank(problem)
-    step = lambda v, d: problem.tasks[v].fwd_s[d] + problem.tasks[v].bwd_s[d]  # noqa: E731
+    step = lambda v, d: problem.tasks[v].fwd_s[d] + problem.tasks[v].bwd_s[d]
     # decreasing upward rank is a topological order (a predecessor's rank exceeds its successor's)
     for v in sorted(range(len(problem.tasks)), key=lambda v: (-rank[v], v)):
         cands = [(st.est(v, d) + step(v, d), d) for d in range(problem.num_devices) if st.fits(v, d)]

@@ -39,11 +39,11 @@ def save_gantt(result: PlacementResult, path: str | os.PathLike, title: str | No
     rows = gantt_rows(result)
     scale, unit = (1e3, "ms") if result.step_time_s >= 1e-3 else (1e6, "us")
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * len(rows)))
-    for y, (label, bars) in enumerate(rows.items()):
-        for kind in COLORS:
+    for y, bars in enumerate(rows.values()):
+        for kind, color in COLORS.items():
             spans = [(s * scale, max(d * scale, 1e-9)) for s, d, k, _ in bars if k == kind]
             if spans:
-                ax.broken_barh(spans, (y - 0.38, 0.76), facecolors=COLORS[kind], edgecolor="white", linewidth=0.3)
+                ax.broken_barh(spans, (y - 0.38, 0.76), facecolors=color, edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(rows)), list(rows))
     ax.invert_yaxis()
     ax.set_xlabel(f"time in one training step ({unit})")

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from ortools.sat.python import cp_model
 
 from hybridpar.errors import InfeasibleError
-from hybridpar.search.placer.problem import PlacementProblem
+from hybridpar.search.placer.problem import PlacementProblem, fmt_bytes
 from hybridpar.search.placer.result import PlacementResult
 from hybridpar.search.placer.schedule import build_ops, list_schedule, replay
 
@@ -39,7 +39,7 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     t0 = time.perf_counter()
     problem.check_capacity()
     unit = time_unit_s or default_time_unit(problem)
-    q = lambda s: int(round(s / unit))  # noqa: E731
+    q = lambda s: round(s / unit)
     n, m = len(problem.tasks), problem.num_devices
     P, S = problem.preds, problem.succs
     fdur = [[q(t.fwd_s[d]) for d in range(m)] for t in problem.tasks]
@@ -142,7 +142,7 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
                                (f"ILP kept its warm start ({hint.solver})",))
     if status == cp_model.INFEASIBLE:
         raise InfeasibleError(f"{problem.name}: no placement on {m} device(s) fits in memory "
-                              f"({max(problem.mem_capacity_bytes) / 2**30:.2f} GiB each) once activation "
+                              f"({fmt_bytes(max(problem.mem_capacity_bytes))} each) once activation "
                               "buffers for cross-device edges are counted")
     raise InfeasibleError(f"{problem.name}: the ILP found no placement within {time_limit_s:g} s "
                           "(raise --time-limit or coarsen more)")

@@ -21,6 +21,7 @@ class Task:
     after its backward on the same device). mem_bytes: resident on its device for the whole step
     (weights, gradients, optimizer state, activations kept for backward). out_bytes: the output
     activation, sent once to every other device that consumes it (its gradient travels back).
+    grad_bytes: the task's weight gradients (what data parallelism allreduces).
     """
 
     name: str
@@ -30,6 +31,7 @@ class Task:
     mem_bytes: int = 0
     out_bytes: int = 0
     modules: tuple[str, ...] = ()
+    grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,14 +118,21 @@ class PlacementProblem:
         big = max(self.tasks, key=lambda t: t.mem_bytes, default=None)
         if big is not None and big.mem_bytes > cap:
             raise InfeasibleError(
-                f"node {big.name!r} alone needs {big.mem_bytes / 2**30:.2f} GiB but the largest device holds "
-                f"{cap / 2**30:.2f} GiB (reduce the batch, coarsen less, or use a bigger device)")
+                f"node {big.name!r} alone needs {fmt_bytes(big.mem_bytes)} but the largest device holds "
+                f"{fmt_bytes(cap)} (reduce the batch, coarsen less, or use a bigger device)")
         total = sum(t.mem_bytes for t in self.tasks)
         if total > sum(self.mem_capacity_bytes):
             raise InfeasibleError(
-                f"{self.name} needs {total / 2**30:.2f} GiB (weights, gradients, optimizer state, activations) "
-                f"but {self.num_devices} device(s) hold {sum(self.mem_capacity_bytes) / 2**30:.2f} GiB in total "
+                f"{self.name} needs {fmt_bytes(total)} (weights, gradients, optimizer state, activations) "
+                f"but {self.num_devices} device(s) hold {fmt_bytes(sum(self.mem_capacity_bytes))} in total "
                 f"(use more devices or a smaller batch)")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def uniform_links(m: int, bw_Bps: float, latency_s: float = 0.0) -> tuple[tuple, tuple, tuple]:
@@ -153,13 +162,14 @@ def contract(problem: PlacementProblem, groups: Sequence[Sequence[str]]) -> Plac
         key = owner[t.name]
         if key not in merged:
             order.append(key)
-            merged[key] = dict(inputs=[], fwd=[0.0] * problem.num_devices, bwd=[0.0] * problem.num_devices,
-                               mem=0, out=0, modules=[])
+            merged[key] = {"inputs": [], "fwd": [0.0] * problem.num_devices,
+                           "bwd": [0.0] * problem.num_devices, "mem": 0, "out": 0, "modules": [], "grad": 0}
         d = merged[key]
         d["fwd"] = [x + y for x, y in zip(d["fwd"], t.fwd_s)]
         d["bwd"] = [x + y for x, y in zip(d["bwd"], t.bwd_s)]
         d["mem"] += t.mem_bytes
         d["modules"] += list(t.modules)
+        d["grad"] += t.grad_bytes
         for i in t.inputs:
             if owner[i] != key and owner[i] not in d["inputs"]:
                 d["inputs"].append(owner[i])
@@ -167,7 +177,8 @@ def contract(problem: PlacementProblem, groups: Sequence[Sequence[str]]) -> Plac
         if any(owner[problem.tasks[s].name] != owner[t.name] for s in problem.succs[problem.index[t.name]]):
             merged[owner[t.name]]["out"] = max(merged[owner[t.name]]["out"], t.out_bytes)
     tasks = [Task(k, tuple(merged[k]["inputs"]), tuple(merged[k]["fwd"]), tuple(merged[k]["bwd"]),
-                  merged[k]["mem"], merged[k]["out"], tuple(merged[k]["modules"])) for k in order]
+                  merged[k]["mem"], merged[k]["out"], tuple(merged[k]["modules"]), merged[k]["grad"])
+             for k in order]
     return _replace_tasks(problem, _toposort(tasks))
 
 

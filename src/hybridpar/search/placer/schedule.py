@@ -11,6 +11,7 @@ The ILP (ilp.py) encodes exactly these rules; `list_schedule` and `replay` evalu
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -178,7 +179,7 @@ def breakdown(schedule: Schedule, num_devices: int) -> Breakdown:
         for r in ops[i].resources:
             by_res.setdefault(r, []).append(i)
     for lst in by_res.values():
-        for a, b in zip(lst, lst[1:]):
+        for a, b in itertools.pairwise(lst):
             last_on.setdefault(b, []).append(a)
     compute = exposed = 0.0
     cur = max(range(len(ops)), key=lambda i: end[i]) if ops else None

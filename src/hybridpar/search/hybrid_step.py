@@ -1,0 +1,131 @@
+"""Per-step time of hybrid data x model parallelism (Pal et al. 2019): D replicas of an M-device placement.
+
+step(D x M) = the MP step at the per-worker batch (the placer's schedule) + the exposed part of the DP
+allreduce: device d of every replica allreduces its own weights' gradients with device d of the other
+D-1 replicas. Overlap with backward is modelled as torch DDP does it: gradients are packed in
+25 MiB buckets in the order the placer's schedule finishes their backward ops; a bucket's allreduce
+starts when its last gradient is ready and after the previous bucket on that device; the step ends
+when both the MP schedule and every device's last allreduce have finished. The M groups allreduce at
+the same time and share links: each bucket's time is scaled by concurrent_allreduce_time / allreduce_time
+of the groups (cost.collectives). Approximation: the weight update stays inside backward as in the MP
+model; the update after the last bucket is not added (it is < 1% of the step for the zoo models).
+Replica r uses devices r*M .. r*M+M-1 of the cluster (an MP group inside one node when M divides it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+from hybridpar.cluster import Cluster, load_cluster
+from hybridpar.cost.collectives import allreduce_time, concurrent_allreduce_time
+from hybridpar.cost.memory import DDP_BUCKET_BYTES
+from hybridpar.errors import UserError
+from hybridpar.search.placer.result import PlacementResult, evaluate
+
+
+@dataclass(frozen=True)
+class HybridStep:
+    dp: int
+    mp: int
+    batch_per_worker: int
+    step_time_s: float
+    mp_step_s: float  # the placer's per-step time of one replica
+    allreduce_s: float  # the slowest device's allreduce time if nothing overlapped
+    exposed_allreduce_s: float  # step_time_s - mp_step_s
+    per_device_allreduce_s: tuple[float, ...]
+    solver: str
+    gap: float | None
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.batch_per_worker
+
+
+def hybrid_step_time(model, cluster: str | Cluster, dp: int, mp: int, batch_per_worker: int, *,
+                     placement: Mapping[str, int] | None = None, solver: str = "ilp", time_limit_s: float = 20.0,
+                     coarsen: int | None = None, bucket_bytes: int = DDP_BUCKET_BYTES) -> HybridStep:
+    """Predicted step of D x M hybrid training at `batch_per_worker` samples per replica.
+
+    model: zoo name, file spec or Graph (a name caches the placement per (model, cluster, M, batch)).
+    placement: module name -> device to time instead of searching (e.g. a Plan's placement)."""
+    if dp < 1 or mp < 1:
+        raise UserError(f"dp and mp must be >= 1, got dp={dp}, mp={mp}")
+    full = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, dp * mp)
+    if dp * mp > full.num_devices:
+        raise UserError(f"{dp}x{mp} = {dp * mp} devices, cluster {full.name!r} has {full.num_devices}")
+    if placement is not None or not isinstance(model, str) or not isinstance(cluster, str):
+        result = _mp_result(model, cluster if isinstance(cluster, str) else full, mp, batch_per_worker,
+                            solver, time_limit_s, coarsen, placement)
+    else:
+        result = _cached_mp_result(model, cluster, mp, batch_per_worker, solver, time_limit_s, coarsen)
+    return _with_allreduce(result, full, dp, mp, batch_per_worker, bucket_bytes)
+
+
+@lru_cache(maxsize=256)
+def _cached_mp_result(model: str, cluster: str, mp: int, batch: int, solver: str, time_limit_s: float,
+                      coarsen: int | None) -> PlacementResult:
+    return _mp_result(model, cluster, mp, batch, solver, time_limit_s, coarsen, None)
+
+
+def _mp_result(model, cluster, mp: int, batch: int, solver: str, time_limit_s: float, coarsen: int | None,
+               placement: Mapping[str, int] | None) -> PlacementResult:
+    from hybridpar.search.placer import solve
+    from hybridpar.search.placer.adapter import node_modules
+    from hybridpar.search.placer.api import build_problem
+
+    prob, coarse, *_ = build_problem(model, cluster, mp, batch=batch, coarsen=coarsen)
+    if placement is None:
+        return solve(prob, "single" if mp == 1 else solver, time_limit_s=time_limit_s, workers=2)
+    assignment = []
+    for n in coarse.nodes:
+        devs = [placement[mod] for mod in node_modules(n) if mod in placement]
+        d = devs[0] if devs else (assignment[-1] if assignment else 0)
+        if not 0 <= d < mp:
+            raise UserError(f"placement puts {n.name} on device {d}, outside 0..{mp - 1}")
+        assignment.append(d)
+    return evaluate(prob, assignment, "given")
+
+
+def _with_allreduce(result: PlacementResult, cluster: Cluster, dp: int, mp: int, batch: int,
+                    bucket_bytes: int) -> HybridStep:
+    mp_step = result.step_time_s
+    if dp == 1:
+        return HybridStep(dp, mp, batch, mp_step, mp_step, 0.0, 0.0, (0.0,) * mp, result.solver, result.gap)
+    prob, sched = result.problem, result.schedule
+    groups = [[r * mp + d for r in range(dp)] for d in range(mp)]
+    done: list[list[tuple[float, int]]] = [[] for _ in range(mp)]  # (backward end, gradient bytes)
+    for op, end in zip(sched.ops, sched.end):
+        if op.kind == "bwd" and prob.tasks[op.task].grad_bytes:
+            done[op.device].append((end, prob.tasks[op.task].grad_bytes))
+    heaviest = max((sum(b for _, b in d) for d in done), default=0)
+    alone = allreduce_time(heaviest, groups[0], cluster) if heaviest else 0.0
+    together = concurrent_allreduce_time(heaviest, groups, cluster) if heaviest else 0.0
+    contention = together / alone if alone > 0 else 1.0
+    finish, total = [], []
+    for d in range(mp):
+        t_end = busy = 0.0
+        for ready, size in _buckets(sorted(done[d]), bucket_bytes):
+            dt = allreduce_time(size, groups[d], cluster) * contention
+            t_end = max(t_end, ready) + dt
+            busy += dt
+        finish.append(t_end)
+        total.append(busy)
+    step = max([mp_step, *finish])
+    return HybridStep(dp, mp, batch, step, mp_step, max(total), step - mp_step, tuple(total), result.solver,
+                      result.gap)
+
+
+def _buckets(ready: list[tuple[float, int]], bucket_bytes: int) -> list[tuple[float, int]]:
+    """DDP-style buckets: gradients in readiness order, a bucket closes once it holds bucket_bytes."""
+    out: list[tuple[float, int]] = []
+    size, last = 0, 0.0
+    for t, b in ready:
+        size, last = size + b, t
+        if size >= bucket_bytes:
+            out.append((last, size))
+            size = 0
+    if size:
+        out.append((last, size))
+    return out
