@@ -137,3 +137,11 @@ def test_meta_model_traces_without_weights():
     lstm = next(n for n in g.nodes if n.op == "lstm")
     assert dict(lstm.attrs)["hidden"] == 8192 and dict(lstm.attrs)["proj"] == 1024
     assert g.nodes[-1].out_shape == (1, 20, 793_471)
+
+
+def test_batch_one_with_batchnorm_after_global_pooling():
+    # Training-mode BN cannot run on one value per channel; tracing must not need to.
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+    g = trace(m, (torch.randn(1, 3, 8, 8),))
+    assert [n.op for n in g.nodes][3] == "batchnorm" and g.nodes[3].out_shape == (1, 4, 1, 1)
+    assert m.training and m[2].training

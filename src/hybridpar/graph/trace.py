@@ -81,11 +81,31 @@ def _propagate_shapes(gm: GraphModule, inputs: tuple) -> None:
     # ShapeProp prints a traceback before re-raising; errors reach the user as one line instead.
     with contextlib.redirect_stderr(io.StringIO()):
         try:
-            state = {f"gm.{k}": _to_meta(v) for k, v in (*gm.named_parameters(), *gm.named_buffers())}
-            meta_inputs = tuple(_to_meta(x) if isinstance(x, torch.Tensor) else x for x in inputs)
-            torch.func.functional_call(_ShapePropRun(gm), state, meta_inputs)
+            _propagate_on_meta(gm, inputs)
         except Exception:  # noqa: BLE001 -- any meta failure: retry with the real tensors
             ShapeProp(gm).propagate(*inputs)
+
+
+def _propagate_on_meta(gm: GraphModule, inputs: tuple) -> None:
+    state = {f"gm.{k}": _to_meta(v) for k, v in (*gm.named_parameters(), *gm.named_buffers())}
+    meta_inputs = tuple(_to_meta(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+    with _batchnorm_in_eval(gm):
+        torch.func.functional_call(_ShapePropRun(gm), state, meta_inputs)
+
+
+@contextlib.contextmanager
+def _batchnorm_in_eval(module: nn.Module):
+    """Training-mode BN refuses one value per channel (batch 1 after global pooling, as in Inception's
+    aux head); BN's output shape is the same in either mode, and the rest of the model keeps its mode
+    (training-only branches such as that aux head are still traced)."""
+    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    for m in bns:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in bns:
+            m.training = True
 
 
 def _fx_record(gm: GraphModule, node: torch.fx.Node) -> OpRecord | None:
