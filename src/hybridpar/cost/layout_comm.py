@@ -1,0 +1,163 @@
+"""The collectives one training step issues under a layout, per layer: kind, group size and bytes.
+
+This is the analytic twin of hybridpar.runtime (measured CommLog bytes equal these, per kind; a test
+checks it). Pure Python on a hybridpar Graph: no torch.distributed. Byte convention as in
+hybridpar.cost.collectives: allreduce = the buffer, allgather = the gathered result,
+reduce_scatter = the input. Price a list with the collective time functions, e.g.
+`allgather_time(op.bytes_, ranks, cluster)` for `op.kind == "allgather"`.
+
+Per layer with layout (sample S, channel P_C, filter P_F), G = P_C*P_F, n = batch/S samples per rank,
+boundary tensors split into G channel pieces (uneven: the first pieces one larger):
+  conv2d / linear   fwd: allgather x in the filter group (P_F > 1); reduce_scatter y in the channel
+                    group (P_C > 1). bwd: allgather dy in the channel group; reduce_scatter dx in the
+                    filter group (only if the input needs a gradient). grad: allreduce of the weight
+                    (and bias) shard over the S ranks holding it (the segmented allreduce).
+  batchnorm         (global statistics, S > 1) fwd: 2 allreduces of C_g floats (sum, centred sum of
+                    squares); bwd: 1 allreduce of 2 C_g floats; grad: allreduce of the 2 C_g affine
+                    parameters. "local" statistics: only the grad allreduce.
+  model output      allgather of the channel-split output over the G ranks of a sample group.
+  loss              allreduce of the scalar loss over the S sample groups (reporting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from hybridpar.graph.types import Graph, Node
+from hybridpar.plan.schema import LayerLayout, Plan
+from hybridpar.runtime.shard import GridPos, piece_sizes
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class CommOp:
+    kind: str  # "allreduce" | "allgather" | "reduce_scatter"
+    group_size: int
+    bytes_: int
+    group: str  # "filter" | "channel" | "sample" (the G ranks of a sample group) | "replica"
+    phase: str = "fwd"  # "fwd" | "bwd" | "grad" | "loss"
+
+
+def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, input_grad: bool = True,
+                      in_pieces: list[int] | None = None, bn_stats: str = "global",
+                      dtype_bytes: int = FP32) -> list[CommOp]:
+    """Collectives `node` issues in one training step on the rank at grid position `position`
+    (0..G-1). `node.in_shapes[0][0]` is the global batch. `in_pieces` overrides the split of a
+    linear layer's input features (default: its producer's channel pieces, see model_collectives)."""
+    if node.op in ("conv2d", "linear"):
+        return _matmul_like(node, layout, position, input_grad, in_pieces, dtype_bytes)
+    if node.op == "batchnorm":
+        return _batchnorm(node, layout, position, input_grad, bn_stats, dtype_bytes)
+    return []
+
+
+def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, in_pieces, b: int):
+    S, c, f = lay.sample, lay.channel, lay.filter
+    G = c * f
+    x, y = node.in_shapes[0], node.out_shape
+    n = x[0] // S
+    in_sp, out_sp = (prod(x[2:]) if len(x) > 2 else 1), (prod(y[2:]) if len(y) > 2 else 1)
+    ops: list[CommOp] = []
+    weight = dict(node.param_shapes)
+    w_shape = next((s for k, s in node.param_shapes if k.endswith("weight")), None)
+    bias_shape = next((s for k, s in node.param_shapes if k.endswith("bias")), None)
+    if G > 1:
+        pos = GridPos(c, f, position % G)
+        in_sizes = in_pieces or piece_sizes(x[1], G)
+        out_sizes = piece_sizes(y[1], G)
+        cols = sum(in_sizes[k] for k in pos.in_piece_ids())
+        rows = sum(out_sizes[k] for k in pos.out_piece_ids())
+        if f > 1:
+            ops.append(CommOp("allgather", f, n * cols * in_sp * b, "filter", "fwd"))
+        if c > 1:
+            ops.append(CommOp("reduce_scatter", c, n * rows * out_sp * b, "channel", "fwd"))
+            ops.append(CommOp("allgather", c, n * rows * out_sp * b, "channel", "bwd"))
+        if f > 1 and input_grad:
+            ops.append(CommOp("reduce_scatter", f, n * cols * in_sp * b, "filter", "bwd"))
+        k_sp = prod(w_shape[2:]) if w_shape and len(w_shape) > 2 else 1
+        shard = rows * cols * k_sp + (out_sizes[pos.g] if bias_shape else 0)
+        # a linear's columns are feature pieces already (cols counts features), so k_sp is 1 there
+    else:
+        shard = sum(prod(s) for s in weight.values())
+    if S > 1 and shard:
+        ops.append(CommOp("allreduce", S, shard * b, "replica", "grad"))
+    return ops
+
+
+def _batchnorm(node: Node, lay: LayerLayout, position: int, input_grad: bool, bn_stats: str, b: int):
+    S, G = lay.sample, lay.channel * lay.filter
+    if S == 1:
+        return []
+    cg = piece_sizes(node.in_shapes[0][1], G)[position % G]
+    ops = []
+    if bn_stats == "global":
+        ops += [CommOp("allreduce", S, cg * b, "replica", "fwd")] * 2
+        if input_grad:
+            ops.append(CommOp("allreduce", S, 2 * cg * b, "replica", "bwd"))
+    if node.param_shapes:
+        ops.append(CommOp("allreduce", S, 2 * cg * b, "replica", "grad"))
+    return ops
+
+
+def _layout_for(spec: Plan | LayerLayout, node: Node) -> LayerLayout:
+    if isinstance(spec, Plan):
+        return spec.layout_of(node.module) if node.module else spec.default_layout
+    return spec
+
+
+def _linear_in_pieces(graph: Graph, node: Node, G: int) -> list[int]:
+    """Feature pieces of a linear's input: the nearest 4-D ancestor's channel pieces x H*W (what
+    flatten of a channel-split [N, C_g, H, W] gives each rank)."""
+    cur = node
+    while cur.inputs:
+        prev = graph.node(cur.inputs[0])
+        if len(prev.out_shape) == 4:
+            _, C, H, W = prev.out_shape
+            if C * H * W == node.in_shapes[0][-1]:
+                return [p * H * W for p in piece_sizes(C, G)]
+            break
+        if len(prev.out_shape) != 2:
+            break
+        cur = prev
+    return piece_sizes(node.in_shapes[0][-1], G)
+
+
+def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int = 0, bn_stats: str = "global",
+                      dtype_bytes: int = FP32) -> list[tuple[str, CommOp]]:
+    """(node name, op) for every collective of one training step of `graph` (global batch =
+    graph input batch) on the rank at grid position `position`, as hybridpar.runtime issues them."""
+    default = spec.default_layout if isinstance(spec, Plan) else spec
+    S, G = default.sample, default.channel * default.filter
+    needs_grad: dict[str, bool] = {}
+    succ = graph.successors
+    out: list[tuple[str, CommOp]] = []
+    for node in graph.nodes:
+        needs_grad[node.name] = node.op != "input" and (
+            bool(node.param_shapes) or any(needs_grad.get(i, False) for i in node.inputs))
+        if node.op == "input":
+            continue
+        lay = _layout_for(spec, node)
+        input_grad = any(needs_grad.get(i, False) for i in node.inputs)
+        pieces = _linear_in_pieces(graph, node, G) if node.op == "linear" and G > 1 else None
+        for op in layer_collectives(node, lay, position=position, input_grad=input_grad, in_pieces=pieces,
+                                    bn_stats=bn_stats, dtype_bytes=dtype_bytes):
+            out.append((node.name, op))
+    outputs = [n for n in graph.nodes if n.op not in ("input", "output") and not succ.get(n.name)]
+    for node in outputs:
+        if G > 1:
+            rows = prod(node.out_shape[1:]) * (node.out_shape[0] // S)
+            out.append((node.name, CommOp("allgather", G, rows * dtype_bytes, "sample", "fwd")))
+    if S > 1:
+        out.append(("loss", CommOp("allreduce", S, FP32, "replica", "loss")))
+    return out
+
+
+def bytes_by_kind(ops) -> dict[str, int]:
+    """Total bytes per collective kind of `ops` (CommOps or (name, CommOp) pairs)."""
+    totals: dict[str, int] = {}
+    for op in ops:
+        op = op[1] if isinstance(op, tuple) else op
+        totals[op.kind] = totals.get(op.kind, 0) + op.bytes_
+    return dict(sorted(totals.items()))

@@ -1,0 +1,203 @@
+"""Distributed convolution (Dryden et al., SC19) as an autograd Function with explicit collectives.
+
+One function covers the three algorithms on a P_C x P_F grid (see hybridpar.runtime.shard.GridPos):
+  forward:  x_g  = allgather(x_loc) in the filter group       (stationary-y / -w; no-op when P_F = 1)
+            y_p  = conv(x_g, w_loc)                            (partial sums over this rank's channels)
+            y    = reduce_scatter(y_p) in the channel group    (stationary-x / -w; no-op when P_C = 1)
+  backward: dy_p = allgather(dy) in the channel group
+            dw   = conv_bwd_weight(x_g, dy_p)                  (x_g kept from forward)
+            dx   = reduce_scatter(conv_bwd_data(w_loc, dy_p)) in the filter group
+Uneven channel/filter counts are supported (pieces differ by at most one; empty pieces allowed).
+A Linear layer is the same computation with a 1x1 kernel (channel = row-, filter = column-parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpar.runtime.collectives import all_gather_dim, reduce_scatter_dim
+from hybridpar.runtime.comm_log import CommLog
+from hybridpar.runtime.grid import Group
+from hybridpar.runtime.shard import GridPos, ranges
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+
+    def out_hw(self, h: int, w: int, kh: int, kw: int) -> tuple[int, int]:
+        def one(n, k, s, p, d):
+            return (n + 2 * p - d * (k - 1) - 1) // s + 1
+        return (one(h, kh, self.stride[0], self.padding[0], self.dilation[0]),
+                one(w, kw, self.stride[1], self.padding[1], self.dilation[1]))
+
+
+@dataclass(frozen=True)
+class ConvComm:
+    """Static per-layer communication plan."""
+
+    pos: GridPos
+    in_sizes: tuple[int, ...]  # boundary pieces of the input channels (P of them)
+    out_sizes: tuple[int, ...]  # boundary pieces of the output filters
+    filter_group: Group
+    channel_group: Group
+    log: CommLog
+    name: str
+
+    @property
+    def gather_sizes(self) -> list[int]:
+        return [self.in_sizes[k] for k in self.pos.in_piece_ids()]
+
+    @property
+    def row_sizes(self) -> list[int]:
+        return [self.out_sizes[k] for k in self.pos.out_piece_ids()]
+
+
+def _local_conv(x: torch.Tensor, w: torch.Tensor, geo: ConvGeometry) -> torch.Tensor:
+    if x.shape[1] == 0 or w.shape[0] == 0:  # empty shard: aten's conv mis-shapes 0-channel inputs
+        oh, ow = geo.out_hw(x.shape[2], x.shape[3], w.shape[2], w.shape[3])
+        return x.new_zeros(x.shape[0], w.shape[0], oh, ow)
+    return F.conv2d(x, w, None, geo.stride, geo.padding, geo.dilation)
+
+
+class DistConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_loc, w_loc, geo: ConvGeometry, comm: ConvComm):
+        xg = all_gather_dim(x_loc, 1, comm.filter_group, comm.gather_sizes, comm.log, f"{comm.name}:fwd")
+        y_part = _local_conv(xg, w_loc, geo)
+        y = reduce_scatter_dim(y_part, 1, comm.channel_group, comm.row_sizes, comm.log, f"{comm.name}:fwd")
+        ctx.save_for_backward(xg, w_loc)
+        ctx.geo, ctx.comm = geo, comm
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xg, w_loc = ctx.saved_tensors
+        geo, comm = ctx.geo, ctx.comm
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy_p = all_gather_dim(dy.contiguous(), 1, comm.channel_group, comm.row_sizes, comm.log,
+                              f"{comm.name}:bwd")
+        if w_loc.numel() == 0:  # empty shard: nothing flows through it (aten rejects 0 filters)
+            dxg, dw = torch.zeros_like(xg), torch.zeros_like(w_loc)
+        else:
+            dxg, dw, _ = torch.ops.aten.convolution_backward(
+                dy_p, xg, w_loc, None, list(geo.stride), list(geo.padding), list(geo.dilation), False,
+                [0, 0], 1, [need_dx, need_dw, False])
+        dx = None
+        if need_dx:
+            dx = reduce_scatter_dim(dxg, 1, comm.filter_group, comm.gather_sizes, comm.log,
+                                    f"{comm.name}:bwd")
+        return dx, dw, None, None
+
+
+def conv_geometry(conv: nn.Conv2d) -> ConvGeometry:
+    """Numeric geometry of a Conv2d; string paddings are resolved (odd 'same' padding is rejected)."""
+    pad = conv.padding
+    if isinstance(pad, str):
+        if pad == "valid":
+            pad = (0, 0)
+        else:  # "same"
+            tot = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+            if any(t % 2 for t in tot):
+                from hybridpar.errors import UserError
+
+                raise UserError("padding='same' with an even receptive field is not supported distributed")
+            pad = tuple(t // 2 for t in tot)
+    return ConvGeometry(tuple(conv.stride), tuple(pad), tuple(conv.dilation))
+
+
+class DistConv2d(nn.Module):
+    """A Conv2d whose weight holds this rank's block; input and output are channel-split."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, geo: ConvGeometry, comm: ConvComm):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.geo, self.comm = geo, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = DistConvFunction.apply(x, self.weight, self.geo, self.comm)
+        if self.bias is not None:
+            y = y + self.bias.view(1, -1, 1, 1)
+        return y
+
+    def extra_repr(self) -> str:
+        p = self.comm.pos
+        return f"{self.comm.name}: P_C={p.channel} P_F={p.filter} g={p.g} weight={tuple(self.weight.shape)}"
+
+
+class DistLinear(nn.Module):
+    """A Linear on [N, in] as a 1x1 distributed convolution. Its input features are split like the
+    producer's channels (flatten of [N, C_g, H, W] gives C_g*H*W features), which each rank sees only
+    locally, so the pieces are exchanged once on the first call (a setup exchange) and the weight's
+    columns are cut then; until then the weight holds this rank's rows with all columns."""
+
+    def __init__(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None, pos: GridPos,
+                 filter_group: Group, channel_group: Group, sample_group: Group, log: CommLog, name: str):
+        super().__init__()
+        from hybridpar.runtime.shard import piece_sizes
+
+        self.out_sizes = tuple(piece_sizes(full_weight.shape[0], pos.size))
+        self.pos, self.fg, self.cg, self.sg, self.log, self.name = (pos, filter_group, channel_group,
+                                                                    sample_group, log, name)
+        self.comm: ConvComm | None = None
+        self.weight = nn.Parameter(weight_block(full_weight, pos, None, self.out_sizes).clone())
+        self.bias = None
+        if full_bias is not None:
+            self.bias = nn.Parameter(full_bias[piece_slice(self.out_sizes, pos.g)].clone())
+
+    @property
+    def in_sizes(self) -> tuple[int, ...] | None:
+        return self.comm.in_sizes if self.comm else None
+
+    def set_in_sizes(self, in_sizes) -> None:
+        in_sizes = tuple(in_sizes)
+        cols = [r for r in ranges(in_sizes, self.pos.in_piece_ids())]
+        with torch.no_grad():
+            self.weight.data = torch.cat([self.weight.data[:, o:o + n] for o, n in cols], 1).contiguous()
+        self.comm = ConvComm(self.pos, in_sizes, self.out_sizes, self.fg, self.cg, self.log, self.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            from hybridpar.errors import UserError
+
+            raise UserError(f"{self.name}: channel/filter-parallel Linear needs a 2-D input, got {x.dim()}-D")
+        if self.comm is None:
+            self.set_in_sizes(exchange_sizes(x.shape[1], self.sg, self.log, f"{self.name}:handshake"))
+        w4 = self.weight.view(*self.weight.shape, 1, 1)
+        y = DistConvFunction.apply(x[:, :, None, None], w4, ConvGeometry(), self.comm)[:, :, 0, 0]
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def piece_slice(sizes, k: int) -> slice:
+    off = sum(sizes[:k])
+    return slice(off, off + sizes[k])
+
+
+def weight_block(full: torch.Tensor, pos: GridPos, in_sizes, out_sizes) -> torch.Tensor:
+    """This rank's block of a [F, C, ...] weight: rows = its filter pieces (strided over the grid),
+    columns = its channel pieces (all columns when in_sizes is None)."""
+    rows = torch.cat([full[o:o + n] for o, n in ranges(out_sizes, pos.out_piece_ids())], 0)
+    if in_sizes is None:
+        return rows.contiguous()
+    return torch.cat([rows[:, o:o + n] for o, n in ranges(in_sizes, pos.in_piece_ids())], 1).contiguous()
+
+
+def exchange_sizes(n: int, group: Group, log: CommLog, tag: str) -> list[int]:
+    """One-time all-gather of each rank's extent (a setup exchange, not per-step traffic)."""
+    import torch.distributed as dist
+
+    if group.size == 1:
+        return [n]
+    out = [torch.zeros(1, dtype=torch.long) for _ in range(group.size)]
+    dist.all_gather(out, torch.tensor([n], dtype=torch.long), group=group.pg)
+    log.record("allgather", group.size, 8 * group.size, tag, setup=True)
+    return [int(t.item()) for t in out]

@@ -1,0 +1,122 @@
+"""The process grid: world = S sample groups x G ranks (G = P_C*P_F) and the subgroups each
+algorithm needs. Rank r is at sample group s = r // G, grid position g = r % G.
+
+Groups, for this rank:
+- `sample_group` ("G-group"): the G ranks sharing this rank's samples (loss gather, shape handshake);
+- `replica_group`: the S ranks at the same position g across sample groups: they hold the same weight
+  shard and the same channel piece, so the segmented allreduce of weight gradients and batch-norm
+  statistics run in it (S disjoint-by-position groups allreduce concurrently);
+- per (P_C, P_F) factorisation of G: the filter group (same row i, P_F ranks; stationary-y/w gather x)
+  and the channel group (same column j, P_C ranks; stationary-x/w reduce-scatter y).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from hybridpar.errors import UserError
+from hybridpar.runtime.comm_log import CommLog
+from hybridpar.runtime.shard import GridPos
+
+
+@dataclass(frozen=True)
+class Group:
+    """An ordered rank set; `pg` is None for a 1-rank group (no communication needed)."""
+
+    ranks: tuple[int, ...]
+    pg: object | None
+    index: int  # this rank's index in `ranks`
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class ProcessGrid:
+    sample: int
+    g_size: int
+    rank: int
+    world_size: int
+    comm_log: CommLog = field(default_factory=CommLog)
+    _groups: dict[tuple[int, ...], Group] = field(default_factory=dict)
+    _factorizations: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def s(self) -> int:
+        return self.rank // self.g_size
+
+    @property
+    def g(self) -> int:
+        return self.rank % self.g_size
+
+    def pos(self, channel: int, filter_: int) -> GridPos:
+        if channel * filter_ != self.g_size:
+            raise UserError(f"layout channel={channel},filter={filter_} does not use the {self.g_size} "
+                            "ranks of a sample group")
+        return GridPos(channel, filter_, self.g)
+
+    def group(self, ranks: tuple[int, ...]) -> Group:
+        if len(ranks) == 1:
+            return Group(ranks, None, 0)
+        try:
+            return self._groups[ranks]
+        except KeyError:
+            raise RuntimeError(f"process group {ranks} was not created by build_grid") from None
+
+    @property
+    def sample_group(self) -> Group:
+        base = self.s * self.g_size
+        return self.group(tuple(range(base, base + self.g_size)))
+
+    @property
+    def replica_group(self) -> Group:
+        return self.group(tuple(s * self.g_size + self.g for s in range(self.sample)))
+
+    def filter_group(self, channel: int, filter_: int) -> Group:
+        p = self.pos(channel, filter_)
+        base = self.s * self.g_size + p.i * filter_
+        return self.group(tuple(base + j for j in range(filter_)))
+
+    def channel_group(self, channel: int, filter_: int) -> Group:
+        p = self.pos(channel, filter_)
+        base = self.s * self.g_size + p.j
+        return self.group(tuple(base + i * filter_ for i in range(channel)))
+
+
+def _rank_sets(sample: int, g_size: int, factorizations) -> list[tuple[int, ...]]:
+    """Every multi-rank group of the grid, in one deterministic order (all ranks must create every
+    group in the same order, members or not)."""
+    sets: list[tuple[int, ...]] = []
+    for s in range(sample):
+        base = s * g_size
+        sets.append(tuple(range(base, base + g_size)))
+        for c, f in factorizations:
+            for i in range(c):
+                sets.append(tuple(base + i * f + j for j in range(f)))
+            for j in range(f):
+                sets.append(tuple(base + i * f + j for i in range(c)))
+    for g in range(g_size):
+        sets.append(tuple(s * g_size + g for s in range(sample)))
+    seen: dict[tuple[int, ...], None] = {}
+    for r in sets:
+        if len(r) > 1:
+            seen.setdefault(r, None)
+    return list(seen)
+
+
+def build_grid(sample: int, g_size: int, factorizations=(), comm_log: CommLog | None = None) -> ProcessGrid:
+    """Create the grid's process groups. Collective: every rank of the world must call it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if sample * g_size != world:
+        raise UserError(f"layout uses sample={sample} x {g_size} = {sample * g_size} ranks, "
+                        f"but the world has {world}")
+    facts = tuple(sorted(set(factorizations) | {(g_size, 1), (1, g_size)}))
+    grid = ProcessGrid(sample, g_size, rank, world, comm_log or CommLog(), {}, facts)
+    for ranks in _rank_sets(sample, g_size, facts):
+        pg = dist.new_group(list(ranks))
+        if rank in ranks:
+            grid._groups[ranks] = Group(ranks, pg, ranks.index(rank))
+    return grid

@@ -1,0 +1,74 @@
+"""Starting the ranks: local gloo processes (`spawn`) or the world a launcher set up (torchrun).
+
+`spawn(fn, nproc, *args)` runs fn(*args) in nproc fresh processes, each with torch.distributed
+initialised (gloo, one intra-op thread), and returns rank 0's return value. `init()` joins a
+torchrun world (NCCL when CUDA is present, else gloo)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def under_launcher() -> bool:
+    """True when a launcher (torchrun) already set up this process's rank and world."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init() -> torch.device:
+    """Join the launcher's world; returns the device this rank computes on."""
+    if dist.is_initialized():
+        return _device()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return _device()
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_path: str, fn, args) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(*args)
+        if rank == 0:
+            torch.save(result, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, nproc: int, *args, poll=None):
+    """Run fn(*args) on nproc local gloo ranks; return rank 0's result (must be torch.save-able).
+    fn must be importable (a module-level function). `poll()` is called every 0.1 s while the ranks
+    run (e.g. to drain a progress queue). A rank's exception is re-raised here."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="hybridpar-") as tmp:
+        out = str(Path(tmp) / "rank0.pt")
+        ctx = mp.spawn(_entry, args=(nproc, free_port(), out, fn, args), nprocs=nproc, join=False)
+        while not ctx.join(timeout=0.1):
+            if poll is not None:
+                poll()
+        if poll is not None:
+            poll()
+        return torch.load(out, weights_only=False)

@@ -1,0 +1,113 @@
+"""Batch norm over channel-split, sample-split activations.
+
+stats="global" (default): mean and variance over the whole global batch, so results equal serial
+training. Each rank holds a channel piece; the ranks with the same piece in other sample groups
+(the replica group) allreduce per-channel sums: two in forward (sum, then centred sum of squares:
+two passes for fp32 accuracy) and one in backward (sum dy, sum dy*xhat).
+stats="local": statistics of the rank's own samples only (no communication, like DDP without
+SyncBatchNorm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpar.runtime.collectives import all_reduce_
+from hybridpar.runtime.comm_log import CommLog
+from hybridpar.runtime.grid import Group
+
+
+@dataclass(frozen=True)
+class NormComm:
+    replica_group: Group
+    log: CommLog
+    name: str
+
+
+class GlobalBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, comm: NormComm):
+        count = x.shape[0] * x.shape[2] * x.shape[3] * comm.replica_group.size  # equal local batches
+        s = x.sum((0, 2, 3))
+        all_reduce_(s, comm.replica_group, comm.log, f"{comm.name}:fwd")
+        mean = s / count
+        xc = x - mean.view(1, -1, 1, 1)
+        sq = (xc * xc).sum((0, 2, 3))
+        all_reduce_(sq, comm.replica_group, comm.log, f"{comm.name}:fwd")
+        var = sq / count
+        invstd = torch.rsqrt(var + eps)
+        xhat = xc * invstd.view(1, -1, 1, 1)
+        y = xhat if weight is None else xhat * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.count, ctx.comm = count, comm
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar):
+        xhat, invstd, weight = ctx.saved_tensors
+        comm = ctx.comm
+        sum_dy = dy.sum((0, 2, 3))
+        sum_dy_xhat = (dy * xhat).sum((0, 2, 3))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            both = torch.cat([sum_dy, sum_dy_xhat])
+            all_reduce_(both, comm.replica_group, comm.log, f"{comm.name}:bwd")
+            g_dy, g_dy_xhat = both.split(sum_dy.numel())
+            scale = invstd if weight is None else weight * invstd
+            dx = (dy - (g_dy.view(1, -1, 1, 1) + xhat * g_dy_xhat.view(1, -1, 1, 1)) / ctx.count) \
+                * scale.view(1, -1, 1, 1)
+        # Parameter gradients stay local: the segmented allreduce sums them over sample groups.
+        dw = sum_dy_xhat if weight is not None else None
+        db = sum_dy if weight is not None else None
+        return dx, dw, db, None, None
+
+
+class DistBatchNorm2d(nn.Module):
+    """BatchNorm2d over this rank's channel piece (parameters and running stats sliced)."""
+
+    def __init__(self, bn: nn.BatchNorm2d, sl: slice, comm: NormComm, stats: str = "global"):
+        super().__init__()
+        if stats not in ("global", "local"):
+            raise ValueError(f"stats must be 'global' or 'local', got {stats!r}")
+        self.eps, self.momentum, self.stats, self.comm = bn.eps, bn.momentum, stats, comm
+        self.track_running_stats = bn.track_running_stats
+        self.weight = nn.Parameter(bn.weight.detach()[sl].clone()) if bn.affine else None
+        self.bias = nn.Parameter(bn.bias.detach()[sl].clone()) if bn.affine else None
+        if bn.track_running_stats:
+            self.register_buffer("running_mean", bn.running_mean[sl].clone())
+            self.register_buffer("running_var", bn.running_var[sl].clone())
+            self.register_buffer("num_batches_tracked", bn.num_batches_tracked.clone())
+        else:
+            self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        use_batch = self.training or not self.track_running_stats
+        if not use_batch:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False,
+                                0.0, self.eps)
+        if self.stats == "local" or self.comm.replica_group.size == 1:
+            momentum = self._momentum()
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True,
+                                momentum, self.eps)
+        y, mean, var = GlobalBatchNormFunction.apply(x, self.weight, self.bias, self.eps, self.comm)
+        if self.track_running_stats:
+            self._update_running(mean.detach(), var.detach(),
+                                 x.shape[0] * x.shape[2] * x.shape[3] * self.comm.replica_group.size)
+        return y
+
+    def _momentum(self) -> float:
+        if self.track_running_stats and self.training:
+            self.num_batches_tracked.add_(1)
+        if self.momentum is None:  # cumulative moving average, as nn.BatchNorm2d
+            return 1.0 / float(self.num_batches_tracked) if self.num_batches_tracked else 0.0
+        return self.momentum
+
+    @torch.no_grad()
+    def _update_running(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+        m = self._momentum()
+        self.running_mean.mul_(1 - m).add_(mean, alpha=m)
+        self.running_var.mul_(1 - m).add_(var * count / max(count - 1, 1), alpha=m)

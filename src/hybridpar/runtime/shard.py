@@ -1,0 +1,63 @@
+"""How a dimension of n elements is split over p ranks (torch.tensor_split's convention: the first
+n % p pieces get one extra element), and which pieces a rank of a P_C x P_F grid holds.
+
+Pure Python: shared by the runtime and the analytic cost model (hybridpar.cost.layout_comm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def piece_sizes(n: int, p: int) -> list[int]:
+    """Sizes of the p pieces of n elements; uneven counts give the first pieces one more element."""
+    base, extra = divmod(n, p)
+    return [base + (1 if i < extra else 0) for i in range(p)]
+
+
+def piece_offsets(n: int, p: int) -> list[int]:
+    offs, acc = [], 0
+    for s in piece_sizes(n, p):
+        offs.append(acc)
+        acc += s
+    return offs
+
+
+@dataclass(frozen=True)
+class GridPos:
+    """A rank's place in its sample group's P_C x P_F grid. Boundary tensors (layer inputs/outputs)
+    are split into P = P_C*P_F channel pieces; rank g = i*P_F + j holds piece g.
+
+    Stationary-w keeps that layout on both sides: the input channels of the weight block are the
+    contiguous pieces of row i (i*P_F .. i*P_F+P_F-1, gathered in the filter group), and its filters
+    are the strided pieces j, P_F+j, ... (so the reduce-scatter in the channel group hands rank (i,j)
+    output piece i*P_F+j = g)."""
+
+    channel: int  # P_C
+    filter: int  # P_F
+    g: int  # position 0..P_C*P_F-1
+
+    @property
+    def size(self) -> int:
+        return self.channel * self.filter
+
+    @property
+    def i(self) -> int:
+        return self.g // self.filter
+
+    @property
+    def j(self) -> int:
+        return self.g % self.filter
+
+    def in_piece_ids(self) -> list[int]:
+        """Boundary pieces forming this rank's weight columns (in gather order of the filter group)."""
+        return [self.i * self.filter + jj for jj in range(self.filter)]
+
+    def out_piece_ids(self) -> list[int]:
+        """Boundary pieces forming this rank's weight rows (in scatter order of the channel group)."""
+        return [ii * self.filter + self.j for ii in range(self.channel)]
+
+
+def ranges(sizes, ids) -> list[tuple[int, int]]:
+    """(offset, size) ranges of the pieces `ids` of a dimension split into `sizes`."""
+    offs = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [(offs[k], sizes[k]) for k in ids]

@@ -1,0 +1,143 @@
+"""The per-rank training loop shared by `hybridpar train` and the Python API.
+
+`run_rank(cfg, queue)` builds the model (seeded, or from --init-from), the engine from make_engine,
+SGD, and trains; rank 0 sends one StepInfo per step on `queue` (when given) and runs the callbacks,
+the hook point for checkpointing or gradient-noise-scale estimates:
+    callback(info: StepInfo, engine, optimizer) -> None
+registered with `register_step_callback` (importable callables, so they survive process spawn)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.plan import Plan
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str
+    plan: Plan
+    data: str = "synthetic"
+    batch: int = 32
+    steps: int | None = 10
+    epochs: int | None = None
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    shuffle: bool = True
+    init_from: str | None = None
+    save: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    bn_stats: str = "global"
+    synthetic_size: int = 1024
+    callbacks: tuple[str, ...] = ()  # "module:function" step callbacks, imported in every rank
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    loss: float
+    step_time_s: float
+    samples_per_s: float
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    steps: list[StepInfo]
+    param_bytes_per_rank: list[int]
+    param_bytes_by_type_per_rank: list[dict[str, int]]
+    final_loss: float
+    saved: str | None
+    world_size: int
+
+
+def total_steps(cfg: TrainConfig, n_samples: int) -> int:
+    if cfg.epochs is not None:
+        return cfg.epochs * (n_samples // cfg.batch)
+    return int(cfg.steps or 0)
+
+
+def build_module(cfg: TrainConfig):
+    """The undistributed model, same on every rank: seeded init, then --init-from if given."""
+    from hybridpar.graph.models import load_model
+
+    torch.manual_seed(cfg.seed)
+    loaded = load_model(cfg.model, batch=1, input_shape=cfg.input_shape)
+    if cfg.init_from:
+        state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
+        loaded.module.load_state_dict(state)
+    return loaded
+
+
+def _import(spec: str) -> Callable:
+    import importlib
+
+    mod, _, fn = spec.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
+    """Train on this rank (torch.distributed already initialised). Returns the result on every rank
+    (param bytes gathered from all ranks)."""
+    from hybridpar.runtime.data import batch_indices, load_dataset
+    from hybridpar.runtime.engine import make_engine
+
+    loaded = build_module(cfg)
+    shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
+    with torch.no_grad():
+        classes = loaded.module.eval()(loaded.example_inputs[0][:1]).shape[1]
+    ds = load_dataset(cfg.data, shape, num_classes=classes, size=cfg.synthetic_size, seed=cfg.seed)
+    engine = make_engine(loaded.module, cfg.plan, bn_stats=cfg.bn_stats)
+    opt = torch.optim.SGD(engine.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                          weight_decay=cfg.weight_decay)
+    callbacks = [_import(c) for c in cfg.callbacks]
+    rank = dist.get_rank()
+    infos: list[StepInfo] = []
+    for step in range(total_steps(cfg, len(ds))):
+        idx = batch_indices(len(ds), cfg.batch, step, shuffle=cfg.shuffle, seed=cfg.seed)
+        x_loc, y_loc = engine.local_batch(ds.x[idx], ds.y[idx])
+        t0 = time.perf_counter()
+        loss = engine.train_step(x_loc, y_loc)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        info = StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind())
+        infos.append(info)
+        if rank == 0:
+            if queue is not None:
+                queue.put(info.to_dict())
+            for cb in callbacks:
+                cb(info, engine, opt)
+    state = engine.full_state_dict()
+    if rank == 0 and cfg.save and state is not None:
+        _atomic_save(state, cfg.save)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (engine.param_bytes(), engine.param_bytes_by_type()))
+    return TrainResult(infos, [p[0] for p in per_rank], [p[1] for p in per_rank],
+                       infos[-1].loss if infos else float("nan"), cfg.save, dist.get_world_size())
+
+
+def _atomic_save(obj, path: str) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,73 @@
+"""Functions run inside spawned gloo ranks by the runtime tests (importable by module name)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.runtime.engine import local_slice, sync_gradients
+from hybridpar.runtime.grid import build_grid
+from hybridpar.runtime.parallelize import as_layouts, grid_shape, parallelize
+from hybridpar.runtime.state import gather_full_state
+
+_GRIDS: dict = {}
+
+
+def grid_for(strategy: str):
+    """One grid per (S, G), with every P_C x P_F factorisation of G: groups are reused across cases."""
+    s, g = grid_shape(as_layouts(strategy, dist.get_world_size()))
+    if (s, g) not in _GRIDS:
+        _GRIDS[(s, g)] = build_grid(s, g, [(c, g // c) for c in range(1, g + 1) if g % c == 0])
+    return _GRIDS[(s, g)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def build_case(case: dict) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(case["seed"])
+    if case["kind"] == "linear":
+        m = nn.Sequential(nn.Linear(case["cin"], case["cout"], bias=case["bias"]))
+        x = torch.randn(case["n"], case["cin"])
+    else:
+        k, d = case["k"], case["dilation"]
+        m = nn.Sequential(nn.Conv2d(case["cin"], case["cout"], k, case["stride"], case["padding"], d,
+                                    bias=case["bias"]))
+        x = torch.randn(case["n"], case["cin"], case["hw"], case["hw"])
+    return m, x
+
+
+def conv_errors(cases: list[dict], strategies: list[str]) -> list[dict]:
+    """Relative errors (max over ranks) of output, input grad and weight grads for every
+    (strategy, case), distributed vs the serial computation on the whole batch."""
+    out = []
+    for strategy in strategies:
+        grid = grid_for(strategy)
+        for ci, case in enumerate(cases):
+            ref, x = build_case(case)
+            model = copy.deepcopy(ref)
+            xr = x.clone().requires_grad_(True)
+            yr = ref(xr)
+            dy = torch.randn_like(yr)
+            yr.backward(dy)
+            parallelize(model, strategy, grid=grid)
+            xl = local_slice(x, grid).requires_grad_(True)
+            yl = model(xl)
+            yl.backward(local_slice(dy, grid))
+            sync_gradients(model, grid)
+            errs = torch.tensor([_rel(yl.detach(), local_slice(yr.detach(), grid)),
+                                 _rel(xl.grad, local_slice(xr.grad, grid)), 0.0])
+            grads = {k: p.grad for k, p in model.named_parameters()}
+            full = gather_full_state(grads, model.hybridpar.shards())
+            if full is not None:
+                errs[2] = max(_rel(full[k], p.grad) for k, p in ref.named_parameters())
+            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+            out.append({"strategy": strategy, "case": ci, "y": float(errs[0]), "dx": float(errs[1]),
+                        "dw": float(errs[2])})
+    return out
