@@ -28,9 +28,14 @@ def test_eight_gpu_ring_follows_the_double_links(dgx1):
     order = co.ring_order(range(8), dgx1)
     hops = [dgx1.nvlinks(order[i], order[(i + 1) % 8]) for i in range(8)]
     assert hops == [2] * 8  # the Hamiltonian cycle over the eight double-NVLink pairs
-    link = 2 * dgx1.intra.link_bw_Bps
-    # Ring in both directions: each direction of the double link carries half the data.
-    want = (dgx1.collective_base_latency_s + 14 * dgx1.intra.link_latency_s + 2 * 7 / 8 * N / (2 * link)
+    # A second ring over the eight single links runs beside it with 1/3 of the data, so all six
+    # NVLinks of every GPU carry traffic, and each ring runs in both directions.
+    cycles = co._cycle_set(tuple(range(8)), dgx1)
+    assert [share for _, share in cycles] == pytest.approx([2 / 3, 1 / 3])
+    second = cycles[1][0]
+    assert [dgx1.nvlinks(second[i], second[(i + 1) % 8]) for i in range(8)] == [1] * 8
+    links = 3 * dgx1.intra.link_bw_Bps  # per direction, per GPU
+    want = (dgx1.collective_base_latency_s + 14 * dgx1.intra.link_latency_s + 2 * 7 / 8 * N / (2 * links)
             + 7 / 8 * N * dgx1.gamma_s_per_byte)
     assert co.allreduce_time(N, range(8), dgx1, "ring") == pytest.approx(want)
 

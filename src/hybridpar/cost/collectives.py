@@ -25,8 +25,10 @@ both directions with half the data each, as NCCL does, so full-duplex links (NVL
 directions of a mesh pair) carry both halves at once while a shared port (an NVSwitch port, a NIC)
 gains nothing. The ring order is chosen as a library would: grouped by node and, inside a mesh node,
 the Hamiltonian cycle with the widest bottleneck (on DGX-1 the cycle over the double NVLinks).
-Not modelled: NCCL using several rings at once over spare links (on DGX-1 the single-link cycle),
-NVLink SHARP, protocol switching, and overlap with computation.
+Inside a mesh node a ring collective runs as several rings at once over the direct links the first
+leaves spare (as NCCL does; on DGX-1 the double-link cycle plus the single-link cycle), data split in
+proportion to their bottlenecks. Not modelled: NVLink SHARP, protocol switching, overlap with
+computation.
 """
 
 from __future__ import annotations
@@ -145,6 +147,47 @@ def _search_order(devs: tuple[int, ...], cluster: Cluster) -> tuple[int, ...]:
     return tuple(order)
 
 
+def _cycle_set(devs: tuple[int, ...], cluster: Cluster) -> list[tuple[tuple[int, ...], float]]:
+    """Rings a library runs at once inside one mesh node, each with its share of the data: the widest
+    cycle, then the widest cycle over the direct links it leaves spare, and so on (NCCL builds several
+    rings over the NVLinks; on DGX-1 the double-link cycle carries 2/3 and the single-link cycle 1/3).
+    Shares are proportional to each cycle's bottleneck, so every ring finishes at the same time."""
+    if cluster.intra.kind != "mesh" or len(devs) < 3:
+        return [(devs, 1.0)]
+    offset = devs[0] - cluster.local_of(devs[0])
+    local = tuple(d - offset for d in devs)
+    key = ("cycles", cluster.intra.model_dump_json(), cluster.gpus_per_node, local)
+    cycles = _cached(key, lambda: _search_cycles(local, cluster))
+    return [(tuple(d + offset for d in order), share) for order, share in cycles]
+
+
+def _search_cycles(devs: tuple[int, ...], cluster: Cluster) -> list[tuple[tuple[int, ...], float]]:
+    first = _best_node_order(devs, cluster)
+    spare = {(a, b): cluster.nvlinks(a, b) for a in devs for b in devs if a != b}
+
+    def bottleneck(order: tuple[int, ...]) -> int:
+        return min(spare[(order[i], order[(i + 1) % len(order)])] for i in range(len(order)))
+
+    found: list[tuple[tuple[int, ...], int]] = []
+    order: tuple[int, ...] | None = first
+    while order is not None and len(found) < 4:
+        width = bottleneck(order)
+        if width <= 0:
+            break  # the cycle needs the host path: it stays the only ring
+        found.append((order, width))
+        for i in range(len(order)):
+            a, b = order[i], order[(i + 1) % len(order)]
+            spare[(a, b)] -= width
+            spare[(b, a)] -= width
+        rest = devs[1:]
+        order = max(((devs[0], *perm) for perm in itertools.permutations(rest)), key=bottleneck) \
+            if len(devs) <= 9 else None
+    if not found:
+        return [(first, 1.0)]
+    total = sum(w for _, w in found)
+    return [(o, w / total) for o, w in found]
+
+
 # -- phases: concurrent rings ----------------------------------------------------------------------
 
 _STEPS = {"allreduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1, "allgather": lambda p: p - 1}
@@ -153,7 +196,8 @@ _STEPS = {"allreduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1,
 def _rings_phase(rings: Sequence[tuple[int, ...]], kind: str, frac: float, cluster: Cluster) -> list[_Affine]:
     """Per-ring time of `kind` on each ring, all rings running at once over n*frac bytes each."""
     rings = [r for r in rings if len(r) > 1]
-    per_ring = [_ring_flows(r, frac / len(r)) for r in rings]
+    per_ring = [[f for order, share in _node_cycles(r, cluster) for f in _ring_flows(order, frac * share / len(r))]
+                for r in rings]
     load = Counter(link for flows in per_ring for s, d, _ in flows for link in cluster.route(s, d).links)
     reduces = kind != "allgather"
     out = []
@@ -163,6 +207,14 @@ def _rings_phase(rings: Sequence[tuple[int, ...]], kind: str, frac: float, clust
         gamma = (p - 1) / p * frac * cluster.gamma_s_per_byte if reduces else 0.0
         out.append(_Affine(steps * st.a, steps * st.b + gamma))
     return out
+
+
+def _node_cycles(ring: tuple[int, ...], cluster: Cluster) -> list[tuple[tuple[int, ...], float]]:
+    """A ring inside one node may run as several rings (see _cycle_set); across nodes it is one ring."""
+    node = cluster.node_of(ring[0])
+    if all(cluster.node_of(r) == node for r in ring):
+        return _cycle_set(tuple(sorted(ring)), cluster)
+    return [(ring, 1.0)]
 
 
 def _phase_time(parts: Sequence[_Affine], n: float) -> float:
