@@ -85,4 +85,7 @@ def test_measured_table_first_then_scaled_then_roofline():
     # A shape the table lacks, or another device, falls back to the roofline.
     assert op_time(node, cpu, channel_frac=0.5, calibration=cal).source == "roofline"
     assert op_time(node, load_cluster("dgx1-v100").device, calibration=cal).source == "roofline"
+    # The first layer's measured backward-data is not run in training (no grad wrt the input).
+    first = conv(n=8, c=16, f=16, hw=8, first=True)
+    assert op_time(first, cpu, calibration=cal).bwd_data_s == 0
     assert roofline_time(node, cpu4).fwd_s == pytest.approx(2 * roofline_time(node, cpu).fwd_s)

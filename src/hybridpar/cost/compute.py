@@ -190,7 +190,8 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
             rec, scale = hit
             k = scale * dev.time_share
             bw = rec.bwd_weight.median_s * k if rec.bwd_weight is not None else 0.0
-            return OpTime(rec.fwd.median_s * k, rec.bwd_data.median_s * k, bw,
+            bd = 0.0 if node.bwd_data_flops == 0 else rec.bwd_data.median_s * k  # first layer: no dx
+            return OpTime(rec.fwd.median_s * k, bd, bw,
                           "measured" if scale == 1.0 else "measured-scaled")
     return roofline_time(node, dev, dtype=dtype, sample_frac=sample_frac, channel_frac=channel_frac,
                          filter_frac=filter_frac)
