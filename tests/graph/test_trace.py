@@ -145,3 +145,22 @@ def test_batch_one_with_batchnorm_after_global_pooling():
     g = trace(m, (torch.randn(1, 3, 8, 8),))
     assert [n.op for n in g.nodes][3] == "batchnorm" and g.nodes[3].out_shape == (1, 4, 1, 1)
     assert m.training and m[2].training
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("bidirectional,proj", [(False, 0), (True, 0), (True, 3)])
+def test_traced_lstm_shapes_equal_real_run(batch_first, bidirectional, proj):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(5, 6, num_layers=2, bidirectional=bidirectional, proj_size=proj,
+                               batch_first=batch_first)
+
+        def forward(self, x):
+            out, (h, c) = self.rnn(x)
+            return out.sum() + h.sum() + c.sum()
+
+    m = Net()
+    x = torch.randn(2, 7, 5)
+    g = trace(m, (x,))
+    assert g.node("rnn").out_shape == tuple(m.rnn(x)[0].shape)

@@ -72,7 +72,26 @@ class _ShapePropRun(nn.Module):
         self.gm = gm
 
     def forward(self, *args):
-        return ShapeProp(self.gm).propagate(*args)
+        return _MetaShapeProp(self.gm).propagate(*args)
+
+
+class _MetaShapeProp(ShapeProp):
+    """ShapeProp that gives nn.LSTM's output shapes directly: on meta its kernel decomposes into
+    Python-dispatched per-step ops (seconds for GNMT) for shapes that follow from its attributes."""
+
+    def call_module(self, target, args, kwargs):
+        mod = self.fetch_attr(target)
+        if isinstance(mod, nn.LSTM) and len(args) == 1 and not kwargs and args[0].is_meta:
+            return _lstm_outputs(mod, args[0])
+        return super().call_module(target, args, kwargs)
+
+
+def _lstm_outputs(lstm: nn.LSTM, x: torch.Tensor):
+    dirs = 2 if lstm.bidirectional else 1
+    width = lstm.proj_size or lstm.hidden_size
+    out = x.new_empty((*x.shape[:-1], dirs * width))
+    lead = (lstm.num_layers * dirs,) if x.dim() == 2 else (lstm.num_layers * dirs, x.shape[0 if lstm.batch_first else 1])
+    return out, (x.new_empty((*lead, width)), x.new_empty((*lead, lstm.hidden_size)))
 
 
 def _propagate_shapes(gm: GraphModule, inputs: tuple) -> None:
