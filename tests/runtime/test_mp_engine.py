@@ -15,6 +15,8 @@ from hybridpar.graph.models import load_model
 from hybridpar.plan import Plan
 from hybridpar.runtime.launch import spawn
 from hybridpar.runtime.mp import MPEngine, loss_sum
+from hybridpar.runtime.mp.placement import placement_from_outcome, predicted_p2p_bytes
+from hybridpar.search.placer import place_model
 
 STEPS, BATCH, LR, MOMENTUM = 5, 8, 0.05, 0.9
 
@@ -82,10 +84,13 @@ def _run_cases(cases, init_dir: str) -> list[dict]:
             opt.step()
             opt.zero_grad()
         kinds = eng.comm_log.step_bytes_by_kind()
+        sent = [None] * dist.get_world_size()
+        dist.all_gather_object(sent, kinds.get("send", 0))
         bytes_ = [None] * dist.get_world_size()
         dist.all_gather_object(bytes_, eng.param_bytes())
         state = eng.full_state_dict()
-        out.append({"state": state, "losses": losses, "comm": kinds, "param_bytes": bytes_})
+        out.append({"state": state, "losses": losses, "comm": kinds, "param_bytes": bytes_,
+                    "sent_per_rank": sent})
     return out
 
 
@@ -107,7 +112,7 @@ def _check(cases, results, inits):
             assert max(per_replica) < total, label
 
 
-def _world(cases, nproc: int) -> None:
+def _world(cases, nproc: int) -> list[dict]:
     inits = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (model, *_rest) in enumerate(cases):
@@ -117,12 +122,18 @@ def _world(cases, nproc: int) -> None:
             inits.append(state)
         results = spawn(_run_cases, nproc, cases, tmp)
     _check(cases, results, inits)
+    return results
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_mp_two_ranks_equal_serial():
-    _world(CASES_2, 2)
+def test_mp_two_ranks_equal_serial_and_placer_bytes():
+    # the placer's own placement (a fast baseline solver): the bytes that cross devices in a step
+    # equal what its cost model charges for the same assignment
+    outcome = place_model("inception_mini", "localhost", 2, batch=BATCH, input_shape=(3, 16, 16), solver="etf")
+    placement = placement_from_outcome(outcome, load_model("inception_mini").module)
+    results = _world([*CASES_2, ("inception_mini", 1, 2, placement, {})], 2)
+    assert sum(results[-1]["sent_per_rank"]) == predicted_p2p_bytes(outcome) > 0
 
 
 @pytest.mark.slow

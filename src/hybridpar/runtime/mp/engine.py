@@ -69,7 +69,7 @@ class MPEngine:
         self.device = device or _default_device()
         self.comm_log = CommLog()
         ordered = dist.get_backend() != "gloo" if ordered_p2p is None else ordered_p2p
-        self.placement = resolve_placement(plan)
+        self.placement = resolve_placement(plan, module)
         self.partition: Partition = partition_module(module, self.placement, plan.mp, lazy_recv=not ordered)
         self._meta = meta_copy(module).train()
         self._group = dp_group(self.layout)
