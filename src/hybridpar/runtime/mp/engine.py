@@ -173,7 +173,7 @@ class MPEngine:
 
     def full_state_dict(self):
         """The undistributed model's state_dict (on CPU) on rank 0; None on other ranks."""
-        return gather_state(self._local_state, self._schema, self.layout, self.comm_log)
+        return gather_state(self._local_state, self._schema, self.layout, self.comm_log, self.device)
 
     # -- reporting ---------------------------------------------------------------------------
     def param_bytes(self) -> int:

@@ -13,10 +13,11 @@ from hybridpar.runtime.mp.layout import HybridLayout
 
 
 def gather_state(local: Mapping[str, torch.Tensor], schema: Mapping[str, tuple[int, torch.Size, torch.dtype]],
-                 layout: HybridLayout, log: CommLog) -> OrderedDict[str, torch.Tensor] | None:
+                 layout: HybridLayout, log: CommLog, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
     """`schema`: key -> (owner device, shape, dtype) in the full state_dict's order; `local`: the
     entries this rank owns. Replica 0 sends its entries to rank 0 in key order (replicas hold
-    identical weights); returns the full state_dict on rank 0, None elsewhere."""
+    identical weights); returns the full state_dict (on CPU) on rank 0, None elsewhere. `device`:
+    where this rank's tensors live (the backend's transfer device)."""
     if layout.replica != 0:
         return None
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -26,7 +27,7 @@ def gather_state(local: Mapping[str, torch.Tensor], schema: Mapping[str, tuple[i
             if owner == 0:
                 out[key] = local[key].detach().to("cpu", copy=True)
             else:
-                buf = torch.empty(shape, dtype=dtype, device=_comm_device(local))
+                buf = torch.empty(shape, dtype=dtype, device=device)
                 dist.recv(buf, layout.rank_of(0, owner))
                 log.record("recv", 2, nbytes, p2p_tag("state", owner), setup=True)
                 out[key] = buf.to("cpu")
@@ -35,6 +36,3 @@ def gather_state(local: Mapping[str, torch.Tensor], schema: Mapping[str, tuple[i
             log.record("send", 2, nbytes, p2p_tag("state", 0), setup=True)
     return out if layout.rank == 0 else None
 
-
-def _comm_device(local: Mapping[str, torch.Tensor]) -> torch.device:
-    return next(iter(local.values())).device if local else torch.device("cpu")
