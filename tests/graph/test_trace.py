@@ -164,3 +164,31 @@ def test_traced_lstm_shapes_equal_real_run(batch_first, bidirectional, proj):
     x = torch.randn(2, 7, 5)
     g = trace(m, (x,))
     assert g.node("rnn").out_shape == tuple(m.rnn(x)[0].shape)
+
+
+def test_export_fallback_with_lstm_and_weight_matmul_on_meta(flop_counter):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.rnn = nn.LSTM(4, 8, batch_first=True, proj_size=2)
+            self.w = nn.Parameter(torch.randn(2, 8))
+
+        def forward(self, x):
+            y = F.relu(self.conv(x))
+            if y.shape[-1] > 2:  # defeats torch.fx
+                y = F.max_pool2d(y, 2)
+            out, _ = self.rnn(y.flatten(2).transpose(1, 2))
+            return torch.matmul(out, self.w)
+
+    with torch.device("meta"):
+        m, x = Net(), torch.randn(2, 3, 8, 8)
+    g = trace(m, (x,))
+    assert dict(g.meta)["tracer"] == "torch.export"
+    assert [n.op for n in g.nodes] == ["input", "conv2d", "relu", "maxpool", "flatten", "lstm", "linear"]
+    assert g.node("lstm").module == "rnn" and g.node("lstm").out_shape == (2, 16, 2)
+    assert g.nodes[-1].attr("in_features") == 2 and g.nodes[-1].attr("out_features") == 8
+    assert g.params == sum(p.numel() for p in m.parameters())
+    fwd, bwd = flop_counter(m, (x,))
+    mm = matmul_flops(g)
+    assert (mm.fwd, mm.bwd_data + mm.bwd_weight) == (fwd, bwd)

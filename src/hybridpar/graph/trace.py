@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 
 import torch
 from torch import nn
@@ -178,7 +179,9 @@ def _arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
 # --- torch.export ---------------------------------------------------------------------------------
 
 def _export_records(module: nn.Module, inputs: tuple) -> list[OpRecord]:
-    ep = torch.export.export(module, inputs, strict=False)
+    with warnings.catch_warnings():  # export's internal warnings are not the user's business
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(module, inputs, strict=False)
     sig = ep.graph_signature
     param_of = {ph: fqn for ph, fqn in sig.inputs_to_parameters.items()}
     user_inputs = set(sig.user_inputs)
