@@ -64,3 +64,11 @@ def test_large_cluster_is_fast_enough_to_plan(dgx1):
     big = load_cluster("dgx1-v100", gpus=1024)
     t = co.allreduce_time(N, range(1024), big)
     assert co.allreduce_time(N, range(8), dgx1) < t < co.allreduce_time(N, range(1024), big, "ring")
+
+
+def test_hierarchical_intra_phase_sees_the_pair_links(dgx1):
+    # Two GPUs per node on two nodes: the intra-node phases ride the pair's links.
+    no_link = co.allreduce_time(N, [0, 5, 8, 13], dgx1, "hierarchical")
+    one_link = co.allreduce_time(N, [0, 1, 8, 9], dgx1, "hierarchical")
+    two_links = co.allreduce_time(N, [0, 3, 8, 11], dgx1, "hierarchical")
+    assert no_link > one_link > two_links
