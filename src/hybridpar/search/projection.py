@@ -7,8 +7,8 @@ Strategies on N GPUs at per-worker batch b:
              ranks (DDP-style 25 MiB buckets launched as backward produces them).
 - DPxMP(M):  N/M workers of M GPUs inside one node, global batch (N/M)*b; step = placer's MP step at
              batch b + exposed concurrent allreduce of each device's gradients across the N/M replicas.
-- CF(P):     N/P sample groups of P GPUs (Dryden et al.), global batch (N/P)*b; step from the per-layer
-             planner (segmented allreduce, overlap included).
+- CF(P):     CNNs: the global batch of N/P workers, (N/P)*b, on all N GPUs with the per-layer planner's
+             sample/channel/filter layouts (Dryden et al.; segmented allreduce and overlap included).
 Step costs come from a `StepCosts` backend (`CostModelBackend` uses hybridpar.cost, the placer and the
 planner); the projection arithmetic is independent of it.
 """
@@ -150,6 +150,7 @@ class Point:
     memory_bytes: int
     fits: bool
     extrapolated: bool
+    detail: str = ""  # how the step was found (placer solver, planner method)
 
     @property
     def family(self) -> str:
@@ -220,7 +221,7 @@ class Projection:
 
 
 def _point(gpus: int, strategy: str, dp: int, mp: int, batch: int, step_s: float, exposed_s: float,
-           memory: int, capacity: float, wc: WorkloadCurve, spe: float, base_s: float) -> Point:
+           memory: int, capacity: float, wc: WorkloadCurve, spe: float, base_s: float, detail: str = "") -> Point:
     gb = dp * batch
     e = wc.curve.epochs(gb)
     lo, hi = wc.curve.epochs_band(gb)
@@ -230,7 +231,8 @@ def _point(gpus: int, strategy: str, dp: int, mp: int, batch: int, step_s: float
     extrap = bool(br) and not (br[0] <= gb <= br[1])
     per_epoch = spe / gb * step_s
     return Point(gpus, strategy, dp, mp, gb, e, lo, hi, steps, step_s, exposed_s, t, base_s / t,
-                 base_s / (hi * per_epoch), base_s / (lo * per_epoch), int(memory), memory <= capacity, extrap)
+                 base_s / (hi * per_epoch), base_s / (lo * per_epoch), int(memory), memory <= capacity, extrap,
+                 detail)
 
 
 def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_per_gpu: int, *,
@@ -271,7 +273,7 @@ def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_p
             if d > 1:
                 exposed = _hybrid_exposed(mps, prof, d, m, bucket, costs)
             pts.append(_point(n, f"DPxMP{m}", d, m, batch_per_gpu, mps.step_s + exposed, exposed,
-                              max(mps.memory_bytes), cap, curve, spe, base_s))
+                              max(mps.memory_bytes), cap, curve, spe, base_s, mps.solver))
         if costs.is_cnn:
             for p in mp_degrees:
                 if p > n or n % p:
@@ -279,7 +281,7 @@ def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_p
                 cf = costs.cf_step(n, n // p, (n // p) * batch_per_gpu)
                 if cf is not None:
                     pts.append(_point(n, f"CF{p}", n // p, p, batch_per_gpu, cf.step_s, cf.exposed_comm_s,
-                                      cf.memory_bytes, cap, curve, spe, base_s))
+                                      cf.memory_bytes, cap, curve, spe, base_s, cf.method))
     if not curve.samples_per_epoch:
         notes.append("samples per epoch unknown: absolute times are not meaningful, speedups are")
     return Projection(model, cluster, batch_per_gpu, curve, tuple(pts), base_s, tuple(dict.fromkeys(notes)))

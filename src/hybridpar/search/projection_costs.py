@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hybridpar.errors import InfeasibleError
+from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import DTYPE_BYTES, Graph
 from hybridpar.search.projection import CFStep, MPStep, Profile
 
@@ -78,7 +78,7 @@ class CostModelBackend:
     """`StepCosts` for a zoo model on a cluster preset (see hybridpar.search.projection)."""
 
     def __init__(self, model: str, cluster: str, *, dtype: str = "fp32", placer_solver: str = "ilp",
-                 placer_time_limit_s: float = 10.0, cf_max_gpus: int = 64, use_disk_cache: bool = True) -> None:
+                 placer_time_limit_s: float = 5.0, cf_max_gpus: int = 32, use_disk_cache: bool = True) -> None:
         from hybridpar.cluster import load_cluster
         from hybridpar.graph.zoo import ZOO
 
@@ -137,11 +137,13 @@ class CostModelBackend:
         return {"fwd_s": fwd, "bwd_s": clock, "param_bytes": g.params * DTYPE_BYTES[self.dtype],
                 "grad_ready": ready, "memory_bytes": int(mem.total_bytes)}
 
+    @cache  # noqa: B019 - the sensitivity runs and the joint choice repeat the same calls
     def allreduce_s(self, bytes_: int, ranks: int) -> float:
         from hybridpar.cost.collectives import allreduce_time
 
         return allreduce_time(bytes_, list(range(ranks)), self.cluster(ranks))
 
+    @cache  # noqa: B019
     def hybrid_allreduce_s(self, bytes_: int, replicas: int, mp: int) -> float:
         from hybridpar.cost.collectives import concurrent_allreduce_time
 
@@ -185,20 +187,28 @@ class CostModelBackend:
         d = self._cache.get(self._key("cf", gpus, groups, batch_global), lambda: self._cf(gpus, groups, batch_global))
         if d is None:
             return None
+        if "error" in d:
+            note = f"channel/filter planner failed for {self.model}: {d['error']}"
+            if note not in self.notes:
+                self.notes.append(note)
+            return None
         return CFStep(d["step_s"], d["exposed_comm_s"], d["memory_bytes"], d["method"])
 
     def _cf(self, gpus: int, groups: int, batch_global: int) -> dict | None:
         from hybridpar.search.planner import plan_model
 
-        p = gpus // groups
+        # The planner searches per-layer sample/channel/filter layouts at the smaller global batch of
+        # `groups` workers (it may well keep some layers sample-parallel).
         try:
-            res = plan_model(self.model, self.cluster_name, gpus, batch_global, dtype=self.dtype,
-                             strategy=f"sample={groups},channel={p}")
+            res = plan_model(self.model, self.cluster_name, gpus, batch_global, dtype=self.dtype)
         except InfeasibleError:
             return None
+        except UserError as err:  # the planner rejecting this model must not sink the whole projection
+            return {"error": " ".join(str(err).split())[:300]}
         pred = res.prediction
         return {"step_s": pred.step_time_s, "exposed_comm_s": pred.exposed_comm_s,
-                "memory_bytes": max(pred.memory_bytes) if pred.memory_bytes else 0, "method": res.method}
+                "memory_bytes": max(pred.memory_bytes) if pred.memory_bytes else 0,
+                "method": f"{res.method}: {res.plan.strategy or 'per-layer'}"}
 
 
 def _device_param_bytes(g: Graph, res: Any, mp: int, dtype: str) -> list[int]:

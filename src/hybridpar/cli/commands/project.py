@@ -28,8 +28,8 @@ def register(app: click.Group) -> None:
                   help="data-set size, for absolute times with a measured curve")
     @click.option("--mp", "mp_text", default="2,4,8", show_default=True, help="model-parallel degrees to try")
     @click.option("--placer", default="ilp", show_default=True, help="DLPlacer solver: ilp, dp, etf, greedy")
-    @click.option("--placer-time-limit", type=float, default=10.0, show_default=True, help="seconds per ILP solve")
-    @click.option("--cf-max-gpus", type=int, default=64, show_default=True,
+    @click.option("--placer-time-limit", type=float, default=5.0, show_default=True, help="seconds per ILP solve")
+    @click.option("--cf-max-gpus", type=int, default=32, show_default=True,
                   help="plan channel/filter layouts (CNNs) up to this many GPUs")
     @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16", "bf16"]))
     @click.option("--budget", type=int, default=None, help="also choose batch/DP/MP jointly for this many GPUs")
@@ -59,6 +59,11 @@ def register(app: click.Group) -> None:
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise UserError("--samples-per-epoch must be >= 1")
         b = batch_per_gpu if batch_per_gpu is not None else default_batch_per_gpu(model)
+        if b < 1:
+            raise UserError(f"--batch-per-gpu must be >= 1, got {b}")
+        if budget is not None and budget < 1:
+            raise UserError(f"--budget must be >= 1 GPU, got {budget}")
+        options = parse_int_list(batch_options, "--batch-options")
         curve = load_curve(curve_path, model) if curve_path else builtin_curve(model)
         if samples_per_epoch:
             curve = replace(curve, samples_per_epoch=float(samples_per_epoch))
@@ -73,8 +78,7 @@ def register(app: click.Group) -> None:
             if budget is not None:
                 from hybridpar.search.joint import choose
 
-                joint = choose(costs, curve, budget, batch_options=parse_int_list(batch_options, "--batch-options"),
-                               mp_degrees=mps, progress=step)
+                joint = choose(costs, curve, budget, batch_options=options, mp_degrees=mps, progress=step)
         proj = replace(proj, notes=(*proj.notes, *costs.notes))
         if plot:
             _plot(proj, plot)
