@@ -12,7 +12,20 @@ def _tflops(x: float) -> str:
 
 
 def _gbps(x: float) -> str:
-    return f"{x / 1e9:.3g}"
+    return f"{x / 1e9:.4g}"
+
+
+def short_source(text: str) -> str:
+    """'https://host/path (...)' -> 'host'; 'github:owner/repo path' -> 'github:owner/repo'."""
+    if text.startswith("[approximation] ") and "://" not in text and "github:" not in text:
+        return "approximation"
+    text = text.removeprefix("[approximation] ")
+    head = text.split()[0] if text else ""
+    if head.startswith(("http://", "https://")):
+        return head.split("/")[2]
+    if head.startswith("github:"):
+        return head
+    return (text[:28] + "...") if len(text) > 30 else text
 
 
 def _per_device_intra_Bps(c) -> float:
@@ -69,13 +82,13 @@ def register(app: click.Group) -> None:
             print_json(rows)
             return
         cols = ["name", "devices/node", "device", "fp32 TFLOP/s", "fp16 TFLOP/s", "memory", "mem GB/s",
-                "intra GB/s/dev", "inter GB/s/node"]
+                "intra GB/s/dev", "inter GB/s/node", "source (fp32 peak)"]
         console.print(table("hybridpar cluster presets (bandwidths one direction, effective)", cols, [
             [r["name"], r["devices_per_node"], r["device"], _tflops(r["peak_flops"]["fp32"]),
              _tflops(r["peak_flops"].get("fp16", r["peak_flops"]["fp32"])), f"{r['memory_bytes'] / 1e9:.3g} GB",
              _gbps(r["mem_bw_Bps"]), _gbps(r["intra_per_device_bw_Bps"]),
-             _gbps(r["inter_bw_per_node_Bps"]) if r["inter_bw_per_node_Bps"] else "-"]
-            for r in rows], justify_right=lambda col: col not in ("name", "device")))
+             _gbps(r["inter_bw_per_node_Bps"]) if r["inter_bw_per_node_Bps"] else "-", short_source(r["source"])]
+            for r in rows], justify_right=lambda col: col not in ("name", "device", "source (fp32 peak)")))
         console.print("sources of every figure: hybridpar clusters --show NAME")
 
 
