@@ -49,6 +49,8 @@ def test_inspect_coarsened(capsys):
     out = _json(capsys, ["inspect", "--model", "small_resnet", "--coarsen", "6", "--json"])
     full = _json(capsys, ["inspect", "--model", "small_resnet", "--json"])
     assert out["nodes"] <= 6
+    members = [m for r in out["layers"] for m in r["members"]]
+    assert sorted(members) == sorted(r["name"] for r in full["layers"])
     assert out["totals"]["fwd_flops"] == full["totals"]["fwd_flops"]
 
 

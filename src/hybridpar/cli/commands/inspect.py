@@ -73,22 +73,39 @@ def _step(bar, task, text: str) -> None:
 
 
 def layer_rows(graph, dtype: str) -> list[dict]:
-    return [{"name": n.name, "op": n.op, "module": n.module, "out_shape": list(n.out_shape), "params": n.params,
-                 "fwd_flops": n.fwd_flops, "bwd_flops": n.bwd_flops, "bwd_data_flops": n.bwd_data_flops,
-                 "bwd_weight_flops": n.bwd_weight_flops, "activation_bytes": n.out_bytes(dtype),
-                 "param_bytes": n.param_bytes(dtype), "inputs": list(n.inputs)} for n in graph.nodes]
+    rows = []
+    for n in graph.nodes:
+        row = {"name": n.name, "op": n.op, "module": n.module, "out_shape": list(n.out_shape), "params": n.params,
+               "fwd_flops": n.fwd_flops, "bwd_flops": n.bwd_flops, "bwd_data_flops": n.bwd_data_flops,
+               "bwd_weight_flops": n.bwd_weight_flops, "activation_bytes": n.out_bytes(dtype),
+               "param_bytes": n.param_bytes(dtype), "inputs": list(n.inputs)}
+        members = n.attr("members")
+        if members is not None:  # a coarse node: say what it groups
+            row.update(scope=n.attr("scope"), members=list(members), modules=list(n.attr("modules")))
+        rows.append(row)
+    return rows
+
+
+def _where(row: dict) -> str:
+    """Module column: the module, or for a coarse node of several ops its common scope and size."""
+    members = row.get("members") or ()
+    if len(members) > 1:
+        tops = list(dict.fromkeys(m.split(".")[0] for m in row.get("modules") or ()))
+        span = row.get("scope") or (f"{tops[0]}..{tops[-1]}" if len(tops) > 1 else "".join(tops) or "-")
+        return f"{span} [{len(members)} ops]"
+    return row["module"] or "-"
 
 
 def _totals(graph, rows: list[dict]) -> dict:
     return {"params": graph.params, "fwd_flops": graph.fwd_flops, "bwd_flops": graph.bwd_flops,
-                "activation_bytes": sum(r["activation_bytes"] for r in rows if r["op"] != "input"),
-                "param_bytes": sum(r["param_bytes"] for r in rows)}
+            "activation_bytes": sum(r["activation_bytes"] for r in rows if r["op"] != "input"),
+            "param_bytes": sum(r["param_bytes"] for r in rows)}
 
 
 def _print_table(graph, rows: list[dict], totals: dict, dtype: str) -> None:
     cols = ["name", "op", "module", "output shape", "params", "fwd GFLOPs", "bwd GFLOPs",
             f"act bytes ({dtype})", "param bytes"]
-    body = [[r["name"], r["op"], r["module"] or "-", "x".join(map(str, r["out_shape"])), r["params"],
+    body = [[r["name"], r["op"], _where(r), "x".join(map(str, r["out_shape"])), r["params"],
              r["fwd_flops"] / 1e9, r["bwd_flops"] / 1e9, human_bytes(r["activation_bytes"]),
              human_bytes(r["param_bytes"])] for r in rows]
     body.append(["TOTAL", "", "", "", totals["params"], totals["fwd_flops"] / 1e9, totals["bwd_flops"] / 1e9,
