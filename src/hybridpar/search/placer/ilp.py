@@ -111,6 +111,11 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     for ivs in on_link.values():
         md.add_no_overlap(ivs)
     span = md.new_int_var(0, horizon, "makespan")
+    # redundant load bounds (implied by NoOverlap, but they tighten the relaxation and the gap)
+    loads = [sum((fdur[t][d] + bdur[t][d]) * x[t][d] for t in range(n)) for d in range(m)]
+    for d in range(m):
+        md.add(loads[d] <= span)
+    md.add(sum(loads) <= m * span)
     for t in range(n):
         md.add(sb[t] >= ef[t])
         for u in P[t]:
