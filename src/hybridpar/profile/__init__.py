@@ -4,9 +4,16 @@ calibration file that the `localhost` cluster and `hybridpar.cost.compute.op_tim
 Importing this package does not import torch; the measuring modules (ops, gloo, run) do.
 """
 
-from hybridpar.profile.calibration import (Calibration, GlooFit, Measurement, OpRecord,
-                                           default_calibration_path, load_calibration, op_key,
-                                           save_calibration)
+from hybridpar.profile.calibration import (
+                                           Calibration,
+                                           GlooFit,
+                                           Measurement,
+                                           OpRecord,
+                                           default_calibration_path,
+                                           load_calibration,
+                                           op_key,
+                                           save_calibration,
+)
 
 __all__ = ["Calibration", "GlooFit", "Measurement", "OpRecord", "default_calibration_path",
            "load_calibration", "op_key", "save_calibration"]

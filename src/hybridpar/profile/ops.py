@@ -7,6 +7,7 @@ measured here is what `op_time` looks up.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from hybridpar.cost.compute import local_shapes
 from hybridpar.graph.types import Node
 from hybridpar.profile.calibration import Measurement, OpRecord
-from hybridpar.profile.timing import measure
+from hybridpar.profile.timing import measure, summarize
 
 
 @dataclass(frozen=True)
@@ -95,18 +96,28 @@ def _forward(spec: OpSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
 
 
 def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
-    """Forward, backward-data (grad of x only) and backward-weight (grad of w only), timed apart."""
+    """Forward, backward-data (grad of x only) and backward-weight (grad of w only). The three are
+    timed in turn within each repeat, so a burst of load from elsewhere hits all three alike."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(spec.x, generator=g).requires_grad_(True)
     w = torch.randn(spec.w, generator=g).requires_grad_(True)
     b = torch.randn(spec.w[0], generator=g).requires_grad_(True) if spec.bias else None
-    fwd = measure(lambda: _forward(spec, x, w, b), warmup=warmup, repeats=repeats)
     y = _forward(spec, x, w, b)
     dy = torch.randn(y.shape, generator=g)
-    bwd_data = measure(lambda: torch.autograd.grad(y, x, dy, retain_graph=True), warmup=warmup, repeats=repeats)
     wrt = (w, b) if b is not None else (w,)
-    bwd_weight = measure(lambda: torch.autograd.grad(y, wrt, dy, retain_graph=True), warmup=warmup,
-                         repeats=repeats)
+    passes = (lambda: _forward(spec, x, w, b),
+              lambda: torch.autograd.grad(y, x, dy, retain_graph=True),
+              lambda: torch.autograd.grad(y, wrt, dy, retain_graph=True))
+    for _ in range(warmup):
+        for fn in passes:
+            fn()
+    samples: list[list[float]] = [[], [], []]
+    for _ in range(repeats):
+        for i, fn in enumerate(passes):
+            t0 = time.perf_counter()
+            fn()
+            samples[i].append(time.perf_counter() - t0)
+    fwd, bwd_data, bwd_weight = (summarize(s) for s in samples)
     return OpRecord(key=spec.key, op=spec.op, fwd=fwd, bwd_data=bwd_data, bwd_weight=bwd_weight)
 
 
