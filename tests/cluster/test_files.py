@@ -87,4 +87,4 @@ def test_cli_lists_and_shows(capsys):
     assert "rapidsai/ucx-py" in " ".join(d["sources"].values())
     assert main(["clusters", "--show", "dgx1-v100"]) == 0
     out = capsys.readouterr().out
-    assert "NV2" in out and "SYS" in out and "sources" in out
+    assert "NV2" in out and "SYS" in out and "sources" in out and "[approximation]" in out

@@ -59,7 +59,7 @@ def test_gpus_make_nodes_and_last_node_may_be_partial():
 def test_lassen_uses_the_sourced_single_plane_network():
     c = load_cluster("lassen", gpus=16)
     assert c.num_nodes == 4 and c.inter.nics_per_node == 1
-    assert "Single Plane" in c.sources["inter.nics_per_node"]
+    assert "Single Plane" in c.sources["inter.nics_per_node"] and "dual-rail" in c.sources["inter.nics_per_node"]
     assert c.sources["intra.link_bw_Bps"]
     with pytest.raises(UserError, match="at most 788 nodes"):
         load_cluster("lassen", gpus=4 * 789)

@@ -137,7 +137,8 @@ def figure_sources(spec: ClusterFile) -> dict[str, str]:
 
     def walk(obj: Any, prefix: str) -> None:
         if isinstance(obj, Sourced):
-            out[prefix] = ("[approximation] " if obj.approx else "") + obj.source
+            out[prefix] = (("[approximation] " if obj.approx else "") + obj.source
+                           + (f" (note: {obj.note})" if obj.note else ""))
         elif hasattr(obj, "model_fields"):
             for name in type(obj).model_fields:
                 walk(getattr(obj, name), f"{prefix}.{name}" if prefix else name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from rich.markup import escape
 
 from hybridpar.cli.output import console, human_bytes, print_json, table
 
@@ -106,7 +107,11 @@ def _print_detail(c) -> None:
     if c.inter:
         console.print(f"between nodes: {c.inter.name}, {c.inter.nics_per_node} NIC(s) x "
                       f"{_gbps(c.inter.nic_bw_Bps)} GB/s per direction, latency {c.inter.latency_s * 1e6:.3g} us")
-    console.print(table("sources", ["figure", "source"], sorted(c.sources.items()),
+    if c.ranks_share_cores:
+        console.print(f"{c.num_devices} ranks on {c.cores} core(s): compute stretches by "
+                      f"{d.time_share:.3g}x (ranks time-share the cores)")
+    # Sources contain brackets ("[approximation]"): escape them from rich markup.
+    console.print(table("sources", ["figure", "source"], [(k, escape(v)) for k, v in sorted(c.sources.items())],
                         justify_right=lambda col: False))
     for note in c.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {escape(note)}")
