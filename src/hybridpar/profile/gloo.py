@@ -30,7 +30,8 @@ def _free_port() -> int:
 
 def measure_allreduce(world: int, sizes: Sequence[int] = DEFAULT_SIZES, *, warmup: int = 2,
                       repeats: int = 10, timeout_s: float = 180.0) -> list[Measurement]:
-    """Run `world` gloo ranks as separate processes on this host and time allreduce at each size."""
+    """Run `world` gloo ranks as separate processes on this host and time allreduce at each size.
+    A failed or hung benchmark is reported as one line (UserError), its processes killed."""
     if world < 2:
         raise UserError(f"gloo allreduce needs at least 2 ranks, got {world}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -50,14 +51,14 @@ def measure_allreduce(world: int, sizes: Sequence[int] = DEFAULT_SIZES, *, warmu
                 if p.returncode != 0:
                     errors.append(err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}")
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"gloo benchmark with {world} ranks did not finish in {timeout_s:.0f} s") from None
+            raise UserError(f"gloo benchmark with {world} ranks did not finish in {timeout_s:.0f} s") from None
         finally:
             for p in procs:  # only our own children, by handle
                 if p.poll() is None:
                     p.kill()
                     p.wait()
         if errors or not out.exists():
-            raise RuntimeError(f"gloo benchmark with {world} ranks failed: {errors[0] if errors else 'no output'}")
+            raise UserError(f"gloo benchmark with {world} ranks failed: {errors[0] if errors else 'no output'}")
         data = json.loads(out.read_text())
     return [summarize(s) for s in data["samples"]]
 
