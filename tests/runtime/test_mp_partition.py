@@ -114,3 +114,6 @@ def test_check_mp_plan_before_spawning():
     bad = plan.model_copy(update={"placement": {"conv9": 1}})
     with pytest.raises(UserError, match="neither a module"):
         check_mp_plan(load_model("small_cnn").module, bad, 8)
+    mixed = Plan(model="small_cnn", world_size=4, batch=8, dp=2, mp=2, default_layout={"channel": 2})
+    with pytest.raises(UserError, match="channels/filters"):
+        check_mp_plan(load_model("small_cnn").module, mixed, 8)

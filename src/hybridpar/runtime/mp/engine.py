@@ -59,6 +59,7 @@ class MPEngine:
         if dist.get_world_size() != plan.world_size:
             raise UserError(f"plan needs {plan.world_size} ranks (dp={plan.dp} x mp={plan.mp}), "
                             f"running on {dist.get_world_size()}")
+        _check_layouts(plan)
         if bn_stats not in ("global", "local"):
             raise UserError(f"bn_stats must be 'global' or 'local', got {bn_stats!r}")
         if micro_batches < 1:
@@ -194,9 +195,17 @@ class MPEngine:
         return out
 
 
+def _check_layouts(plan: Plan) -> None:
+    for name, lay in [("default_layout", plan.default_layout), *plan.layers.items()]:
+        if lay.channel > 1 or lay.filter > 1:
+            raise UserError(f"plan: {name} splits channels/filters ({lay.to_strategy()}) inside an mp={plan.mp} "
+                            "group; model parallelism runs with sample (data) parallelism only")
+
+
 def check_mp_plan(module: nn.Module, plan: Plan, batch: int) -> None:
     """Validate an MP plan against the model before any rank starts (UserError on a problem): the
     model traces, the placement names its modules, weights sit on one device, the batch splits."""
+    _check_layouts(plan)
     if batch < plan.dp:
         raise UserError(f"global batch {batch} smaller than dp={plan.dp}")
     from hybridpar.runtime.mp.norm import has_batch_norm
