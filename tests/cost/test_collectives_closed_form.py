@@ -88,3 +88,12 @@ def test_bad_groups(flat_cluster):
         co.allreduce_time(N, [0, 0, 1], c)
     assert co.allreduce_time(N, [2], c) == 0
     assert co.collective_time("allgather", N, [0, 1], c) == co.allgather_time(N, [0, 1], c)
+
+
+def test_concurrent_dispatch(flat_cluster):
+    c = flat_cluster(8)
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert co.concurrent_collective_time("allreduce", N, groups, c) == co.concurrent_allreduce_time(N, groups, c)
+    assert co.concurrent_collective_time("alltoall", N, groups, c) == co.alltoall_time(N, groups[0], c)
+    with pytest.raises(ValueError):
+        co.concurrent_collective_time("gossip", N, groups, c)

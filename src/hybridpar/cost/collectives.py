@@ -354,13 +354,20 @@ def allgather_time(bytes_total: float, ranks: Sequence[int], cluster: Cluster) -
     return _ring_collective(bytes_total, ranks, cluster, "allgather")
 
 
-def concurrent_collective_time(kind: Literal["allreduce", "reduce_scatter", "allgather"], bytes_: float,
-                               groups: Sequence[Sequence[int]], cluster: Cluster) -> float:
-    """Ring `kind` in several disjoint groups at once, sharing links (e.g. the allgathers of all
-    channel groups of a layer)."""
+def concurrent_collective_time(kind: str, bytes_: float, groups: Sequence[Sequence[int]],
+                               cluster: Cluster) -> float:
+    """`kind` in several disjoint groups at once. Ring reduce-scatter/allgather and allreduce share
+    links across the groups (e.g. the allgathers of all channel groups of a layer); broadcast and
+    alltoall are taken group by group (the slowest), without cross-group contention."""
     key = _groups_key(groups)
     if all(len(g) <= 1 for g in key) or bytes_ <= 0:
         return 0.0
+    if kind == "allreduce":
+        return concurrent_allreduce_time(bytes_, key, cluster)
+    if kind in ("broadcast", "alltoall"):
+        return max(collective_time(kind, bytes_, g, cluster) for g in key)
+    if kind not in _STEPS:
+        raise ValueError(f"unknown collective kind {kind!r}")
     parts = _cached(("rc", cluster.cache_key, key, kind),
                     lambda: _rings_phase([ring_order(g, cluster) for g in key], kind, 1.0, cluster))
     return _phase_time(parts, bytes_) + _base(cluster, key)
