@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                   str(p.crossover() or "none"), _pct(p.margin_at_scale()), _pct(p.margin_best_vs_best()),
                   _pct(paper_margin(m)), f"{mp2.speedup:.2f}" if mp2 else "-")
         _plot(p, str(plots / f"projection_{m}.png"))
-    con = Console()
+    con = Console(width=200)
     con.print(t)
     con.print(f"wall: cold cache {cold_s:.1f} s, warm cache {warm_s:.1f} s (3 models x 13 GPU counts); "
               f"warm/cold ratio {warm_s / cold_s:.2f}")
