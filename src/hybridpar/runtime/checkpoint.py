@@ -1,0 +1,283 @@
+"""Sharded, atomic training checkpoints with resharding on load.
+
+Layout of a checkpoint directory `D` (on a file system every rank sees):
+    D/step-00000040/rank-00000.pt ... rank-000NN.pt   each rank's own shards + optimizer state + RNG
+    D/step-00000040/manifest.json                     written last, by rank 0: step, world, plan, files
+                                                      with their sizes and SHA-256
+Atomicity: ranks write into `D/.tmp-step-00000040/`, fsync every file; after a barrier rank 0 writes
+the manifest, fsyncs it and the directory, and renames the directory to `step-00000040` (an atomic
+rename on POSIX). A kill at any moment leaves either no new directory or a complete one, and
+`latest_checkpoint` only returns directories whose manifest and files check out.
+
+Resharding: each rank file keeps, per tensor of the undistributed model's state_dict, this rank's
+local tensor and where it sits in the full one (`ShardInfo`; None = the whole tensor). Loading
+reassembles the full tensors from all rank files and cuts out the new engine's pieces, so a run may
+resume with a different layout or rank count. With the same layout the pieces are the same bytes:
+a resumed run is bitwise equal to an uninterrupted one.
+
+Why not torch.distributed.checkpoint: it describes shards through DTensor/ShardedTensor placements;
+this runtime's shards are plain tensors cut into uneven and (for stationary-w) strided pieces that
+those placements cannot express.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.errors import UserError
+from hybridpar.runtime.state import ShardInfo, place
+
+FORMAT = "hybridpar-checkpoint"
+VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int  # completed optimizer steps
+    world_size: int
+    manifest: dict
+
+
+# -- what a rank holds ------------------------------------------------------------------------------
+
+def local_tensors(engine) -> tuple[dict[str, torch.Tensor], dict[str, ShardInfo | None]]:
+    """This rank's tensors keyed by the undistributed state_dict's names, and where each sits in the
+    full tensor (None: the whole tensor). Knows the two engines' internals; one place to adapt."""
+    state = getattr(engine, "state", None)
+    if state is not None and hasattr(state, "shards"):  # channel/filter/sample engine
+        return engine.module.state_dict(keep_vars=True), dict(state.shards())
+    local = getattr(engine, "_local_state", None)  # MP engine: whole tensors of the owned layers
+    if local is not None:
+        return dict(local), {}
+    raise TypeError(f"checkpoint: unsupported engine {type(engine).__name__}")
+
+
+def take(full: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
+    """The piece of `full` that `info` describes (the inverse of state.place)."""
+    if info is None:
+        return full
+    out = full
+    for d, ranges in enumerate(info.dims):
+        if ranges is not None:
+            out = torch.cat([out.narrow(d, off, n) for off, n in ranges], dim=d)
+    return out
+
+
+def _opt_state_by_name(tensors: dict[str, torch.Tensor], opt: torch.optim.Optimizer) -> dict[str, dict]:
+    name_of = {id(t): k for k, t in tensors.items()}
+    out = {}
+    for p, st in opt.state.items():
+        if id(p) not in name_of:
+            raise RuntimeError("checkpoint: optimizer holds a tensor the engine does not report")
+        out[name_of[id(p)]] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+    return out
+
+
+# -- writing ----------------------------------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch.optim.Optimizer, *,
+                    meta: dict | None = None, keep: int = 2) -> Path:
+    """Collective: every rank writes its shards; returns the committed directory. Keeps the newest
+    `keep` checkpoints (0 = all)."""
+    root = Path(root)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name = f"step-{step:08d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt killed mid-write
+        tmp.mkdir()
+    dist.barrier()
+    tensors, shards = local_tensors(engine)
+    payload = {
+        "step": step, "rank": rank, "world_size": world,
+        "tensors": {k: t.detach().cpu().clone() for k, t in tensors.items()},
+        "shards": shards,
+        "optimizer": _opt_state_by_name(tensors, optimizer),
+        "rng": torch.get_rng_state(),
+    }
+    path = tmp / _rank_file(rank)
+    with path.open("wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    dist.barrier()  # every shard is on disk before the manifest names them
+    if rank == 0:
+        files = [{"rank": r, "file": _rank_file(r), "bytes": (tmp / _rank_file(r)).stat().st_size,
+                  "sha256": _sha256(tmp / _rank_file(r))} for r in range(world)]
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+                    "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+                    "files": files, **(meta or {})}
+        with (tmp / "manifest.json").open("w") as f:
+            json.dump(manifest, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # same step saved again (a restarted run): replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep)
+    dist.barrier()  # when this returns, the checkpoint is committed for every rank
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- finding and checking ---------------------------------------------------------------------------
+
+def read_manifest(path: Path, *, verify_hashes: bool = True) -> dict:
+    """The manifest of a checkpoint directory, checked against its files; UserError if incomplete."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"checkpoint {path}: no readable manifest.json ({type(err).__name__})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path}: not a hybridpar checkpoint")
+    if manifest.get("version") != VERSION:
+        raise UserError(f"checkpoint {path}: version {manifest.get('version')!r} unsupported (reads {VERSION})")
+    files = manifest.get("files")
+    if not isinstance(files, list) or len(files) != manifest.get("world_size"):
+        raise UserError(f"checkpoint {path}: manifest lists {len(files or [])} files for "
+                        f"{manifest.get('world_size')} ranks")
+    for f in files:
+        p = path / str(f.get("file"))
+        if not p.is_file() or p.stat().st_size != f.get("bytes"):
+            raise UserError(f"checkpoint {path}: {f.get('file')} missing or truncated")
+        if verify_hashes and _sha256(p) != f.get("sha256"):
+            raise UserError(f"checkpoint {path}: {f.get('file')} does not match its SHA-256")
+    return manifest
+
+
+def _candidates(root: Path) -> Iterator[Path]:
+    if root.is_dir():
+        yield from sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()), reverse=True)
+
+
+def latest_checkpoint(root: str | os.PathLike, *, verify_hashes: bool = True) -> CheckpointInfo | None:
+    """The newest complete checkpoint under `root` (incomplete or corrupt ones are skipped), or None."""
+    for path in _candidates(Path(root)):
+        try:
+            m = read_manifest(path, verify_hashes=verify_hashes)
+        except UserError:
+            continue
+        return CheckpointInfo(path, int(m["step"]), int(m["world_size"]), m)
+    return None
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+def _load_rank_files(info: CheckpointInfo) -> list[dict]:
+    return [torch.load(info.path / f["file"], map_location="cpu", weights_only=False)
+            for f in info.manifest["files"]]
+
+
+def full_state(parts: list[dict], key: str = "tensors") -> dict[str, torch.Tensor]:
+    """Reassemble undistributed tensors from every rank's pieces (`key`: tensors or optimizer slot)."""
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        items = part["tensors"].items() if key == "tensors" else (
+            (k, st[key]) for k, st in part["optimizer"].items() if key in st)
+        for name, t in items:
+            info = part["shards"].get(name)
+            if info is None:
+                out.setdefault(name, t)
+                continue
+            if name not in out:
+                out[name] = torch.zeros(info.full_shape, dtype=t.dtype)
+            place(out[name], t, info)
+    return out
+
+
+def load_checkpoint(info: CheckpointInfo, module: nn.Module) -> dict:
+    """Step 1 of a resume, before make_engine: put the checkpoint's undistributed weights into the
+    freshly built module (the engine then cuts its own pieces, for any layout and rank count).
+    Returns the rank files, for `restore_training_state`."""
+    parts = _load_rank_files(info)
+    weights = full_state(parts)
+    try:
+        module.load_state_dict(weights)
+    except RuntimeError as err:
+        lines = str(err).splitlines()
+        raise UserError(f"checkpoint {info.path} does not match the model: "
+                        f"{(lines[1] if len(lines) > 1 else lines[0]).strip()}") from None
+    return {"info": info, "parts": parts}
+
+
+def restore_training_state(loaded: dict, engine, optimizer: torch.optim.Optimizer, *,
+                           restore_rng: bool = True) -> int:
+    """Step 2, after make_engine: optimizer state (e.g. momentum) and RNG; returns the step to
+    continue from. The optimizer state is cut for this engine at its first step (a pre-step hook):
+    engines may settle a layer's shard shape only at the first forward."""
+    info, parts = loaded["info"], loaded["parts"]
+    slots = {s for p in parts for st in p["optimizer"].values() for s, v in st.items() if torch.is_tensor(v)}
+    opt_full = {s: full_state(parts, s) for s in slots}
+    scalars = {k: {s: v for s, v in st.items() if not torch.is_tensor(v)}
+               for p in parts for k, st in p["optimizer"].items()}
+
+    def apply(opt, _args, _kwargs) -> None:
+        handle.remove()
+        tensors, shards = local_tensors(engine)
+        by_id = {id(t): n for n, t in tensors.items()}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                name = by_id.get(id(p))
+                st = {s: take(opt_full[s][name], shards.get(name)).to(p.device).clone()
+                      for s in opt_full if name in opt_full[s]}
+                for s, v in st.items():
+                    if v.shape != p.shape:
+                        raise UserError(f"checkpoint {info.path}: optimizer {s} of {name} has shape "
+                                        f"{tuple(v.shape)}, the parameter {tuple(p.shape)}")
+                if st:
+                    opt.state[p] = {**scalars.get(name, {}), **st}
+
+    handle = optimizer.register_step_pre_hook(apply)
+    if restore_rng and info.world_size == dist.get_world_size():
+        torch.set_rng_state(parts[dist.get_rank()]["rng"])
+    return info.step
+
+
+def full_model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """The undistributed model's state_dict stored in a checkpoint (no process group needed)."""
+    return full_state(_load_rank_files(info))
+

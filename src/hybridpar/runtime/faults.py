@@ -1,0 +1,68 @@
+"""Rank failures: collective timeouts, a clear error for a lost peer, and a test-only fault injector.
+
+Under `torchrun --max-restarts R` a rank that dies makes the elastic agent stop the other ranks and
+start the whole group again; the train loop then resumes from the last complete checkpoint. What
+must never happen is a hang: every process group gets a timeout (HYBRIDPAR_COLLECTIVE_TIMEOUT_S,
+default 300 s), and gloo reports a closed peer connection at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "HYBRIDPAR_COLLECTIVE_TIMEOUT_S"
+# Test-only fault injection: rank FAIL_RANK exits abruptly before step FAIL_STEP, on the first attempt.
+FAIL_RANK_ENV, FAIL_STEP_ENV = "HYBRIDPAR_TEST_FAIL_RANK", "HYBRIDPAR_TEST_FAIL_STEP"
+FAIL_EXIT_CODE = 17
+
+
+class RankFailure(RuntimeError):
+    """A peer rank was lost (killed, crashed or unreachable) during a collective."""
+
+
+def collective_timeout() -> timedelta:
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        seconds = DEFAULT_TIMEOUT_S
+    return timedelta(seconds=seconds if seconds > 0 else DEFAULT_TIMEOUT_S)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (0 on the first attempt)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def maybe_inject_failure(step: int) -> None:
+    """Exit this rank abruptly (no cleanup, like a kill) if the test-only variables select it."""
+    rank_s, step_s = os.environ.get(FAIL_RANK_ENV), os.environ.get(FAIL_STEP_ENV)
+    if rank_s is None or step_s is None or restart_count() > 0:
+        return
+    if dist.is_initialized() and dist.get_rank() == int(rank_s) and step == int(step_s):
+        print(f"hybridpar: test fault: rank {rank_s} exits at step {step}", file=sys.stderr, flush=True)
+        os._exit(FAIL_EXIT_CODE)
+
+
+def is_peer_loss(err: BaseException) -> bool:
+    """Whether a collective's error means a peer went away (as opposed to a bug in this rank)."""
+    text = str(err).lower()
+    return isinstance(err, (dist.DistBackendError, ConnectionError, TimeoutError)) or any(
+        w in text for w in ("connection reset", "connection closed", "broken pipe", "timed out", "timeout",
+                            "peer", "gloo"))
+
+
+def peer_loss_error(err: BaseException, step: int) -> RankFailure:
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    hint = ("torchrun will restart the group from the last checkpoint" if "TORCHELASTIC_RUN_ID" in os.environ
+            else "rerun with --resume to continue from the last checkpoint")
+    return RankFailure(f"rank {rank} lost a peer at step {step} ({first}); {hint}")

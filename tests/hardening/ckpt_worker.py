@@ -1,0 +1,82 @@
+"""A small training loop over the engine contract, checkpointing as the train loop does; run in
+spawned gloo ranks by the checkpoint tests (module-level so that spawn can import it)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridpar.plan import Plan, parse_strategy
+from hybridpar.runtime import checkpoint as ckpt
+from hybridpar.runtime import faults
+
+# Test-only crash points inside save_checkpoint, to prove a kill at any moment is safe.
+CRASH_ENV = "HYBRIDPAR_TEST_CRASH"
+
+
+def plan_for(strategy: str, world: int, batch: int = 16) -> Plan:
+    s = parse_strategy(strategy, world)
+    return Plan(model="small_cnn", world_size=world, batch=batch, dp=world // s.mp, mp=s.mp,
+                default_layout=s.layout, strategy=strategy)
+
+
+def train(root: str, strategy: str, world: int, steps: int, every: int, resume: bool, stop_after: int | None = None):
+    import torch.distributed as dist
+
+    from hybridpar.graph.models import load_model
+    from hybridpar.runtime.data import batch_indices, load_dataset
+    from hybridpar.runtime.engine import make_engine
+
+    plan = plan_for(strategy, world)
+    torch.manual_seed(0)
+    module = load_model("small_cnn").module
+    ds = load_dataset("synthetic", (3, 32, 32), num_classes=10, size=64, seed=0)
+    info = ckpt.latest_checkpoint(root) if resume else None
+    loaded = ckpt.load_checkpoint(info, module) if info else None
+    engine = make_engine(module, plan)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.05, momentum=0.9)
+    start = ckpt.restore_training_state(loaded, engine, opt) if loaded else 0
+    losses = []
+    for step in range(start, steps):
+        if stop_after is not None and step == stop_after:
+            break
+        faults.maybe_inject_failure(step)
+        idx = batch_indices(len(ds), plan.batch, step, shuffle=True, seed=0)
+        x, y = engine.local_batch(ds.x[idx], ds.y[idx])
+        losses.append(engine.train_step(x, y))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if every and (step + 1) % every == 0:
+            crash = os.environ.get(CRASH_ENV)
+            if crash and dist.get_rank() == 0:
+                _arm_crash(crash)
+            ckpt.save_checkpoint(root, step + 1, engine, opt, meta={"model": "small_cnn"})
+    return {"state": engine.full_state_dict(), "losses": losses, "start": start}
+
+
+def _arm_crash(point: str) -> None:
+    """Make rank 0 die (os._exit, like SIGKILL) at `point` of the next save_checkpoint."""
+    import torch.distributed as dist
+
+    def die(*_a, **_k):
+        os._exit(9)
+
+    if point == "before-manifest":
+        ckpt._sha256 = die  # first call comes after the shards, before the manifest
+    elif point == "before-rename":
+        ckpt._fsync_dir = die  # first call comes after the manifest, before the rename
+    elif point == "after-rename":
+        real = ckpt._prune
+        ckpt._prune = lambda *a: (real(*a), os._exit(9))
+    elif point == "mid-shard":
+        real_barrier = dist.barrier
+        calls = {"n": 0}
+
+        def barrier(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the shards are being written: rank 0 dies before the second barrier
+                os._exit(9)
+            return real_barrier(*a, **k)
+
+        ckpt.dist.barrier = barrier
