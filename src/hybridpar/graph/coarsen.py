@@ -54,12 +54,16 @@ def collapse_chains(graph: Graph) -> Graph:
 
 
 def coarsen_to(graph: Graph, max_nodes: int) -> Graph:
-    """Fuse pointwise ops and chains, then repeatedly merge the pair of adjacent nodes that shares the
-    deepest module prefix (ties: the smallest combined forward FLOPs) until at most `max_nodes` remain
-    (or only the inputs and one node are left)."""
+    """At most `max_nodes` nodes, as many as allowed: a graph that fits is returned as is; otherwise
+    pointwise ops are fused, then pairs are merged one at a time: links of single-in/single-out chains
+    first, then adjacent nodes sharing the deepest module prefix (ties: the smallest combined forward
+    FLOPs), so branches, then residual/Inception blocks, then stages become single nodes. Input nodes stay apart, so
+    at least inputs + 1 nodes remain."""
     if max_nodes < 1:
         raise ValueError("max_nodes must be >= 1")
-    g = collapse_chains(fuse_pointwise(graph))
+    if len(graph) <= max_nodes:
+        return graph
+    g = fuse_pointwise(graph)
     if len(g) <= max_nodes:
         return g
     return merge_groups(g, _greedy_partition(g, max_nodes))
@@ -91,9 +95,12 @@ def _greedy_partition(g: Graph, max_nodes: int) -> list[list[str]]:
         topo = _topo(members, pred, order)
         pairs = {(a, b) for a in members for b in succ[a]}
         pairs |= set(itertools.pairwise(topo))
-        cands = sorted((p for p in pairs if not (set(p) & fixed)),
-                       key=lambda p: (-len(_common(scope[p[0]], scope[p[1]])), flops[p[0]] + flops[p[1]],
-                                      order[p[0]], order[p[1]]))
+        def key(p, succ=succ, pred=pred):
+            a, b = p
+            chain = b in succ[a] and len(succ[a]) == 1 and len(pred[b]) == 1
+            return (not chain, -len(_common(scope[a], scope[b])), flops[a] + flops[b], order[a], order[b])
+
+        cands = sorted((p for p in pairs if not (set(p) & fixed)), key=key)
         pair = next((p for p in cands if _contractible(*p, succ)), None)
         if pair is None:
             break
