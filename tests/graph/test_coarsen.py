@@ -52,6 +52,11 @@ def test_collapse_chains_merges_a_sequential_model():
     c = collapse_chains(g)
     _check_invariants(g, c)
     assert next(n.op for n in c.nodes) == "input" and len(c) == 2
+    # coarsen_to stops at the limit instead: a placer can still split the chain.
+    assert coarsen_to(g, 100) is g
+    ten = coarsen_to(g, 10)
+    assert len(ten) == 10
+    _check_invariants(g, ten)
 
 
 @pytest.mark.parametrize("name,limit", [("inception_v3", 30), ("resnet50", 12), ("gnmt", 8)])
