@@ -87,3 +87,17 @@ def test_free_sample_space_is_searched_with_redistribution():
     assert samples <= {1, 2, 4}
     if len(samples) > 1:
         assert any("different sample degrees" in n for n in free.plan.notes)
+
+
+@pytest.mark.parametrize("strategy", ["sample=4", "sample=2,channel=2", "sample=2,filter=2", "channel=2,filter=2",
+                                      "channel=4"])
+def test_predicted_bytes_equal_the_runtimes_analytic_bytes(strategy):
+    """Per kind, the bytes the prediction prices are those hybridpar.runtime issues (layout_comm, its twin)."""
+    from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
+    from hybridpar.plan import parse_strategy
+    from hybridpar.search.planner import _scaled, _traced
+
+    res = plan_model("small_resnet", "localhost", 4, 16, strategy=strategy)
+    graph = _scaled(_traced("small_resnet", None)[0], 16)
+    expected = bytes_by_kind(model_collectives(graph, parse_strategy(strategy, 4).layout))
+    assert {k: v for k, v in res.prediction.comm_bytes.items() if v} == expected

@@ -29,6 +29,7 @@ from hybridpar.graph.types import DTYPE_BYTES, Node
 from hybridpar.plan import LayerLayout
 from hybridpar.search.decomposition import (
     Distribution,
+    Groups,
     channel_groups,
     filter_groups,
     shard_groups,
@@ -77,7 +78,8 @@ class LayerCost:
 class CostContext:
     """The cluster, dtype and global batch the costs are for, with memoised collective times."""
 
-    def __init__(self, cluster, batch: int, ranks: int, dtype: str = "fp32", calibration=None):
+    def __init__(self, cluster, batch: int, ranks: int, dtype: str = "fp32", calibration=None,
+                 bn_stats: str = "global"):
         from hybridpar.cost import collectives
 
         self.cluster = cluster
@@ -85,6 +87,7 @@ class CostContext:
         self.ranks = ranks
         self.dtype = dtype
         self.calibration = calibration
+        self.bn_stats = bn_stats
         self.elem = DTYPE_BYTES[dtype]
         self._coll = collectives
         self._memo: dict[tuple, float] = {}
@@ -152,37 +155,35 @@ def channels_of(shape: Sequence[int]) -> int:
     return int(shape[1]) if len(shape) > 1 else 1
 
 
-def layout_collectives(node: Node, followers: Sequence[Node], layout: LayerLayout,
-                       ctx: CostContext) -> list[CommOp]:
-    """The collectives a weight layer (and its batch norms) issue per step under `layout`, as the
-    runtime issues them (hybridpar.runtime.conv / norm)."""
-    s, c, f = layout.sample, layout.channel, layout.filter
-    e, b = ctx.elem, ctx.batch
-    dist = Distribution(s, c * f)
-    x_local = local_numel(node.in_shapes[0], b, dist)
-    y_local = local_numel(node.out_shape, b, dist)
+def _groups_of(name: str, layout: LayerLayout) -> tuple[Groups, LayerLayout]:
+    """The concurrent rank groups a layout_comm group name stands for, and their cache key."""
+    s, g = layout.sample, layout.channel * layout.filter
+    if name == "filter":
+        return filter_groups(layout), layout
+    if name == "channel":
+        return channel_groups(layout), layout
+    if name == "sample":  # the G ranks of one sample group
+        key = LayerLayout(sample=s, channel=1, filter=g)
+        return filter_groups(key), key
+    key = LayerLayout(sample=s, channel=g)  # "replica": the S ranks holding the same shard
+    return shard_groups(key), key
+
+
+def layout_collectives(node: Node, followers: Sequence[Node], layout: LayerLayout, ctx: CostContext, *,
+                       input_grad: bool = True, in_pieces: list[int] | None = None) -> list[CommOp]:
+    """The collectives a weight layer and its followers (batch norms) issue per step under `layout` on
+    the rank with the largest pieces, exactly as the runtime issues them
+    (`hybridpar.cost.layout_comm`, the runtime's analytic twin), placed on this layout's rank groups."""
+    from hybridpar.cost.layout_comm import layer_collectives
+
     ops: list[CommOp] = []
-    if c > 1:  # partial outputs of this rank's filter rows, reduce-scattered; dy gathered back
-        groups = channel_groups(layout)
-        ops.append(CommOp("reduce_scatter", "fwd", y_local * c * e, groups, "channel", layout))
-        ops.append(CommOp("allgather", "bwd", y_local * c * e, groups, "channel", layout))
-    if f > 1:  # input channels gathered over the filter group; dx reduce-scattered back
-        groups = filter_groups(layout)
-        ops.append(CommOp("allgather", "fwd", x_local * f * e, groups, "filter", layout))
-        ops.append(CommOp("reduce_scatter", "bwd", x_local * f * e, groups, "filter", layout))
-    if s > 1:
-        shard = shard_groups(layout)
-        key = LayerLayout(sample=s, channel=c * f)  # shard groups depend on s and c·f only
-        if node.params:
-            ops.append(CommOp("allreduce", "grad", ceil(node.params / (c * f)) * e, shard, "shard", key))
-        for bn in followers:
-            if bn.op == "batchnorm":  # global-batch statistics: sum, centred sum of squares; 2 sums back
-                ch = ceil(channels_of(bn.out_shape) / (c * f))
-                ops.append(CommOp("allreduce", "fwd", ch * e, shard, "shard", key))
-                ops.append(CommOp("allreduce", "fwd", ch * e, shard, "shard", key))
-                ops.append(CommOp("allreduce", "bwd", 2 * ch * e, shard, "shard", key))
-                if bn.params:
-                    ops.append(CommOp("allreduce", "grad", ceil(bn.params / (c * f)) * e, shard, "shard", key))
+    for n in (node, *followers):
+        for op in layer_collectives(n, layout, position=0, input_grad=input_grad or n is not node,
+                                    in_pieces=in_pieces if n is node else None, bn_stats=ctx.bn_stats,
+                                    dtype_bytes=ctx.elem):
+            groups, key = _groups_of(op.group, layout)
+            phase = "fwd" if op.phase == "loss" else op.phase
+            ops.append(CommOp(op.kind, phase, op.bytes_, groups, op.group, key))
     return ops
 
 
@@ -215,15 +216,16 @@ def _summarise(ops: Sequence[CommOp], ctx: CostContext) -> tuple[float, float, f
 
 def grad_allreduce(bytes_: int, key: LayerLayout) -> CommOp:
     """The segmented allreduce of `bytes_` of gradients among ranks holding the same shards."""
-    return CommOp("allreduce", "grad", bytes_, shard_groups(key), "shard", key)
+    return CommOp("allreduce", "grad", bytes_, shard_groups(key), "replica", key)
 
 
-def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout, ctx: CostContext) -> LayerCost:
+def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout, ctx: CostContext, *,
+                      input_grad: bool = True, in_pieces: list[int] | None = None) -> LayerCost:
     s, c, f = layout.sample, layout.channel, layout.filter
     dist = Distribution(s, c * f)
     t = ctx.op(node, s, 1.0 / c, 1.0 / f)  # op_time cuts C and F to ceil(dim / pieces) itself
     ffwd, fbwd = _follower_time(followers, dist, ctx)
-    ops = layout_collectives(node, followers, layout, ctx)
+    ops = layout_collectives(node, followers, layout, ctx, input_grad=input_grad, in_pieces=in_pieces)
     cf, cb, grad, nbytes = _summarise(ops, ctx)
     weights = (node.params + sum(n.params for n in followers)) / (c * f) * ctx.elem
     kept = _kept_bytes([node, *followers], dist, ctx)

@@ -19,6 +19,7 @@ from hybridpar.search.layer_cost import JOIN_OPS, WEIGHT_OPS
 class Vertex:
     node: Node
     followers: tuple[Node, ...]
+    input_grad: bool = True  # False when the input is the model's (no gradient flows back to it)
 
     @property
     def name(self) -> str:
@@ -45,6 +46,7 @@ class LayerEdge:
 class LayerGraph:
     vertices: tuple[Vertex, ...]
     edges: tuple[LayerEdge, ...]
+    graph: Graph | None = None  # the node graph it was built from
 
 
 def _per_sample(shape: tuple[int, ...]) -> int:
@@ -53,14 +55,14 @@ def _per_sample(shape: tuple[int, ...]) -> int:
 
 def build_layer_graph(graph: Graph) -> LayerGraph:
     owner: dict[str, int | None] = {}
-    verts: list[tuple[Node, list[Node]]] = []
+    verts: list[tuple[Node, list[Node], bool]] = []
     edges: dict[tuple[int, int], int] = {}
     for node in graph.nodes:
         owners = [owner.get(i) for i in node.inputs]
         distinct = sorted({o for o in owners if o is not None})
         if node.op in WEIGHT_OPS or node.op in JOIN_OPS or len(distinct) > 1:
             idx = len(verts)
-            verts.append((node, []))
+            verts.append((node, [], bool(distinct)))
             owner[node.name] = idx
             for inp, o in zip(node.inputs, owners):
                 if o is not None:
@@ -71,5 +73,6 @@ def build_layer_graph(graph: Graph) -> LayerGraph:
             verts[distinct[0]][1].append(node)
         else:
             owner[node.name] = None  # graph input and what runs on it before the first layer
-    return LayerGraph(tuple(Vertex(n, tuple(f)) for n, f in verts),
-                      tuple(LayerEdge(u, v, k) for (u, v), k in sorted(edges.items(), key=lambda e: e[0][::-1])))
+    return LayerGraph(tuple(Vertex(n, tuple(f), g) for n, f, g in verts),
+                      tuple(LayerEdge(u, v, k) for (u, v), k in sorted(edges.items(), key=lambda e: e[0][::-1])),
+                      graph)

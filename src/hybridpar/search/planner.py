@@ -87,6 +87,8 @@ class PlanResult:
     method: str
     pruned: dict[str, tuple[Pruned, ...]]
     solve_s: float
+    breakdown: StepBreakdown | None = None
+    baseline_breakdown: StepBreakdown | None = None
 
     @property
     def speedup_vs_dp(self) -> float | None:
@@ -124,8 +126,17 @@ def _scaled(graph, batch: int):
 
 # -- options -----------------------------------------------------------------------------------
 
+def _linear_in_pieces(graph, node, pieces: int) -> list[int] | None:
+    """A linear layer's input-feature pieces as the runtime splits them (its producer's channels)."""
+    if graph is None or node.op != "linear" or pieces == 1:
+        return None
+    from hybridpar.cost import layout_comm
+
+    return layout_comm._linear_in_pieces(graph, node, pieces)
+
+
 def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout], capacity: float,
-                    even_only: bool, empty_ok: bool = False) -> VertexOptions:
+                    even_only: bool, empty_ok: bool = False, graph=None) -> VertexOptions:
     node = v.node
     cin, cout = channels_of(node.in_shapes[0]), channels_of(node.out_shape)
     groups = int(node.attr("groups", 1) or 1)
@@ -134,7 +145,8 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
         reason = layout_problem(lay, ctx.batch, cin, cout, splittable=groups == 1, even=even_only,
                                empty_ok=empty_ok)
         if reason is None:
-            cost = weight_layer_cost(node, v.followers, lay, ctx)
+            cost = weight_layer_cost(node, v.followers, lay, ctx, input_grad=v.input_grad,
+                                     in_pieces=_linear_in_pieces(graph, node, lay.channel * lay.filter))
             if cost.memory_bytes > capacity:
                 reason = f"needs {_size(cost.memory_bytes)} per device for this layer alone"
             else:
@@ -156,7 +168,7 @@ def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequenc
     out = []
     for v in lg.vertices:
         if v.is_weight:
-            vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok)
+            vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok, lg.graph)
             if not vo.options:
                 why = "; ".join(f"{p.layout.to_strategy()}: {p.reason}" for p in vo.pruned[:3])
                 raise InfeasibleError(f"layer {v.node.module or v.name} has no feasible decomposition ({why})")
@@ -218,8 +230,23 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
     return ops
 
 
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Where a predicted step's communication goes (seconds)."""
+
+    grad_sync_s: float  # weight-gradient allreduce (segmented)
+    layer_comm_s: float  # channel/filter allgathers and reduce-scatters, batch-norm statistics
+    redistribution_s: float
+    extras_s: float  # output gather and loss allreduce
+
+
 def predict(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
             grad_sync: str = "flat") -> Prediction:
+    return predict_with_breakdown(lg, opts, choice, ctx, grad_sync)[0]
+
+
+def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
+                           grad_sync: str = "flat") -> tuple[Prediction, StepBreakdown]:
     """Step time: forward in order, backward in reverse, then the weight-gradient allreduce.
 
     grad_sync="flat": as hybridpar.runtime.engine does it, one flat allreduce of all local gradients
@@ -262,8 +289,10 @@ def predict(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ct
         key = vo.vertex.node.module or vo.vertex.name
         per_layer[key] = {"fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.comm_fwd_s + c.comm_bwd_s + r,
                           "grad_sync_s": c.grad_sync_s, "memory_bytes": c.memory_bytes}
-    return Prediction(step_time_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=max(0.0, step - compute),
+    pred = Prediction(step_time_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=max(0.0, step - compute),
                       memory_bytes=[mem] * ctx.ranks, comm_bytes=nbytes, per_layer=per_layer)
+    layer_comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs)
+    return pred, StepBreakdown(grad, layer_comm, sum(redist), extra_s)
 
 
 # -- public API --------------------------------------------------------------------------------
@@ -320,7 +349,8 @@ def _to_plan(model: str, s: _Setup, opts: list[VertexOptions], choice: Sequence[
 def _evaluate_uniform(s: _Setup, lay: LayerLayout, grad_sync: str):
     opts = _options(s.lg, s.ctx, INF, [lay], even_only=False, empty_ok=True)
     choice = [0] * len(opts)
-    return opts, choice, predict(s.lg, opts, choice, s.ctx, grad_sync)
+    pred, brk = predict_with_breakdown(s.lg, opts, choice, s.ctx, grad_sync)
+    return opts, choice, pred, brk
 
 
 def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, grad_sync: str):
@@ -332,9 +362,9 @@ def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, gr
             sol = solve(_problem(s.lg, opts, s.ctx, w), s.capacity)
         except ValueError:
             continue
-        pred = predict(s.lg, opts, sol.choice, s.ctx, grad_sync)
+        pred, brk = predict_with_breakdown(s.lg, opts, sol.choice, s.ctx, grad_sync)
         if pred.memory_bytes[0] <= s.capacity and (best is None or pred.step_time_s < best[1].step_time_s):
-            best = (list(sol.choice), pred, sol.method, opts)
+            best = (list(sol.choice), pred, sol.method, opts, brk)
     for lay in layouts:  # uniform layouts as candidates (overlap is not additive)
         idx = []
         for vo in opts:
@@ -343,9 +373,9 @@ def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, gr
                 break
             idx.append(vo.options.index(want))
         else:
-            pred = predict(s.lg, opts, idx, s.ctx, grad_sync)
+            pred, brk = predict_with_breakdown(s.lg, opts, idx, s.ctx, grad_sync)
             if pred.memory_bytes[0] <= s.capacity and (best is None or pred.step_time_s < best[1].step_time_s):
-                best = (idx, pred, f"uniform {lay.to_strategy()}", opts)
+                best = (idx, pred, f"uniform {lay.to_strategy()}", opts, brk)
     return best
 
 
@@ -364,16 +394,16 @@ def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int
     t0 = time.perf_counter()
     s = _setup(model, cluster, gpus, batch, memory_limit, dtype,
                tuple(input_shape) if input_shape else None, calibration)
-    baseline, note = None, ""
+    baseline, base_brk, note = None, None, ""
     if batch % gpus:
         note = f"data parallelism needs the batch ({batch}) divisible by {gpus}"
     else:
         try:
-            _, _, baseline = _evaluate_uniform(s, LayerLayout(sample=gpus), grad_sync)
+            _, _, baseline, base_brk = _evaluate_uniform(s, LayerLayout(sample=gpus), grad_sync)
             if baseline.memory_bytes and baseline.memory_bytes[0] > s.capacity:
                 note = (f"data parallelism needs {_size(baseline.memory_bytes[0])} per device, "
                         f"over the {_size(s.capacity)} limit")
-                baseline = None
+                baseline, base_brk = None, None
         except InfeasibleError as err:
             note = f"data parallelism infeasible: {err}"
     if strategy is not None:
@@ -383,12 +413,12 @@ def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int
         reason = layout_problem(strat.layout, batch, 1 << 30, 1 << 30)
         if reason:
             raise UserError(f"strategy {strategy!r}: {reason}")
-        opts, choice, pred = _evaluate_uniform(s, strat.layout, grad_sync)
+        opts, choice, pred, brk = _evaluate_uniform(s, strat.layout, grad_sync)
         notes = [f"fixed layout {strat.layout.to_strategy()} evaluated (not searched)"]
         if pred.memory_bytes[0] > s.capacity:
             notes.append(f"over the memory limit: {_size(pred.memory_bytes[0])} per device")
         plan, rows = _to_plan(model, s, opts, choice, pred, strat.layout.to_strategy(), notes)
-        return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0)
+        return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0, brk, base_brk)
 
     if free_sample:
         spaces = {"free": [lay for lay in all_layouts(gpus) if batch % lay.sample == 0]}
@@ -406,17 +436,17 @@ def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int
         if found is None:
             reasons.append(f"{key}: over the memory limit")
         elif best is None or found[1].step_time_s < best[1].step_time_s:
-            best = (found[0], found[1], found[2] if free_sample else f"{key}, {found[2]}", found[3])
+            best = (found[0], found[1], found[2] if free_sample else f"{key}, {found[2]}", found[3], found[4])
     if best is None:
         raise InfeasibleError(f"no decomposition of {model} fits {_size(s.capacity)} per device "
                               f"on {gpus} devices at batch {batch} ({'; '.join(reasons[:3])})")
-    choice, pred, method, opts = best
+    choice, pred, method, opts, brk = best
     notes = [f"optimiser: {method}"] + ([note] if note else [])
     if free_sample and len({lay.sample for lay in _chosen_layouts(opts, choice)}) > 1:
         notes.append("layers use different sample degrees: the runtime needs one (plan for projection only)")
     plan, rows = _to_plan(model, s, opts, choice, pred, None, notes)
     pruned = {vo.vertex.node.module or vo.vertex.name: vo.pruned for vo in opts if vo.pruned}
-    return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0)
+    return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0, brk, base_brk)
 
 
 def _chosen_layouts(opts: list[VertexOptions], choice: Sequence[int]) -> list[LayerLayout]:

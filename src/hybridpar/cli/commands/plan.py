@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 
 import click
 
@@ -38,6 +39,8 @@ def _result_json(res) -> dict:
             "step_time_s": base.step_time_s, "comm_s": base.comm_s, "exposed_comm_s": base.exposed_comm_s,
             "memory_bytes_per_device": base.memory_bytes[0] if base.memory_bytes else 0},
         "data_parallel_note": res.baseline_note,
+        "breakdown": None if res.breakdown is None else asdict(res.breakdown),
+        "data_parallel_breakdown": None if res.baseline_breakdown is None else asdict(res.baseline_breakdown),
         "speedup_vs_dp": res.speedup_vs_dp,
         "layers": [{"name": r.name, "module": r.module, "op": r.op, "choice": r.choice,
                     "algorithm": r.layout.algorithm if r.layout else "join",
