@@ -6,7 +6,7 @@ forms), `make_engine(module, plan)` (the training engine), and the modules launc
 
 from __future__ import annotations
 
-__all__ = ["parallelize", "make_engine"]
+__all__ = ["make_engine", "parallelize"]
 
 
 def __getattr__(name: str):  # lazy: importing the package should not pull torch.distributed

@@ -75,7 +75,7 @@ def _from_file(path: str, shape) -> Dataset:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"--data {path}: file not found") from None
-    except Exception as err:  # a bad file can fail in many ways inside torch.load
+    except Exception as err:  # noqa: BLE001 - a bad file can fail in many ways inside torch.load
         raise UserError(f"--data {path}: not a torch.save file ({type(err).__name__})") from None
     if not isinstance(obj, dict) or "x" not in obj or "y" not in obj:
         raise UserError(f"--data {path}: expected a dict with keys 'x' and 'y'")

@@ -22,7 +22,7 @@ class _GatherOutput(torch.autograd.Function):
     computes the same loss, counted once, so the backward is a slice with no communication."""
 
     @staticmethod
-    def forward(ctx, out, engine: "ChannelFilterEngine", sizes: list[int]):
+    def forward(ctx, out, engine: ChannelFilterEngine, sizes: list[int]):
         ctx.off, ctx.n = sum(sizes[:engine.grid.g]), sizes[engine.grid.g]
         return all_gather_dim(out, 1, engine.grid.sample_group, sizes, engine.comm_log, "output:fwd")
 

@@ -83,7 +83,7 @@ def check_parallelizable(module: nn.Module, layouts: Layouts, batch: int | None 
                                 "channel/filter-split; use a sample-only layout")
             if m.padding_mode != "zeros":
                 raise UserError(f"{name}: padding_mode={m.padding_mode!r} is not supported distributed")
-        elif isinstance(m, (nn.Linear, nn.BatchNorm2d)) or isinstance(m, LOCAL_OK):
+        elif isinstance(m, (nn.Linear, nn.BatchNorm2d, *LOCAL_OK)):
             continue
         elif any(True for _ in m.parameters(recurse=False)):
             raise UserError(f"{name}: {type(m).__name__} has parameters and no channel/filter-parallel "
