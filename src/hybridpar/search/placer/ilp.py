@@ -62,7 +62,8 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     for t in range(n):
         md.add_exactly_one(x[t])
     if problem.devices_interchangeable and n:
-        md.add(x[0][0] == 1)  # symmetry: any placement can be relabelled so task 0 is on device 0
+        # symmetry: any placement can be relabelled so the first task with work is on device 0
+        md.add(x[_anchor(problem)][0] == 1)
     sf = [md.new_int_var(0, horizon, f"sf{t}") for t in range(n)]
     sb = [md.new_int_var(0, horizon, f"sb{t}") for t in range(n)]
     ef = [sf[t] + sum(fdur[t][d] * x[t][d] for d in range(m)) for t in range(n)]
@@ -154,12 +155,18 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
 
 
 def _canonical(problem: PlacementProblem, assignment: Sequence[int]) -> list[int]:
-    """Relabel devices so task 0 is on device 0 (matches the symmetry-breaking constraint)."""
+    """Relabel devices so the anchor task is on device 0 (matches the symmetry-breaking constraint)."""
     a = list(assignment)
-    if problem.devices_interchangeable and a and a[0] != 0:
-        swap = {0: a[0], a[0]: 0}
+    k = _anchor(problem) if a else 0
+    if problem.devices_interchangeable and a and a[k] != 0:
+        swap = {0: a[k], a[k]: 0}
         a = [swap.get(d, d) for d in a]
     return a
+
+
+def _anchor(problem: PlacementProblem) -> int:
+    """The first task that does work (graph inputs cost nothing and may sit anywhere)."""
+    return next((i for i, t in enumerate(problem.tasks) if max(t.fwd_s) + max(t.bwd_s) > 0), 0)
 
 
 def _add_hint(md, problem, assignment, ops, sched, x, sf, sb, pres, tf, tb, span) -> None:
