@@ -38,10 +38,10 @@ CASES_2 = [
 ]
 CASES_4 = [
     ("inception_mini", 1, 4, INCEPTION_4, {}),
-    ("inception_mini", 2, 2, INCEPTION_2, {}),
+    ("inception_mini", 2, 2, INCEPTION_2, {"grad_bucket_bytes": 1024}),
     ("inception_mini", 2, 2, INCEPTION_2, {"micro_batches": 2}),
     ("lstm2", 1, 4, LSTM_4, {"micro_batches": 3}),
-    ("lstm2", 2, 2, LSTM_2, {"ordered_p2p": True}),
+    ("lstm2", 2, 2, LSTM_2, {"ordered_p2p": True, "overlap_grad_sync": False}),
     ("small_cnn", 2, 2, SMALL_CNN_2, {}),  # batch norm: statistics over both replicas
 ]
 
@@ -89,7 +89,8 @@ def _run_cases(cases, init_dir: str) -> list[dict]:
         bytes_ = [None] * dist.get_world_size()
         dist.all_gather_object(bytes_, eng.param_bytes())
         state = eng.full_state_dict()
-        out.append({"state": state, "losses": losses, "comm": kinds, "param_bytes": bytes_,
+        sync = eng._grad_sync
+        out.append({"overlapped": None if sync is None else sync.started_in_backward, "state": state, "losses": losses, "comm": kinds, "param_bytes": bytes_,
                     "sent_per_rank": sent})
     return out
 
@@ -107,6 +108,10 @@ def _check(cases, results, inits):
         total = sum(p.numel() * p.element_size() for p in load_model(model).module.parameters())
         per_replica = res["param_bytes"][:mp]
         assert sum(per_replica) == total, label  # each weight on exactly one device of a replica
+        if opts.get("grad_bucket_bytes"):  # small buckets: allreduces start while backward runs
+            assert res["overlapped"] > 0, label
+        if opts.get("overlap_grad_sync") is False:
+            assert res["overlapped"] == 0, label
         if placement:
             assert res["comm"].get("send", 0) > 0, f"{label}: no activation crossed devices"
             assert max(per_replica) < total, label

@@ -117,3 +117,12 @@ def test_check_mp_plan_before_spawning():
     mixed = Plan(model="small_cnn", world_size=4, batch=8, dp=2, mp=2, default_layout={"channel": 2})
     with pytest.raises(UserError, match="channels/filters"):
         check_mp_plan(load_model("small_cnn").module, mixed, 8)
+
+
+def test_gradient_buckets_reverse_order_and_size():
+    from hybridpar.runtime.mp.grad_sync import buckets_of
+
+    params = [nn.Parameter(torch.zeros(n)) for n in (100, 200, 50, 300)]  # 400, 800, 200, 1200 bytes
+    buckets = buckets_of(params, 1000)
+    assert [[p.numel() for p in b] for b in buckets] == [[300], [50, 200], [100]]
+    assert [[p.numel() for p in b] for b in buckets_of(params, 1 << 20)] == [[300, 50, 200, 100]]

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hybridpar.errors import UserError
 from hybridpar.plan import Plan
 from hybridpar.runtime.mp.comm import CommLog
 from hybridpar.runtime.mp.executor import crossings, message_count, meta_copy, meta_values, run_forward
+from hybridpar.runtime.mp.grad_sync import BUCKET_BYTES, GradSync
 from hybridpar.runtime.mp.layout import HybridLayout, dp_group
 from hybridpar.runtime.mp.norm import has_batch_norm, sync_batch_norms
 from hybridpar.runtime.mp.p2p import Link
@@ -49,11 +49,13 @@ class MPEngine:
     backend is gloo) issues every pair's sends and receives in one global order, without
     pre-posted receives, as NCCL needs; gloo gets non-blocking, pre-posted, lazy receives.
     bn_stats="global" (default) computes batch-norm statistics over the global batch (all replicas),
-    "local" over each replica's samples."""
+    "local" over each replica's samples. overlap_grad_sync: allreduce gradient buckets across
+    replicas during backward (else after it), in buckets of about grad_bucket_bytes."""
 
     def __init__(self, module: nn.Module, plan: Plan, *, micro_batches: int = 1,
                  device: torch.device | None = None, ordered_p2p: bool | None = None,
-                 bn_stats: str = "global"):
+                 bn_stats: str = "global", overlap_grad_sync: bool = True,
+                 grad_bucket_bytes: int = BUCKET_BYTES):
         if not dist.is_initialized():
             raise RuntimeError("MPEngine needs torch.distributed initialised (launch.init())")
         if dist.get_world_size() != plan.world_size:
@@ -85,6 +87,9 @@ class MPEngine:
         self._take_over(module)
         self._params = [p for k, p in module.named_parameters() if owner[k] == self.layout.device]
         self._placeholder = nn.Parameter(torch.empty(0, device=self.device))
+        self._grad_sync = None if self._group is None else GradSync(
+            self._params, self._group, plan.dp, self.comm_log, overlap=overlap_grad_sync,
+            bucket_bytes=grad_bucket_bytes)
         lay = self.layout
         self.link = Link(rank_of_device=lambda d: lay.rank_of(lay.replica, d), log=self.comm_log,
                          prepost=not ordered)
@@ -151,26 +156,17 @@ class MPEngine:
             if loss is not None:
                 loss_local += loss.detach()
             roots.append((loss, token))
-        for loss, token in reversed(roots):  # GPipe order: last micro-batch first
+        for i, (loss, token) in reversed(list(enumerate(roots))):  # GPipe order: last micro-batch first
+            if i == 0 and self._grad_sync is not None:
+                self._grad_sync.arm()  # this backward leaves the final gradients
             tensors = [token] if loss is None else [loss, token]
             torch.autograd.backward(tensors, [torch.zeros_like(token) if t is token else None for t in tensors])
         self.link.wait_all()
-        self._allreduce_grads()
+        if self._grad_sync is not None:
+            self._grad_sync.finish()
         dist.all_reduce(loss_local)  # only each replica's loss device contributes
         self.comm_log.record("allreduce", dist.get_world_size(), loss_local.element_size(), "loss")
         return float(loss_local)
-
-    def _allreduce_grads(self) -> None:
-        if self._group is None:
-            return
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self._group)
-        self.comm_log.record("allreduce", self.layout.dp, flat.numel() * flat.element_size(), "grad_sync")
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
 
     def full_state_dict(self):
         """The undistributed model's state_dict (on CPU) on rank 0; None on other ranks."""
