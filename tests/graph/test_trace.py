@@ -192,3 +192,28 @@ def test_export_fallback_with_lstm_and_weight_matmul_on_meta(flop_counter):
     fwd, bwd = flop_counter(m, (x,))
     mm = matmul_flops(g)
     assert (mm.fwd, mm.bwd_data + mm.bwd_weight) == (fwd, bwd)
+
+
+def test_scaled_dot_product_attention_flops(flop_counter):
+    class SelfAttention(nn.Module):
+        def __init__(self, d=16, heads=4):
+            super().__init__()
+            self.qkv, self.proj, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v)
+            return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+    # On CPU, SDPA may run the fused flash kernel that FlopCounterMode does not see; meta runs the
+    # math path (batched matmuls), which it counts.
+    with torch.device("meta"):
+        m, x = SelfAttention(), torch.randn(2, 10, 16, requires_grad=True)
+    g = trace(m, (x,))
+    assert [n.op for n in g.nodes] == ["input", "linear", "attention", "linear"]
+    assert g.nodes[1].bwd_data_flops == 0  # the traced input does not require a gradient
+    fwd, bwd = flop_counter(m, (x,))
+    mm = matmul_flops(g)
+    assert mm.fwd == fwd
+    assert mm.bwd_data + mm.bwd_weight == bwd - g.nodes[1].fwd_flops  # FlopCounter also did dL/dx

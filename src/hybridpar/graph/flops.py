@@ -67,10 +67,21 @@ def _linear(ins, out, a, grads, has_w) -> Flops:
 
 
 def _attention(ins, out, a, grads, has_w) -> Flops:
+    if a.get("sdpa"):
+        return _sdpa(ins, grads)
     # An activation x activation product (attention scores / context): out = A @ B over K.
     f = 2 * _n(out) * int(a["k"])
     data = sum(f for g in grads[:2] if g)
     return Flops(f, data, 0)
+
+
+def _sdpa(ins, grads) -> Flops:
+    # scaled_dot_product_attention as its math path runs it: scores = Q K^T, out = softmax(scores) V;
+    # backward: grad scores, grad V, grad Q, grad K (4 batched matmuls).
+    q, k, v = ins[0], ins[1], ins[2]
+    bh, sq, dq, sk, dv = _n(q[:-2]), q[-2], q[-1], k[-2], v[-1]
+    base = 2 * bh * sq * sk
+    return Flops(base * (dq + dv), base * (2 * dq + 2 * dv) if any(grads) else 0, 0)
 
 
 def lstm_flops(*, batch: int, steps: int, input_size: int, hidden: int, proj: int = 0, layers: int = 1,

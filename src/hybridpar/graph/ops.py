@@ -41,6 +41,7 @@ _FOLD = {
 _KINDS = {
     "conv2d": "conv2d", "convolution": "conv2d", "_convolution": "conv2d",
     "linear": "linear", "addmm": "linear",
+    "scaled_dot_product_attention": "sdpa", "_scaled_dot_product_flash_attention_for_cpu": "sdpa",
     "matmul": "matmul", "mm": "matmul", "bmm": "matmul", "baddbmm": "matmul",
     "batchnorm1d": "batchnorm", "batchnorm2d": "batchnorm", "batch_norm": "batchnorm",
     "_native_batch_norm_legit_functional": "batchnorm", "_native_batch_norm_legit": "batchnorm",
@@ -93,6 +94,8 @@ def classify(op_name: str, mod: nn.Module | None, args: tuple, kwargs: dict,
     kind = _KINDS.get(name, "other")
     if kind == "matmul":
         return "attention", {"k": _matmul_k(in_shapes)}
+    if kind == "sdpa":
+        return "attention", {"sdpa": True, "k": in_shapes[0][-1] if in_shapes and in_shapes[0] else 1}
     extract = _ATTRS.get(kind)
     return kind, (extract(mod, args, kwargs, in_shapes, out) if extract else {})
 
