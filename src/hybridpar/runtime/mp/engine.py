@@ -168,6 +168,11 @@ class MPEngine:
         self.comm_log.record("allreduce", dist.get_world_size(), loss_local.element_size(), "loss")
         return float(loss_local)
 
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state this rank owns, keyed by the undistributed state_dict's names (whole tensors:
+        MP never splits a weight), e.g. for sharded checkpoints."""
+        return dict(self._local_state)
+
     def full_state_dict(self):
         """The undistributed model's state_dict (on CPU) on rank 0; None on other ranks."""
         return gather_state(self._local_state, self._schema, self.layout, self.comm_log, self.device)
