@@ -217,3 +217,29 @@ def test_scaled_dot_product_attention_flops(flop_counter):
     mm = matmul_flops(g)
     assert mm.fwd == fwd
     assert mm.bwd_data + mm.bwd_weight == bwd - g.nodes[1].fwd_flops  # FlopCounter also did dL/dx
+
+
+def test_opaque_torch_modules_get_measured_flops(flop_counter):
+    # torch.fx keeps nn.TransformerEncoderLayer / nn.GRU as leaves our rules do not model.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 16)
+            self.enc = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+            self.gru = nn.GRU(16, 8, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, ids):
+            y, _ = self.gru(self.enc(self.emb(ids)))
+            return self.head(y)
+
+    with torch.device("meta"):
+        m, ids = Net(), torch.randint(0, 20, (2, 6))
+    g = trace(m, (ids,))
+    enc, gru = g.node("enc"), g.node("gru")
+    assert enc.op == gru.op == "other" and enc.attr("flops_source") == "flop_counter"
+    assert enc.fwd_flops > 0 and enc.bwd_data_flops > 0 and enc.bwd_weight_flops > 0
+    assert g.params == sum(p.numel() for p in m.parameters())
+    fwd, bwd = flop_counter(m, (ids,))
+    mm = matmul_flops(g)
+    assert (mm.fwd, mm.bwd_data + mm.bwd_weight) == (fwd, bwd)

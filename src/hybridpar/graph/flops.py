@@ -164,7 +164,7 @@ _RULES = {
 
 
 def matmul_flops(graph: Graph) -> Flops:
-    """Sum over the matmul-class nodes: the part FlopCounterMode counts."""
-    nodes = [n for n in graph.nodes if n.op in MATMUL_OPS]
+    """Sum over the matmul-class nodes and the measured opaque modules: what FlopCounterMode counts."""
+    nodes = [n for n in graph.nodes if n.op in MATMUL_OPS or n.attr("flops_source") == "flop_counter"]
     return Flops(sum(n.fwd_flops for n in nodes), sum(n.bwd_data_flops for n in nodes),
                  sum(n.bwd_weight_flops for n in nodes))

@@ -85,6 +85,12 @@ def shape_of(meta) -> Shape | None:
     return None
 
 
+def is_opaque(mod: nn.Module) -> bool:
+    """A leaf module our op table has no rule for (its FLOPs get measured instead)."""
+    name = type(mod).__name__.lower()
+    return name not in _FOLD and _KINDS.get(name, "other") == "other" and any(True for _ in mod.parameters())
+
+
 def classify(op_name: str, mod: nn.Module | None, args: tuple, kwargs: dict,
              in_shapes: tuple, out: Shape | None) -> tuple[str, dict]:
     """(op kind, attrs) for an op named `op_name`; `mod` is the leaf module it runs in, if any."""

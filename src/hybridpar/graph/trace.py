@@ -19,8 +19,11 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from hybridpar.errors import UserError
 from hybridpar.graph.build import build_graph
-from hybridpar.graph.ops import OpRecord, classify, shape_of
+from hybridpar.graph.measured import measure_module
+from hybridpar.graph.ops import OpRecord, classify, is_opaque, shape_of
 from hybridpar.graph.types import Graph
+
+MEASURED = "hybridpar_measured_flops"
 
 
 def trace(module: nn.Module, example_inputs, name: str | None = None) -> Graph:
@@ -86,6 +89,15 @@ class _MetaShapeProp(ShapeProp):
             return _lstm_outputs(mod, args[0])
         return super().call_module(target, args, kwargs)
 
+    def run_node(self, n):
+        if n.op == "call_module" and is_opaque(self.fetch_attr(n.target)):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            try:
+                n.meta[MEASURED] = measure_module(self.fetch_attr(n.target), args, kwargs)
+            except Exception:  # noqa: BLE001 -- no measurement: the node keeps 0 FLOPs
+                n.meta.pop(MEASURED, None)
+        return super().run_node(n)
+
 
 def _lstm_outputs(lstm: nn.LSTM, x: torch.Tensor):
     dirs = 2 if lstm.bidirectional else 1
@@ -145,6 +157,8 @@ def _fx_record(gm: GraphModule, node: torch.fx.Node) -> OpRecord | None:
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         kind, attrs = classify(type(mod).__name__.lower(), mod, node.args, node.kwargs, in_shapes, out)
+        if MEASURED in node.meta:
+            attrs = {**attrs, "flops_source": "flop_counter", "measured": node.meta[MEASURED]}
         params = [(f"{node.target}.{k}", p) for k, p in mod.named_parameters()]
         return OpRecord(node.name, kind, tuple(a.name for a in args), in_shapes, out, module=node.target,
                         scope=node.target, params=_param_tuples(params), attrs=attrs)
