@@ -5,6 +5,8 @@ counted. FlopCounterMode only counts matrix products and convolutions (mm/addmm/
 convolution and its backward, SDPA); our "matmul-class" ops (`MATMUL_OPS`) follow exactly those
 rules, so `matmul_flops(graph)` is comparable with it like for like.
 
+attention: an activation x activation product (2 * out * K), or scaled_dot_product_attention as its math
+path runs it. Opaque torch.nn leaves are measured instead (graph/measured.py).
 Other ops are counted too so the cost model sees them, with these documented approximations
 (n = elements of the output unless stated):
   relu/pointwise/dropout: fwd n, bwd n.   add: fwd n, bwd 0 (gradient passes through).   mul: fwd n, bwd 2n.
