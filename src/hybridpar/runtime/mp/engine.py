@@ -72,6 +72,7 @@ class MPEngine:
         self.device = device or _default_device()
         self.comm_log = CommLog()
         ordered = dist.get_backend() != "gloo" if ordered_p2p is None else ordered_p2p
+        module.train()  # trace the training graph (a forward may branch on self.training)
         self.placement = resolve_placement(plan, module)
         self.partition: Partition = partition_module(module, self.placement, plan.mp, lazy_recv=not ordered)
         self._meta = meta_copy(module).train()
