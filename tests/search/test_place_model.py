@@ -130,3 +130,10 @@ def test_plan_placement_is_accepted_by_the_mp_runtime():
     assert set(out.plan.placement.values()) == {0, 1}  # the branches are split: both devices work
     part = partition.partition_module(load_model("inception_mini").module, out.plan.placement, 2)
     assert part is not None
+
+
+def test_package_level_place_api():
+    import hybridpar
+
+    out = hybridpar.place("small_cnn", "dgx1-v100", 2, solver="greedy")
+    assert out.plan.mp == 2 and out.result.solver == "greedy" and out.speedup > 0
