@@ -117,6 +117,12 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     for d in range(m):
         md.add(loads[d] <= span)
     md.add(sum(loads) <= m * span)
+    if m > 1 and all(len(set(f)) == 1 and len(set(b)) == 1 for f, b in zip(fdur, bdur)):
+        # identical devices: all compute, whatever its device, fits in m parallel machines
+        # (redundant cumulative: lets CP-SAT reason about energy across devices)
+        master = [md.new_fixed_size_interval_var(sf[t], fdur[t][0], f"F{t}") for t in range(n)]
+        master += [md.new_fixed_size_interval_var(sb[t], bdur[t][0], f"B{t}") for t in range(n)]
+        md.add_cumulative(master, [1] * len(master), m)
     for t in range(n):
         md.add(sb[t] >= ef[t])
         for u in P[t]:
