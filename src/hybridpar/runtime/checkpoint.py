@@ -205,6 +205,33 @@ def latest_checkpoint(root: str | os.PathLike, *, verify_hashes: bool = True) ->
     return None
 
 
+def check_resumable(root: str | os.PathLike, cfg, resume: bool) -> CheckpointInfo | None:
+    """Validate --checkpoint-dir (and, with --resume, its newest checkpoint against the run) before any
+    process starts. Data order is a function of (seed, step, batch, data), so those must match."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--checkpoint-dir {root}: exists and is not a directory")
+    if not os.access(root if root.exists() else _existing_parent(root), os.W_OK):
+        raise UserError(f"--checkpoint-dir {root}: not writable")
+    info = latest_checkpoint(root) if resume else None
+    if info is None:
+        return None
+    m = info.manifest
+    for key, now in (("model", cfg.model), ("seed", cfg.seed), ("batch", cfg.batch), ("data", cfg.data),
+                     ("shuffle", cfg.shuffle)):
+        if key in m and m[key] != now:
+            raise UserError(f"--resume: checkpoint {info.path.name} was made with {key}={m[key]!r}, "
+                            f"this run has {key}={now!r}")
+    return info
+
+
+def _existing_parent(path: Path) -> Path:
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return Path(".")
+
+
 # -- loading ----------------------------------------------------------------------------------------
 
 def _load_rank_files(info: CheckpointInfo) -> list[dict]:

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybridpar.runtime.faults import collective_timeout, restart_count  # lost peer: error, not hang
+
 
 def under_launcher() -> bool:
     """True when a launcher (torchrun) already set up this process's rank and world."""
@@ -27,7 +29,12 @@ def init() -> torch.device:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # torchrun restarts reuse the agent's store: without a per-attempt prefix the new ranks read the
+    # dead attempt's addresses and fail to connect (seen with torch 2.13 + gloo).
+    timeout = collective_timeout()
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"hybridpar/attempt-{restart_count()}", store)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     return _device()
 
 
@@ -47,7 +54,7 @@ def _entry(rank: int, world: int, port: int, out_path: str, fn, args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=collective_timeout())
     try:
         result = fn(*args)
         if rank == 0:

@@ -40,6 +40,12 @@ class TrainConfig:
     bn_stats: str = "global"
     synthetic_size: int = 1024
     callbacks: tuple[str, ...] = ()  # "module:function" step callbacks, imported in every rank
+    # Hardening (hybridpar.runtime.checkpoint / faults / determinism):
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end when checkpoint_dir is set)
+    keep_checkpoints: int = 2
+    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir, if any
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,10 +98,18 @@ def _import(spec: str) -> Callable:
 def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     """Train on this rank (torch.distributed already initialised). Returns the result on every rank
     (param bytes gathered from all ranks)."""
+    from hybridpar.runtime import checkpoint as ckpt
+    from hybridpar.runtime import faults
     from hybridpar.runtime.data import batch_indices, load_dataset
     from hybridpar.runtime.engine import make_engine
 
+    if cfg.deterministic:
+        from hybridpar.runtime.determinism import enable_determinism
+
+        enable_determinism(cfg.seed, dist.get_rank())
     loaded = build_module(cfg)
+    info = ckpt.latest_checkpoint(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
+    resumed = ckpt.load_checkpoint(info, loaded.module) if info else None  # weights, before sharding
     shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
     with torch.no_grad():
         classes = loaded.module.eval()(loaded.example_inputs[0][:1]).shape[1]
@@ -103,17 +117,27 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     engine = make_engine(loaded.module, cfg.plan, bn_stats=cfg.bn_stats)
     opt = torch.optim.SGD(engine.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
+    start = ckpt.restore_training_state(resumed, engine, opt) if resumed else 0
     callbacks = [_import(c) for c in cfg.callbacks]
     rank = dist.get_rank()
     infos: list[StepInfo] = []
-    for step in range(total_steps(cfg, len(ds))):
+    last = total_steps(cfg, len(ds))
+    for step in range(start, last):
+        faults.maybe_inject_failure(step)
         idx = batch_indices(len(ds), cfg.batch, step, shuffle=cfg.shuffle, seed=cfg.seed)
         x_loc, y_loc = engine.local_batch(ds.x[idx], ds.y[idx])
         t0 = time.perf_counter()
-        loss = engine.train_step(x_loc, y_loc)
+        try:
+            loss = engine.train_step(x_loc, y_loc)
+        except RuntimeError as err:  # a dead or unreachable peer: say so, never hang (timeouts in launch)
+            raise (faults.peer_loss_error(err, step) if faults.is_peer_loss(err) else err) from err
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
+        if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+                                   or step + 1 == last):
+            ckpt.save_checkpoint(cfg.checkpoint_dir, step + 1, engine, opt, meta=checkpoint_meta(cfg),
+                                 keep=cfg.keep_checkpoints)
         info = StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind())
         infos.append(info)
         if rank == 0:
@@ -128,6 +152,12 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     dist.all_gather_object(per_rank, (engine.param_bytes(), engine.param_bytes_by_type()))
     return TrainResult(infos, [p[0] for p in per_rank], [p[1] for p in per_rank],
                        infos[-1].loss if infos else float("nan"), cfg.save, dist.get_world_size())
+
+
+def checkpoint_meta(cfg: TrainConfig) -> dict:
+    """What a resume checks: data order is a function of (seed, step, batch, data)."""
+    return {"model": cfg.model, "seed": cfg.seed, "batch": cfg.batch, "data": cfg.data, "shuffle": cfg.shuffle,
+            "plan": cfg.plan.model_dump(mode="json")}
 
 
 def _atomic_save(obj, path: str) -> None:

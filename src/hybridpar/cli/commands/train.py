@@ -30,9 +30,19 @@ def register(app: click.Group) -> None:
                   help="batch-norm statistics over the global batch (= serial) or each rank's samples")
     @click.option("--synthetic-size", type=int, default=1024, show_default=True,
                   help="samples in --data synthetic")
+    @click.option("--checkpoint-dir", type=click.Path(), default=None,
+                  help="write sharded atomic checkpoints here (a directory every rank can reach)")
+    @click.option("--checkpoint-every", type=int, default=0, show_default=True,
+                  help="steps between checkpoints (0: only at the end)")
+    @click.option("--resume", is_flag=True,
+                  help="continue from the newest complete checkpoint in --checkpoint-dir (if there is one), "
+                       "with any layout or rank count")
+    @click.option("--deterministic", is_flag=True,
+                  help="deterministic kernels and seeding: bitwise-identical losses and weights across runs")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output (per-step records)")
     def train_cmd(model, input_shape, strategy, plan_path, nproc, data, batch, steps, epochs, lr, momentum,
-                  weight_decay, seed, no_shuffle, init_from, save, bn_stats, synthetic_size, json_) -> None:
+                  weight_decay, seed, no_shuffle, init_from, save, bn_stats, synthetic_size, checkpoint_dir,
+                  checkpoint_every, resume, deterministic, json_) -> None:
         """Train a model with a sample/channel/filter (or MP) layout on torch.distributed."""
         from hybridpar.runtime import launch
 
@@ -40,6 +50,7 @@ def register(app: click.Group) -> None:
                            nproc=nproc, data=data, batch=batch, steps=steps, epochs=epochs, lr=lr,
                            momentum=momentum, weight_decay=weight_decay, seed=seed, shuffle=not no_shuffle,
                            init_from=init_from, save=save, bn_stats=bn_stats, synthetic_size=synthetic_size)
+        cfg = _with_hardening(cfg, checkpoint_dir, checkpoint_every, resume, deterministic)
         if launch.under_launcher():
             result = _run_torchrun(cfg, json_)
             if result is None:  # not rank 0
@@ -110,6 +121,22 @@ def build_config(*, model, input_shape, strategy, plan_path, nproc, data, batch,
     return cfg
 
 
+def _with_hardening(cfg, checkpoint_dir, every: int, resume: bool, deterministic: bool):
+    """Checkpoint/resume/determinism options, validated before any process starts."""
+    from dataclasses import replace
+
+    from hybridpar.runtime.checkpoint import check_resumable
+
+    if every < 0:
+        raise UserError(f"--checkpoint-every must be >= 0, got {every}")
+    if (every or resume) and not checkpoint_dir:
+        raise UserError("--checkpoint-every and --resume need --checkpoint-dir")
+    if checkpoint_dir:
+        check_resumable(checkpoint_dir, cfg, resume)
+    return replace(cfg, checkpoint_dir=checkpoint_dir, checkpoint_every=every, resume=resume,
+                   deterministic=deterministic)
+
+
 def _check_init(module, path: str) -> None:
     import torch
 
@@ -117,7 +144,7 @@ def _check_init(module, path: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"--init-from {path}: file not found") from None
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - torch.load fails in many ways on a bad file
         raise UserError(f"--init-from {path}: not a torch.save'd state_dict ({type(err).__name__})") from None
     if not isinstance(state, dict):
         raise UserError(f"--init-from {path}: expected a state_dict")
@@ -130,6 +157,7 @@ def _check_init(module, path: str) -> None:
 
 def _run_local(cfg, json_: bool):
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     from hybridpar.runtime.launch import spawn
     from hybridpar.runtime.train_loop import run_rank
@@ -142,7 +170,14 @@ def _run_local(cfg, json_: bool):
                 info = queue.get()
                 steps.append(info)
                 prog.update(info)
-        result = spawn(run_rank, cfg.plan.world_size, cfg, queue, poll=poll)
+        try:
+            result = spawn(run_rank, cfg.plan.world_size, cfg, queue, poll=poll)
+        except ProcessException as err:  # a rank died or raised: one line, exit 1, no hang
+            lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+            err_console.print(f"hybridpar: error: training failed: {lines[-1] if lines else err}"
+                              + (f" (resume with --resume from {cfg.checkpoint_dir})" if cfg.checkpoint_dir else ""),
+                              markup=False, highlight=False, soft_wrap=True)
+            raise click.exceptions.Exit(1) from None
     return result
 
 
