@@ -17,6 +17,9 @@ boundary tensors split into G channel pieces (uneven: the first pieces one large
                     parameters. "local" statistics: only the grad allreduce.
   model output      allgather of the channel-split output over the G ranks of a sample group.
   loss              allreduce of the scalar loss over the S sample groups (reporting).
+  redistribution    a conv whose layout has another (S, G) than the plan's default: alltoall of its
+                    input into its layout and of its output back, and the inverse in backward; bytes
+                    are what this rank sends to other ranks (hybridpar.runtime.shard.moved_elements).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from math import prod
 
 from hybridpar.graph.types import Graph, Node
 from hybridpar.plan.schema import LayerLayout, Plan
-from hybridpar.runtime.shard import GridPos, piece_sizes
+from hybridpar.runtime.shard import GridPos, Split, moved_elements, piece_sizes
 
 FP32 = 4
 
@@ -124,12 +127,17 @@ def _linear_in_pieces(graph: Graph, node: Node, G: int) -> list[int]:
     return piece_sizes(node.in_shapes[0][-1], G)
 
 
-def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int = 0, bn_stats: str = "global",
-                      dtype_bytes: int = FP32) -> list[tuple[str, CommOp]]:
+def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int = 0, rank: int | None = None,
+                      bn_stats: str = "global", dtype_bytes: int = FP32) -> list[tuple[str, CommOp]]:
     """(node name, op) for every collective of one training step of `graph` (global batch =
-    graph input batch) on the rank at grid position `position`, as hybridpar.runtime issues them."""
+    graph input batch) on `rank` (default: `position`, a rank of sample group 0), as
+    hybridpar.runtime issues them. Layers keep the default layout's grid position rank % G; a conv
+    with another (S, G) uses rank % G' and pays the redistributions in and out."""
     default = spec.default_layout if isinstance(spec, Plan) else spec
     S, G = default.sample, default.channel * default.filter
+    rank = position if rank is None else rank
+    world = S * G
+    outer = Split(S, G)
     needs_grad: dict[str, bool] = {}
     succ = graph.successors
     out: list[tuple[str, CommOp]] = []
@@ -139,10 +147,16 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
         if node.op == "input":
             continue
         lay = _layout_for(spec, node)
+        own = Split(lay.sample, lay.channel * lay.filter)
+        if node.op != "conv2d" or own == outer:
+            lay, own = (default, outer) if node.op == "batchnorm" else (lay, outer)
         input_grad = any(needs_grad.get(i, False) for i in node.inputs)
         pieces = _linear_in_pieces(graph, node, G) if node.op == "linear" and G > 1 else None
-        for op in layer_collectives(node, lay, position=position, input_grad=input_grad, in_pieces=pieces,
-                                    bn_stats=bn_stats, dtype_bytes=dtype_bytes):
+        if own != outer:
+            out += [(node.name, op) for op in _redistributions(node, outer, own, rank, world, input_grad,
+                                                              dtype_bytes)]
+        for op in layer_collectives(node, lay, position=rank % own.g_size, input_grad=input_grad,
+                                    in_pieces=pieces, bn_stats=bn_stats, dtype_bytes=dtype_bytes):
             out.append((node.name, op))
     outputs = [n for n in graph.nodes if n.op not in ("input", "output") and not succ.get(n.name)]
     for node in outputs:
@@ -152,6 +166,19 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
     if S > 1:
         out.append(("loss", CommOp("allreduce", S, FP32, "replica", "loss")))
     return out
+
+
+def _redistributions(node: Node, outer: Split, own: Split, rank: int, world: int, input_grad: bool,
+                     b: int) -> list[CommOp]:
+    x, y = node.in_shapes[0], node.out_shape
+    def moved(shape, src, dst):
+        return moved_elements(shape[0], shape[1], prod(shape[2:]), src, dst, rank, world) * b
+    ops = [CommOp("alltoall", world, moved(x, outer, own), "world", "fwd"),
+           CommOp("alltoall", world, moved(y, own, outer), "world", "fwd"),
+           CommOp("alltoall", world, moved(y, outer, own), "world", "bwd")]
+    if input_grad:
+        ops.append(CommOp("alltoall", world, moved(x, own, outer), "world", "bwd"))
+    return ops
 
 
 def bytes_by_kind(ops) -> dict[str, int]:

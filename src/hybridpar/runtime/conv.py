@@ -22,7 +22,8 @@ from torch import nn
 from hybridpar.runtime.collectives import all_gather_dim, reduce_scatter_dim
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.grid import Group
-from hybridpar.runtime.shard import GridPos, ranges
+from hybridpar.runtime.redistribute import redistribute
+from hybridpar.runtime.shard import GridPos, Split, ranges
 
 
 @dataclass(frozen=True)
@@ -113,18 +114,29 @@ def conv_geometry(conv: nn.Conv2d) -> ConvGeometry:
 
 
 class DistConv2d(nn.Module):
-    """A Conv2d whose weight holds this rank's block; input and output are channel-split."""
+    """A Conv2d whose weight holds this rank's block; input and output are channel-split.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, geo: ConvGeometry, comm: ConvComm):
+    With `boundary` = (model's Split, this layer's Split) differing, the layer redistributes its input
+    from the model's layout into its own and its output back (a layer whose layout differs from the
+    plan's default), so the surrounding layers never see its layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, geo: ConvGeometry, comm: ConvComm,
+                 boundary: tuple[Split, Split] | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        self.geo, self.comm = geo, comm
+        self.geo, self.comm, self.boundary = geo, comm, boundary
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.boundary is not None:
+            outer, own = self.boundary
+            n = x.shape[0] * outer.sample
+            x = redistribute(x, n, sum(self.comm.in_sizes), outer, own, self.comm.log, f"{self.comm.name}:in")
         y = DistConvFunction.apply(x, self.weight, self.geo, self.comm)
         if self.bias is not None:
             y = y + self.bias.view(1, -1, 1, 1)
+        if self.boundary is not None:
+            y = redistribute(y, n, sum(self.comm.out_sizes), own, outer, self.comm.log, f"{self.comm.name}:out")
         return y
 
     def extra_repr(self) -> str:
@@ -169,7 +181,7 @@ class DistLinear(nn.Module):
 
             raise UserError(f"{self.name}: channel/filter-parallel Linear needs a 2-D input, got {x.dim()}-D")
         if self.comm is None:
-            self.set_in_sizes(exchange_sizes(x.shape[1], self.sg, self.log, f"{self.name}:handshake"))
+            self.set_in_sizes(exchange_sizes(x.shape[1], self.sg, self.log, f"{self.name}:handshake", x.device))
         w4 = self.weight.view(*self.weight.shape, 1, 1)
         y = DistConvFunction.apply(x[:, :, None, None], w4, ConvGeometry(), self.comm)[:, :, 0, 0]
         if self.bias is not None:
@@ -191,13 +203,14 @@ def weight_block(full: torch.Tensor, pos: GridPos, in_sizes, out_sizes) -> torch
     return torch.cat([rows[:, o:o + n] for o, n in ranges(in_sizes, pos.in_piece_ids())], 1).contiguous()
 
 
-def exchange_sizes(n: int, group: Group, log: CommLog, tag: str) -> list[int]:
-    """One-time all-gather of each rank's extent (a setup exchange, not per-step traffic)."""
+def exchange_sizes(n: int, group: Group, log: CommLog, tag: str, device=None) -> list[int]:
+    """One-time all-gather of each rank's extent (a setup exchange, not per-step traffic).
+    `device`: where the backend wants tensors (CUDA under NCCL)."""
     import torch.distributed as dist
 
     if group.size == 1:
         return [n]
-    out = [torch.zeros(1, dtype=torch.long) for _ in range(group.size)]
-    dist.all_gather(out, torch.tensor([n], dtype=torch.long), group=group.pg)
+    out = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(group.size)]
+    dist.all_gather(out, torch.tensor([n], dtype=torch.long, device=device), group=group.pg)
     log.record("allgather", group.size, 8 * group.size, tag, setup=True)
     return [int(t.item()) for t in out]

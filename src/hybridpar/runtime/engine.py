@@ -44,18 +44,26 @@ def local_slice(t: torch.Tensor, grid, split_channels: bool = True) -> torch.Ten
 
 def sync_gradients(module: nn.Module, grid) -> None:
     """Segmented allreduce: one flat allreduce per rank over the ranks holding the same shards, so
-    the G replica groups (each with 1/G of the weights under channel=G) run concurrently."""
-    if grid.sample == 1:
-        return
+    the G replica groups (each with 1/G of the weights under channel=G) run concurrently. Layers on
+    another grid than the default (a per-layer layout) sync over that grid's replica group."""
+    state = getattr(module, "hybridpar", None)
+    grids = state.grids if state is not None else {(grid.sample, grid.g_size): grid}
+    owner = state.param_grid if state is not None else {}
+    default = (grid.sample, grid.g_size)
     params = [p for p in module.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = _flatten_dense_tensors(grads)
-    all_reduce_(flat, grid.replica_group, grid.comm_log, "grad_sync")
-    for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad.copy_(g)
+    for key in sorted(grids):  # same order on every rank
+        g = grids[key]
+        mine = [p for p in params if owner.get(id(p), default) == key]
+        if g.sample == 1 or not mine:
+            continue
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine]
+        flat = _flatten_dense_tensors(grads)
+        all_reduce_(flat, g.replica_group, g.comm_log, "grad_sync")
+        for p, gr in zip(mine, _unflatten_dense_tensors(flat, grads)):
+            if p.grad is None:
+                p.grad = gr
+            else:
+                p.grad.copy_(gr)
 
 
 class ChannelFilterEngine:
@@ -102,7 +110,7 @@ class ChannelFilterEngine:
             return out
         if self._out_sizes is None:
             self._out_sizes = exchange_sizes(out.shape[1], self.grid.sample_group, self.comm_log,
-                                             "output:handshake")
+                                             "output:handshake", out.device)
         return _GatherOutput.apply(out, self, self._out_sizes)
 
     def train_step(self, x_loc: torch.Tensor, y_loc: torch.Tensor) -> float:

@@ -61,3 +61,35 @@ def ranges(sizes, ids) -> list[tuple[int, int]]:
     """(offset, size) ranges of the pieces `ids` of a dimension split into `sizes`."""
     offs = [sum(sizes[:k]) for k in range(len(sizes))]
     return [(offs[k], sizes[k]) for k in ids]
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a global [N, C, ...] activation lies over the world: samples in `sample` blocks (one per
+    sample group), channels in `g_size` pieces inside a group; rank r = s*g_size + g."""
+
+    sample: int
+    g_size: int
+
+    def box(self, rank: int, n: int, c: int) -> tuple[int, int, int, int]:
+        """(sample start, sample end, channel start, channel end) rank holds of an [n, c, ...] tensor."""
+        s, g = divmod(rank, self.g_size)
+        per = n // self.sample
+        off, size = piece_offsets(c, self.g_size)[g], piece_sizes(c, self.g_size)[g]
+        return s * per, (s + 1) * per, off, off + size
+
+
+def overlap(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
+    n0, n1, c0, c1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
+    return (n0, n1, c0, c1) if n0 < n1 and c0 < c1 else None
+
+
+def moved_elements(n: int, c: int, inner: int, src: Split, dst: Split, rank: int, world: int) -> int:
+    """Elements `rank` sends to other ranks when redistributing an [n, c, inner...] tensor from src to
+    dst: exactly what it holds and another rank needs (nothing is sent twice, nothing kept is sent)."""
+    mine = src.box(rank, n, c)
+    total = 0
+    for q in range(world):
+        if q != rank and (o := overlap(mine, dst.box(q, n, c))):
+            total += (o[1] - o[0]) * (o[3] - o[2]) * inner
+    return total
