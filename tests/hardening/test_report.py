@@ -106,3 +106,44 @@ def test_renders_in_headless_chromium(plan_file, run_file, tmp_path):
     assert img.shape[0] == 2000 and img.shape[1] == 1200
     # Rendered content, not a blank page: many distinct colours (text, tables, plots).
     assert len({tuple(px) for px in img[::8, ::8, :3].reshape(-1, 3).round(2).tolist()}) > 20
+
+
+def _projection() -> dict:
+    """The fields of `hybridpar project --json` the report plots."""
+    pts = [{"gpus": n, "strategy": s, "speedup": n * f} for n in (1, 8, 64) for s, f in (("DP", 0.5), ("DPxMP2", 0.6))]
+    return {"model": "small_resnet", "cluster": "dgx1-v100", "points": pts, "crossover_gpus": 8}
+
+
+def test_projection_plot_and_bad_projection_file(plan_file, tmp_path, capsys):
+    proj, out = tmp_path / "proj.json", tmp_path / "r.html"
+    proj.write_text(json.dumps(_projection()))
+    assert main(["report", "--plan", str(plan_file), "--projection", str(proj), "--out", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert not any("projection" in n for n in info["notes"])
+    assert out.read_text().count("data:image/png") == 4  # breakdown, memory, per-layer, projection
+    proj.write_text(json.dumps({"points": [{"gpus": 0, "strategy": "DP", "speedup": 1}]}))
+    out.unlink()
+    assert main(["report", "--plan", str(plan_file), "--projection", str(proj), "--out", str(out)]) == 2
+    assert "points[0]" in capsys.readouterr().err and not out.exists()
+
+
+def test_gantt_of_a_model_parallel_plan():
+    """mp=2: the plan's module -> device map is re-timed by the placer and drawn as a Gantt chart."""
+    from hybridpar.graph.models import load_model
+
+    mods = [n for n, m in load_model("small_cnn").module.named_modules() if n]
+    placement = {n: int(i >= len(mods) // 2) for i, n in enumerate(mods)}
+    plan = plan_from_dict({"model": "small_cnn", "cluster": "dgx1-v100", "world_size": 2, "batch": 8, "dp": 1,
+                           "mp": 2, "placement": placement})
+    rep = build_report(plan)
+    gantt = rep.html.split('id="placement"')[1].split("</section>")[0]
+    assert "data:image/png;base64," in gantt and "re-timed by the placer" in gantt
+
+
+def test_reads_train_json_output():
+    """`hybridpar train --json`: per-step records with step_time_s, samples_per_s and comm_bytes."""
+    steps = [{"step": i, "loss": 2.0 - i / 10, "step_time_s": t, "samples_per_s": 16 / t,
+              "comm_bytes": {"allreduce": 4096, "allgather": 512}} for i, t in enumerate([0.5, 0.1, 0.2, 0.3])]
+    m = measured_from_dict({"model": "small_cnn", "strategy": "channel=2", "world_size": 2, "steps": steps})
+    assert m.step_time_s == pytest.approx(0.2) and m.samples_per_s == pytest.approx(80.0)
+    assert m.comm_bytes == {"allreduce": 4096, "allgather": 512} and m.losses[-1] == pytest.approx(1.7)

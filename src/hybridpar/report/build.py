@@ -109,15 +109,17 @@ def _measured(plan: Plan, meas: Measured) -> Section:
     return s
 
 
-def build_report(plan: Plan, measured: Measured | None = None,
+def build_report(plan: Plan, measured: Measured | None = None, projection: dict | None = None,
                  on_section: Callable[[str], None] | None = None) -> Report:
-    """The page for `plan`; `on_section(title)` is called as each part is made (for progress bars)."""
+    """The page for `plan` (with a measured run and a `hybridpar project --json` projection when given);
+    `on_section(title)` is called as each part is made (for progress bars)."""
     notes: list[str] = []
     makers: list[tuple[str, Callable[[], Section]]] = [
         ("plan", lambda: _overview(plan)),
         ("layers", lambda: _layers(plan, notes)),
         ("prediction", lambda: _prediction(plan, notes)),
-        ("projection", lambda: _optional("projection", "Scaling projection", extras.projection_png, plan, notes)),
+        ("projection", lambda: _optional("projection", "Scaling projection",
+                                          lambda p: extras.projection_png(p, projection), plan, notes)),
         ("placement", lambda: _optional("placement", "Placement schedule (Gantt)", extras.gantt_png, plan, notes)),
     ]
     if measured is not None:

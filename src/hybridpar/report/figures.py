@@ -98,3 +98,23 @@ def predicted_vs_measured(pred: Prediction | None, meas: Measured) -> bytes:
         ax.set_title("Measured loss")
     fig.tight_layout()
     return to_png(fig)
+
+
+def speedup_plot(projection: dict) -> bytes:
+    """Speedup over one GPU vs GPUs, one line per strategy (from `hybridpar project --json`)."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    points = projection["points"]
+    for strat in dict.fromkeys(p["strategy"] for p in points):
+        pts = sorted((p for p in points if p["strategy"] == strat), key=lambda p: p["gpus"])
+        ax.plot([p["gpus"] for p in pts], [p["speedup"] for p in pts], marker="o", ms=3, label=strat,
+                lw=2.2 if strat == "DP" else 1.3)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("speedup over 1 GPU (time to target)")
+    cross = projection.get("crossover_gpus")
+    ax.set_title(f"{projection.get('model', '')} on {projection.get('cluster', '')}"
+                 + (f": hybrid overtakes DP at {cross} GPUs" if cross else ""), fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return to_png(fig)

@@ -72,7 +72,13 @@ def measured_from_dict(data: object, source: str = "<dict>") -> Measured:
     if not times and _first(data, _TIME_KEYS) is not None:
         times = [_number(_first(data, _TIME_KEYS), "step_time_s")]
     comm = _first(data, ("comm_bytes_per_step", "bytes_per_step", "comm_bytes"))
+    if comm is None and steps and isinstance(steps[-1].get("comm_bytes"), dict):
+        comm = steps[-1]["comm_bytes"]  # `hybridpar train --json`: per step; the last is steady state
     sps = _first(data, ("samples_per_s", "throughput"))
+    if sps is None:
+        rates = [_number(s["samples_per_s"], f"steps[{i}].samples_per_s")
+                 for i, s in enumerate(steps) if s.get("samples_per_s") is not None]
+        sps = median(rates[1:] if len(rates) > 2 else rates) if rates else None
     ws = data.get("world_size", data.get("nproc"))
     return Measured(
         source=source, losses=tuple(losses), step_times_s=tuple(times),

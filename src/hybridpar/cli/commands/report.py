@@ -15,25 +15,30 @@ def register(app: click.Group) -> None:
                   help="plan.json written by `hybridpar plan` / `place` (or by hand)")
     @click.option("--measured", "measured_path", type=click.Path(dir_okay=False), default=None,
                   help="JSON printed by `hybridpar train --json`, to compare with the prediction")
+    @click.option("--projection", "projection_path", type=click.Path(dir_okay=False), default=None,
+                  help="JSON printed by `hybridpar project --json`, for the scaling plot")
     @click.option("--out", "out_path", type=click.Path(dir_okay=False), default="report.html",
                   show_default=True, help="HTML file to write")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def report_cmd(plan_path: str, measured_path: str | None, out_path: str, json_: bool) -> None:
+    def report_cmd(plan_path: str, measured_path: str | None, projection_path: str | None, out_path: str,
+                   json_: bool) -> None:
         """Write an HTML report: layout per layer, predicted time/memory, projection, Gantt, measured."""
         from rich.progress import Progress
 
         from hybridpar.plan import load_plan
         from hybridpar.report import build_report, load_measured, write_atomic
+        from hybridpar.report.extras import load_projection
 
         # Read and validate every input before writing anything.
         plan = load_plan(plan_path)
         measured = load_measured(measured_path) if measured_path else None
+        projection = load_projection(projection_path) if projection_path else None
         if json_:
-            report = build_report(plan, measured)
+            report = build_report(plan, measured, projection)
         else:
             with Progress(console=err_console, transient=True) as bar:
                 task = bar.add_task("report", total=6)
-                report = build_report(plan, measured, on_section=lambda t: bar.update(
+                report = build_report(plan, measured, projection, on_section=lambda t: bar.update(
                     task, advance=1, description=f"report: {t}"))
         write_atomic(out_path, report.html)
         size = Path(out_path).stat().st_size
