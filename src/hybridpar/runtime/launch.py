@@ -38,6 +38,11 @@ def init() -> torch.device:
     return _device()
 
 
+def current_device() -> torch.device:
+    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
+    return _device() if dist.is_initialized() else torch.device("cpu")
+
+
 def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

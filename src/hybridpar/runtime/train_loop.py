@@ -102,6 +102,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     from hybridpar.runtime import faults
     from hybridpar.runtime.data import batch_indices, load_dataset
     from hybridpar.runtime.engine import make_engine
+    from hybridpar.runtime.launch import current_device
 
     if cfg.deterministic:
         from hybridpar.runtime.determinism import enable_determinism
@@ -114,7 +115,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     with torch.no_grad():
         classes = loaded.module.eval()(loaded.example_inputs[0][:1]).shape[1]
     ds = load_dataset(cfg.data, shape, num_classes=classes, size=cfg.synthetic_size, seed=cfg.seed)
-    engine = make_engine(loaded.module, cfg.plan, bn_stats=cfg.bn_stats)
+    device = current_device()  # CUDA under torchrun+NCCL; batches move there step by step
+    engine = make_engine(loaded.module.to(device), cfg.plan, bn_stats=cfg.bn_stats)
     opt = torch.optim.SGD(engine.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
     start = ckpt.restore_training_state(resumed, engine, opt) if resumed else 0
@@ -125,7 +127,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     for step in range(start, last):
         faults.maybe_inject_failure(step)
         idx = batch_indices(len(ds), cfg.batch, step, shuffle=cfg.shuffle, seed=cfg.seed)
-        x_loc, y_loc = engine.local_batch(ds.x[idx], ds.y[idx])
+        x_loc, y_loc = engine.local_batch(ds.x[idx].to(device), ds.y[idx].to(device))
         t0 = time.perf_counter()
         try:
             loss = engine.train_step(x_loc, y_loc)

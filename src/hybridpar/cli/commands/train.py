@@ -246,7 +246,8 @@ def _report(result, cfg, json_: bool) -> None:
                   f"({cfg.plan.strategy or cfg.plan.default_layout.to_strategy()}): final loss {result.final_loss:.4f}, "
                   f"{sum(s['samples_per_s'] for s in steps[1:]) / max(len(steps) - 1, 1):.1f} samples/s")
     if rows:
-        console.print(table("communication per step (rank 0)", ["kind", "bytes"], rows))
+        console.print(table("communication per step (rank 0)", ["kind", "bytes"], rows,
+                            justify_right=lambda c: c == "bytes"))
     console.print("parameter memory per rank: " + ", ".join(human_bytes(b) for b in result.param_bytes_per_rank))
     if result.saved:
         console.print(f"saved weights to {result.saved}")
