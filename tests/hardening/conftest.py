@@ -1,4 +1,6 @@
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,21 @@ def pytest_terminal_summary(terminalreporter):
         generated = total + sum(v for k, v in FUZZ_COUNTS.items() if k.endswith(": accepted"))
         terminalreporter.write_line(f"{'generated inputs (total)':<48} {generated:>6}")
         terminalreporter.write_line(f"{'malformed inputs rejected cleanly (total)':<48} {total:>6}")
+
+
+class SpawnAttempt(AssertionError):
+    pass
+
+
+def _no_spawn(*_a, **_k):
+    raise SpawnAttempt("a process was spawned for malformed input (validation must come first)")
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Any fork/exec (subprocess, multiprocessing, torch spawn) fails the test."""
+    import _posixsubprocess
+
+    for mod, name in [(os, "fork"), (os, "posix_spawn"), (os, "posix_spawnp"), (_posixsubprocess, "fork_exec"),
+                      (subprocess.Popen, "_execute_child")]:
+        monkeypatch.setattr(mod, name, _no_spawn)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
 import tempfile
 from collections import Counter
@@ -24,7 +23,7 @@ from hybridpar.cli.main import build_app, main
 from hybridpar.errors import UserError
 from hybridpar.plan import load_plan, parse_strategy, plan_from_dict
 
-from .conftest import FUZZ_COUNTS, plan_dict
+from .conftest import FUZZ_COUNTS, SpawnAttempt, plan_dict
 from .fuzzgen import file_text, mutated, strategy_text
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,24 +39,6 @@ PLAN_BASES = [
      "default_layout": {"sample": 2}, "placement": {"0": 0, "3": 1, "8": 1}, "strategy": "mp=2,sample=2"},
 ]
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "src/hybridpar/cluster/presets"
-
-
-class SpawnAttempt(AssertionError):
-    pass
-
-
-def _no_spawn(*_a, **_k):
-    raise SpawnAttempt("a process was spawned for malformed input (validation must come first)")
-
-
-@pytest.fixture
-def no_spawn(monkeypatch):
-    """Any fork/exec (subprocess, multiprocessing, torch spawn) fails the test."""
-    import _posixsubprocess
-
-    for mod, name in [(os, "fork"), (os, "posix_spawn"), (os, "posix_spawnp"), (_posixsubprocess, "fork_exec"),
-                      (subprocess.Popen, "_execute_child")]:
-        monkeypatch.setattr(mod, name, _no_spawn)
 
 
 def _commands() -> set[str]:
