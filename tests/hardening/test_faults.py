@@ -69,3 +69,17 @@ def test_deterministic_runs_are_bitwise_identical(tmp_path, capsys):
     assert [s["loss"] for s in runs[0]["steps"]] == [s["loss"] for s in runs[1]["steps"]]
     a, b = _weights(tmp_path / "a.pt"), _weights(tmp_path / "b.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_stuck_peer_times_out_in_a_subgroup(tmp_path, monkeypatch):
+    """A peer that is alive but never joins: the collective fails after HYBRIDPAR_COLLECTIVE_TIMEOUT_S."""
+    import torch.multiprocessing as mp
+
+    from hybridpar.runtime.launch import free_port
+
+    from .fault_worker import stuck_peer
+
+    monkeypatch.setenv("HYBRIDPAR_COLLECTIVE_TIMEOUT_S", "2")
+    mp.spawn(stuck_peer, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    msg = (tmp_path / "rank0.txt").read_text()
+    assert msg.startswith("error:") and "timed out" in msg.lower(), msg

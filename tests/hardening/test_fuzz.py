@@ -149,8 +149,6 @@ def test_strategy_strings(no_spawn):
                              "--batch", "32", "--strategy", text, "--json"]}[cmd]
             if world is None and cmd == "train":
                 continue  # parse_strategy without a rank count accepts fewer strings than train sees
-            if cmd == "plan" and not text:
-                continue  # known gap (reported): `plan --strategy ""` means "search", not an error
             _assert_clean_rejection(*_cli(argv)[::2], argv)
             seen[f"{cmd} CLI exit 2"] += 1
 

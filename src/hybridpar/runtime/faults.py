@@ -34,6 +34,18 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds if seconds > 0 else DEFAULT_TIMEOUT_S)
 
 
+def set_default_timeout() -> timedelta:
+    """Make `collective_timeout()` the default of every process group created from now on, subgroups
+    (dist.new_group) included: torch fills a missing timeout from this module-level default (30 min)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    timeout = collective_timeout()
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
 def restart_count() -> int:
     """How many times torchrun has restarted this worker group (0 on the first attempt)."""
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridpar.runtime.faults import collective_timeout, restart_count  # lost peer: error, not hang
+from hybridpar.runtime.faults import restart_count, set_default_timeout  # lost peer: error, not hang
 
 
 def under_launcher() -> bool:
@@ -31,7 +31,7 @@ def init() -> torch.device:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # torchrun restarts reuse the agent's store: without a per-attempt prefix the new ranks read the
     # dead attempt's addresses and fail to connect (seen with torch 2.13 + gloo).
-    timeout = collective_timeout()
+    timeout = set_default_timeout()
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     store = dist.PrefixStore(f"hybridpar/attempt-{restart_count()}", store)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
@@ -59,7 +59,7 @@ def _entry(rank: int, world: int, port: int, out_path: str, fn, args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=collective_timeout())
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=set_default_timeout())
     try:
         result = fn(*args)
         if rank == 0:
