@@ -39,11 +39,12 @@ def time_breakdown(pred: Prediction) -> bytes:
 
 def memory_per_device(memory_bytes: Sequence[int]) -> bytes:
     fig, ax = plt.subplots(figsize=(6, 2.8))
-    ax.bar(range(len(memory_bytes)), [b / 2**30 for b in memory_bytes], color="#4c72b0")
+    scale, unit = (2**30, "GiB") if max(memory_bytes, default=0) >= 2**30 else (2**20, "MiB")
+    ax.bar(range(len(memory_bytes)), [b / scale for b in memory_bytes], color="#4c72b0")
     if len(memory_bytes) <= 32:
         ax.set_xticks(range(len(memory_bytes)))
     ax.set_xlabel("device (rank in plan)")
-    ax.set_ylabel("GiB")
+    ax.set_ylabel(unit)
     ax.set_title("Predicted memory per device")
     return to_png(fig)
 
