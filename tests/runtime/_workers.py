@@ -146,3 +146,59 @@ def mixed_plan(layers: dict[str, str], default: str, steps: int = 3, batch: int 
     got = [None] * world
     dist.all_gather_object(got, mine)
     return got
+
+
+class CatNet(nn.Module):
+    """Two branches concatenated on channels (uneven: 5 + 3), as Inception/DenseNet blocks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 5, 3, padding=1)
+        self.b = nn.Conv2d(3, 3, 1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.c = nn.Conv2d(8, 6, 3, stride=2, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(6, 10)
+
+    def forward(self, x):
+        y = torch.cat([torch.relu(self.a(x)), self.b(x)], dim=1)
+        y = torch.relu(self.bn(y))
+        return self.fc(torch.flatten(self.pool(torch.relu(self.c(y))), 1))
+
+
+def concat_model(strategies: list[str], steps: int = 2, batch: int = 8) -> list:
+    """Per strategy and rank: weight error vs serial SGD, measured vs modelled bytes."""
+    import torch.nn.functional as F
+
+    from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
+    from hybridpar.graph.trace import trace
+    from hybridpar.runtime.engine import ChannelFilterEngine
+
+    rows = []
+    for strategy in strategies:
+        torch.manual_seed(0)
+        ref = CatNet()
+        graph = trace(copy.deepcopy(ref), torch.randn(batch, 3, 8, 8))
+        eng = ChannelFilterEngine(copy.deepcopy(ref), strategy, grid=grid_for(strategy))
+        opt, ref_opt = torch.optim.SGD(eng.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x, y = torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
+            eng.train_step(*eng.local_batch(x, y))
+            opt.step()
+            opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        full = eng.full_state_dict()
+        err = 0.0
+        if full is not None:
+            err = max(_rel(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
+        lay = as_layouts(strategy, dist.get_world_size()).default
+        mine = {"strategy": strategy, "rank": dist.get_rank(), "err": err,
+                "measured": eng.comm_log.step_bytes_by_kind(),
+                "model": bytes_by_kind(model_collectives(graph, lay, rank=dist.get_rank()))}
+        got = [None] * dist.get_world_size()
+        dist.all_gather_object(got, mine)
+        rows += got
+    return rows

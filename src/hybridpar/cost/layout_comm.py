@@ -17,6 +17,8 @@ boundary tensors split into G channel pieces (uneven: the first pieces one large
                     parameters. "local" statistics: only the grad allreduce.
   model output      allgather of the channel-split output over the G ranks of a sample group.
   loss              allreduce of the scalar loss over the S sample groups (reporting).
+  concat            (channels, G > 1) all-to-all in the sample group of the concatenation's parts
+                    that other ranks hold, forward and backward.
   redistribution    a conv whose layout has another (S, G) than the plan's default: alltoall of its
                     input into its layout and of its output back, and the inverse in backward; bytes
                     are what this rank sends to other ranks (hybridpar.runtime.shard.moved_elements).
@@ -29,7 +31,14 @@ from math import prod
 
 from hybridpar.graph.types import Graph, Node
 from hybridpar.plan.schema import LayerLayout, Plan
-from hybridpar.runtime.shard import GridPos, Split, moved_elements, piece_sizes
+from hybridpar.runtime.shard import (
+    GridPos,
+    Split,
+    moved_channels,
+    moved_elements,
+    piece_sizes,
+    received_channels,
+)
 
 FP32 = 4
 
@@ -155,6 +164,8 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
         if own != outer:
             out += [(node.name, op) for op in _redistributions(node, outer, own, rank, world, input_grad,
                                                               dtype_bytes)]
+        if node.op == "concat" and G > 1:
+            out += [(node.name, op) for op in _channel_concat(node, S, G, rank % G, input_grad, dtype_bytes)]
         for op in layer_collectives(node, lay, position=rank % own.g_size, input_grad=input_grad,
                                     in_pieces=pieces, bn_stats=bn_stats, dtype_bytes=dtype_bytes):
             out.append((node.name, op))
@@ -166,6 +177,20 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
     if S > 1:
         out.append(("loss", CommOp("allreduce", S, FP32, "replica", "loss")))
     return out
+
+
+def _channel_concat(node: Node, S: int, G: int, g: int, input_grad: bool, b: int) -> list[CommOp]:
+    """torch.cat along channels of channel-split inputs: an all-to-all in the sample group moving the
+    parts of the concatenation's piece that other ranks hold (hybridpar.runtime.channel_ops)."""
+    ins = node.in_shapes
+    if len(ins) < 2 or len(node.out_shape) < 2 or sum(s[1] for s in ins) != node.out_shape[1] \
+            or any(s[2:] != node.out_shape[2:] for s in ins):
+        return []
+    c_sizes, per_chan = [s[1] for s in ins], (ins[0][0] // S) * prod(node.out_shape[2:]) * b
+    ops = [CommOp("alltoall", G, moved_channels(c_sizes, G, g) * per_chan, "sample", "fwd")]
+    if input_grad:  # backward sends the parts of this rank's piece that others hold
+        ops.append(CommOp("alltoall", G, received_channels(c_sizes, G, g) * per_chan, "sample", "bwd"))
+    return ops
 
 
 def _redistributions(node: Node, outer: Split, own: Split, rank: int, world: int, input_grad: bool,

@@ -16,6 +16,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def concat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat by copies: the runtime's own concatenations must not be mistaken for a model's
+    channel concatenation by hybridpar.runtime.channel_ops.ChannelCatMode."""
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    out = parts[0].new_empty(shape)
+    off = 0
+    for p in parts:
+        out.narrow(dim, off, p.shape[dim]).copy_(p)
+        off += p.shape[dim]
+    return out
+
+
 def all_gather_dim(t: torch.Tensor, dim: int, group: Group, sizes: list[int], log: CommLog,
                    tag: str = "") -> torch.Tensor:
     """Concatenate along `dim` the pieces held by the group's ranks (piece k has sizes[k] there)."""
@@ -28,7 +41,7 @@ def all_gather_dim(t: torch.Tensor, dim: int, group: Group, sizes: list[int], lo
     buf.narrow(dim, 0, t.shape[dim]).copy_(t)
     outs = [torch.empty_like(buf) for _ in sizes]
     dist.all_gather(outs, buf, group=group.pg)
-    full = torch.cat([o.narrow(dim, 0, n) for o, n in zip(outs, sizes)], dim=dim)
+    full = concat([o.narrow(dim, 0, n) for o, n in zip(outs, sizes)], dim)
     log.record("allgather", group.size, _nbytes(full), tag)
     return full
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.runtime.collectives import all_gather_dim, reduce_scatter_dim
+from hybridpar.runtime.collectives import all_gather_dim, concat, reduce_scatter_dim
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.grid import Group
 from hybridpar.runtime.redistribute import redistribute
@@ -172,7 +172,7 @@ class DistLinear(nn.Module):
         in_sizes = tuple(in_sizes)
         cols = [r for r in ranges(in_sizes, self.pos.in_piece_ids())]
         with torch.no_grad():
-            self.weight.data = torch.cat([self.weight.data[:, o:o + n] for o, n in cols], 1).contiguous()
+            self.weight.data = concat([self.weight.data[:, o:o + n] for o, n in cols], 1)
         self.comm = ConvComm(self.pos, in_sizes, self.out_sizes, self.fg, self.cg, self.log, self.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

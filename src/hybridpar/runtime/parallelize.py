@@ -146,6 +146,10 @@ def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, grid=None,
         if new is not None:
             _set_submodule(module, name, new)
     module.hybridpar = state
+    if any(g.g_size > 1 for g in grids.values()):
+        from hybridpar.runtime.channel_ops import install
+
+        install(module, state.grid)  # torch.cat along channels in the model's forward
     return module
 
 

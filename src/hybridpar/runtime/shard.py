@@ -93,3 +93,37 @@ def moved_elements(n: int, c: int, inner: int, src: Split, dst: Split, rank: int
         if q != rank and (o := overlap(mine, dst.box(q, n, c))):
             total += (o[1] - o[0]) * (o[3] - o[2]) * inner
     return total
+
+
+def held(c_sizes: list[int], G: int, g: int) -> list[tuple[int, int]]:
+    """Channel concatenation of inputs with c_sizes channels, each split into G pieces: the global
+    channel ranges [start, end) of the concatenation that rank g holds, per input."""
+    out, base = [], 0
+    for c in c_sizes:
+        off, n = piece_offsets(c, G)[g], piece_sizes(c, G)[g]
+        out.append((base + off, base + off + n))
+        base += c
+    return out
+
+
+def needed(c_sizes: list[int], G: int, g: int) -> tuple[int, int]:
+    total = sum(c_sizes)
+    off = piece_offsets(total, G)[g]
+    return off, off + piece_sizes(total, G)[g]
+
+
+def inter(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def moved_channels(c_sizes: list[int], G: int, g: int) -> int:
+    """Channels rank g sends to other ranks of its sample group for one concatenation."""
+    mine = held(c_sizes, G, g)
+    return sum(i[1] - i[0] for q in range(G) if q != g for r in mine if (i := inter(r, needed(c_sizes, G, q))))
+
+
+def received_channels(c_sizes: list[int], G: int, g: int) -> int:
+    """Channels of rank g's concatenation piece held by other ranks (what it sends in backward)."""
+    want = needed(c_sizes, G, g)
+    return sum(i[1] - i[0] for r in range(G) if r != g for h in held(c_sizes, G, r) if (i := inter(h, want)))

@@ -1,0 +1,157 @@
+"""Concatenation along channels of channel-split activations (Inception/DenseNet-style `torch.cat`).
+
+Each input is split into G pieces of its own channel count, but the concatenated tensor must be split
+into G pieces of the total, so rank g's output piece is made of parts several ranks hold: one
+all-to-all in the sample group moves exactly those parts (its backward is the inverse move).
+`parallelize` installs `ChannelCatMode` around the model's forward (a TorchFunctionMode), so the
+user's `torch.cat(..., dim=1)` calls are caught without tracing. The runtime's own code never calls
+torch.cat along dim 1 inside a forward (it copies into preallocated buffers), so only model code
+is intercepted."""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from hybridpar.runtime.conv import exchange_sizes
+from hybridpar.runtime.shard import held, needed
+from hybridpar.runtime.shard import inter as _inter
+
+_CATS = {torch.cat, torch.concat, torch.concatenate}
+
+
+def _to_pieces(parts: list[torch.Tensor], c_sizes: list[int], group, log, tag) -> torch.Tensor:
+    """parts[i] = this rank's piece of input i -> this rank's piece of the concatenation."""
+    G, g = group.size, group.index
+    lead, inner = parts[0].shape[:1], parts[0].shape[2:]
+    per_chan = lead[0] * prod(inner)
+    mine = held(c_sizes, G, g)
+    sends, send_sizes = [], []
+    for q in range(G):
+        want = needed(c_sizes, G, q)
+        size = 0
+        for p, r in zip(parts, mine):
+            if (i := _inter(r, want)):
+                block = p[:, i[0] - r[0]:i[1] - r[0]]
+                sends.append(block.reshape(-1))
+                size += block.numel()
+        send_sizes.append(size)
+    want = needed(c_sizes, G, g)
+    plan, recv_sizes = [], []
+    for r in range(G):
+        size = 0
+        for rng in held(c_sizes, G, r):
+            if (i := _inter(rng, want)):
+                plan.append((r, i))
+                size += (i[1] - i[0]) * per_chan
+        recv_sizes.append(size)
+    flat_in = torch.cat(sends) if sends else parts[0].new_empty(0)
+    flat_out = parts[0].new_empty(sum(recv_sizes))
+    dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group.pg)
+    log.record("alltoall", G, (sum(send_sizes) - send_sizes[g]) * parts[0].element_size(), tag)
+    out = parts[0].new_empty(lead[0], want[1] - want[0], *inner)
+    pos = 0
+    for _, i in plan:  # plan is in sender order, each sender's blocks in input order
+        n = (i[1] - i[0]) * per_chan
+        out[:, i[0] - want[0]:i[1] - want[0]] = flat_out[pos:pos + n].view(lead[0], i[1] - i[0], *inner)
+        pos += n
+    return out
+
+
+def _from_piece(d: torch.Tensor, c_sizes: list[int], group, log, tag) -> list[torch.Tensor]:
+    """Inverse of _to_pieces: this rank's piece of the concatenation's gradient -> its input pieces."""
+    G, g = group.size, group.index
+    lead, inner = d.shape[:1], d.shape[2:]
+    mine_need = needed(c_sizes, G, g)
+    sends, send_sizes = [], []
+    for q in range(G):
+        size = 0
+        for r in held(c_sizes, G, q):
+            if (i := _inter(r, mine_need)):
+                block = d[:, i[0] - mine_need[0]:i[1] - mine_need[0]]
+                sends.append(block.reshape(-1))
+                size += block.numel()
+        send_sizes.append(size)
+    mine = held(c_sizes, G, g)
+    per_chan = lead[0] * prod(inner)
+    recv_plan, recv_sizes = [], []
+    for r in range(G):
+        want = needed(c_sizes, G, r)
+        size = 0
+        for k, rng in enumerate(mine):
+            if (i := _inter(rng, want)):
+                recv_plan.append((k, i))
+                size += (i[1] - i[0]) * per_chan
+        recv_sizes.append(size)
+    flat_in = torch.cat(sends) if sends else d.new_empty(0)
+    flat_out = d.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group.pg)
+    log.record("alltoall", G, (sum(send_sizes) - send_sizes[g]) * d.element_size(), tag)
+    grads = [d.new_zeros(lead[0], r[1] - r[0], *inner) for r in mine]
+    pos = 0
+    for k, i in recv_plan:
+        n = (i[1] - i[0]) * per_chan
+        grads[k][:, i[0] - mine[k][0]:i[1] - mine[k][0]] = flat_out[pos:pos + n].view(lead[0], i[1] - i[0], *inner)
+        pos += n
+    return grads
+
+
+class _ChannelCat(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, c_sizes, group, log, tag, *parts):
+        ctx.args = (c_sizes, group, log, tag)
+        return _to_pieces([p.contiguous() for p in parts], c_sizes, group, log, f"{tag}:fwd")
+
+    @staticmethod
+    def backward(ctx, d):
+        c_sizes, group, log, tag = ctx.args
+        return (None, None, None, None, *_from_piece(d.contiguous(), c_sizes, group, log, f"{tag}:bwd"))
+
+
+class ChannelCatMode(TorchFunctionMode):
+    """Active during a parallelized model's forward: torch.cat along dim 1 of channel-split
+    tensors becomes the distributed concatenation. The k-th concatenation of a forward learns its
+    inputs' channel counts once (a setup exchange) and reuses them."""
+
+    def __init__(self, grid):
+        super().__init__()
+        self.grid = grid
+        self.calls = 0
+        self.sizes: dict[int, list[int]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _CATS and self.grid.g_size > 1:
+            tensors = args[0] if args else kwargs.get("tensors")
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+            if (isinstance(tensors, (list, tuple)) and len(tensors) > 1 and tensors[0].dim() >= 2
+                    and dim % tensors[0].dim() == 1):
+                return self._cat(list(tensors))
+        return func(*args, **kwargs)
+
+    def _cat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        k = self.calls
+        self.calls += 1
+        group, log = self.grid.sample_group, self.grid.comm_log
+        if k not in self.sizes:
+            self.sizes[k] = [sum(exchange_sizes(t.shape[1], group, log, f"cat{k}:handshake", t.device))
+                             for t in tensors]
+        return _ChannelCat.apply(self.sizes[k], group, log, f"cat{k}", *tensors)
+
+
+def install(module: torch.nn.Module, grid) -> None:
+    """Run `module`'s forward under ChannelCatMode (forward pre-hook enters it, forward hook leaves)."""
+    mode = ChannelCatMode(grid)
+
+    def enter(_m, _inputs):
+        mode.calls = 0
+        mode.__enter__()
+
+    def leave(_m, _inputs, _output):
+        mode.__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
