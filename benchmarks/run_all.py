@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default=str(ROOT / "bench-results"))
     ap.add_argument("--bench-dir", default=str(ROOT / "benchmarks"), help="where the bench_*.py live")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per benchmark")
+    ap.add_argument("--timeout", type=float, default=480.0, help="seconds per benchmark")
     ap.add_argument("--budget", type=float, default=18 * 60.0, help="seconds for the whole run")
     ap.add_argument("--only", nargs="*", default=None, help="benchmark names (bench_<name>.py)")
     ap.add_argument("--no-report", action="store_true", help="skip the report/screenshot demo")
