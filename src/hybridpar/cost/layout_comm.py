@@ -12,8 +12,8 @@ boundary tensors split into G channel pieces (uneven: the first pieces one large
                     group (P_C > 1). bwd: allgather dy in the channel group; reduce_scatter dx in the
                     filter group (only if the input needs a gradient). grad: allreduce of the weight
                     (and bias) shard over the S ranks holding it (the segmented allreduce).
-  batchnorm         (global statistics, S > 1) fwd: 2 allreduces of C_g floats (sum, centred sum of
-                    squares); bwd: 1 allreduce of 2 C_g floats; grad: allreduce of the 2 C_g affine
+  batchnorm         (global statistics, S > 1) fwd: 1 allreduce of 2 C_g floats (shifted sum and sum
+                    of squares); bwd: 1 allreduce of 2 C_g floats; grad: allreduce of the 2 C_g affine
                     parameters. "local" statistics: only the grad allreduce.
   model output      allgather of the channel-split output over the G ranks of a sample group.
   loss              allreduce of the scalar loss over the S sample groups (reporting).
@@ -105,7 +105,7 @@ def _batchnorm(node: Node, lay: LayerLayout, position: int, input_grad: bool, bn
     cg = piece_sizes(node.in_shapes[0][1], G)[position % G]
     ops = []
     if bn_stats == "global":
-        ops += [CommOp("allreduce", S, cg * b, "replica", "fwd")] * 2
+        ops.append(CommOp("allreduce", S, 2 * cg * b, "replica", "fwd"))
         if input_grad:
             ops.append(CommOp("allreduce", S, 2 * cg * b, "replica", "bwd"))
     if node.param_shapes:

@@ -2,8 +2,8 @@
 
 stats="global" (default): mean and variance over the whole global batch, so results equal serial
 training. Each rank holds a channel piece; the ranks with the same piece in other sample groups
-(the replica group) allreduce per-channel sums: two in forward (sum, then centred sum of squares:
-two passes for fp32 accuracy) and one in backward (sum dy, sum dy*xhat).
+(the replica group) allreduce per-channel sums: one in forward (sum and sum of squares, shifted by
+the running mean for fp32 accuracy) and one in backward (sum dy, sum dy*xhat).
 stats="local": statistics of the rank's own samples only (no communication, like DDP without
 SyncBatchNorm)."""
 
@@ -29,15 +29,18 @@ class NormComm:
 
 class GlobalBatchNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, comm: NormComm):
+    def forward(ctx, x, weight, bias, eps: float, comm: NormComm, shift: torch.Tensor):
         count = x.shape[0] * x.shape[2] * x.shape[3] * comm.replica_group.size  # equal local batches
-        s = x.sum((0, 2, 3))
-        all_reduce_(s, comm.replica_group, comm.log, f"{comm.name}:fwd")
-        mean = s / count
+        # One allreduce of the shifted sum and sum of squares. The shift (the running mean, equal on
+        # all replicas) keeps E[(x-K)^2] - E[x-K]^2 from cancelling once training has started.
+        xs = x - shift.view(1, -1, 1, 1)
+        both = torch.cat([xs.sum((0, 2, 3)), (xs * xs).sum((0, 2, 3))])
+        all_reduce_(both, comm.replica_group, comm.log, f"{comm.name}:fwd")
+        s1, s2 = both.split(x.shape[1])
+        mean_s = s1 / count
+        var = (s2 / count - mean_s * mean_s).clamp_min(0)
+        mean = mean_s + shift
         xc = x - mean.view(1, -1, 1, 1)
-        sq = (xc * xc).sum((0, 2, 3))
-        all_reduce_(sq, comm.replica_group, comm.log, f"{comm.name}:fwd")
-        var = sq / count
         invstd = torch.rsqrt(var + eps)
         xhat = xc * invstd.view(1, -1, 1, 1)
         y = xhat if weight is None else xhat * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
@@ -63,7 +66,7 @@ class GlobalBatchNormFunction(torch.autograd.Function):
         # Parameter gradients stay local: the segmented allreduce sums them over sample groups.
         dw = sum_dy_xhat if weight is not None else None
         db = sum_dy if weight is not None else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 class DistBatchNorm2d(nn.Module):
@@ -93,7 +96,8 @@ class DistBatchNorm2d(nn.Module):
             momentum = self._momentum()
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True,
                                 momentum, self.eps)
-        y, mean, var = GlobalBatchNormFunction.apply(x, self.weight, self.bias, self.eps, self.comm)
+        shift = self.running_mean.detach().clone() if self.track_running_stats else x.new_zeros(x.shape[1])
+        y, mean, var = GlobalBatchNormFunction.apply(x, self.weight, self.bias, self.eps, self.comm, shift)
         if self.track_running_stats:
             self._update_running(mean.detach(), var.detach(),
                                  x.shape[0] * x.shape[2] * x.shape[3] * self.comm.replica_group.size)
