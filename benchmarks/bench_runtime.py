@@ -8,7 +8,7 @@
 Trials alternate between the contenders, and the median is reported, so drifting load on a shared
 machine hits both alike. Only ratios are meaningful here, not absolute times.
 
-    .venv/bin/python benchmarks/bench_runtime.py [--nproc 4] [--steps 6] [--width 8] [--hw 16] [--batch 32]
+    .venv/bin/python benchmarks/bench_runtime.py [--nproc 4] [--steps 3] [--width 16] [--hw 32] [--batch 32]
 """
 
 from __future__ import annotations
@@ -130,10 +130,10 @@ def run(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--width", type=int, default=8)
-    ap.add_argument("--hw", type=int, default=16)
+    ap.add_argument("--width", type=int, default=16)
+    ap.add_argument("--hw", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--numel", type=int, default=1 << 18, help="floats per collective (1 MiB)")
     args = ap.parse_args()

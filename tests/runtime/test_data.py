@@ -46,3 +46,12 @@ def test_no_shuffle_takes_file_order_and_shuffle_is_a_permutation():
     assert batch_indices(10, 4, 2, shuffle=False, seed=0).tolist() == [0, 1, 2, 3]  # next epoch
     seen = torch.cat([batch_indices(12, 4, s, shuffle=True, seed=3) for s in range(3)])
     assert sorted(seen.tolist()) == list(range(12))
+
+
+def test_epochs_count_whole_batches():
+    from hybridpar.plan import LayerLayout, Plan
+    from hybridpar.runtime.train_loop import TrainConfig, total_steps
+
+    plan = Plan(model="small_cnn", world_size=1, batch=10, default_layout=LayerLayout())
+    assert total_steps(TrainConfig(model="small_cnn", plan=plan, batch=10, steps=None, epochs=3), 95) == 27
+    assert total_steps(TrainConfig(model="small_cnn", plan=plan, batch=10, steps=7), 95) == 7
