@@ -18,7 +18,7 @@ def stuck_peer(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=set_default_timeout())
     group = dist.new_group(list(range(world)))  # a subgroup: its timeout comes from the default
     if rank == 1:
-        time.sleep(12)
+        time.sleep(6)
     else:
         try:
             dist.all_reduce(torch.ones(1), group=group)
