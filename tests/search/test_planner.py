@@ -101,3 +101,13 @@ def test_predicted_bytes_equal_the_runtimes_analytic_bytes(strategy):
     graph = _scaled(_traced("small_resnet", None)[0], 16)
     expected = bytes_by_kind(model_collectives(graph, parse_strategy(strategy, 4).layout))
     assert {k: v for k, v in res.prediction.comm_bytes.items() if v} == expected
+
+
+def test_evaluate_plan_reproduces_the_plans_prediction_and_scales_with_time_share():
+    from hybridpar.search.planner import evaluate_plan
+
+    res = plan_model("small_resnet", "localhost", 4, 16, strategy="sample=2,filter=2")
+    assert evaluate_plan(res.plan).step_time_s == pytest.approx(res.prediction.step_time_s)
+    slower, slow = evaluate_plan(res.plan, time_share=8.0), evaluate_plan(res.plan, time_share=4.0)
+    assert slower.compute_s == pytest.approx(2 * slow.compute_s, rel=1e-9)  # compute scales with the share
+    assert slower.comm_s == pytest.approx(slow.comm_s, rel=1e-9)

@@ -307,7 +307,8 @@ class _Setup:
 
 
 def _setup(model: str, cluster: str, gpus: int, batch: int, memory_limit: float | None,
-           dtype: str, input_shape: tuple[int, ...] | None, calibration) -> _Setup:
+           dtype: str, input_shape: tuple[int, ...] | None, calibration,
+           time_share: float | None = None) -> _Setup:
     from hybridpar.cluster import load_cluster
 
     if gpus < 1:
@@ -315,6 +316,10 @@ def _setup(model: str, cluster: str, gpus: int, batch: int, memory_limit: float 
     if batch < 1:
         raise UserError(f"--batch must be >= 1, got {batch}")
     cl = load_cluster(cluster, gpus=gpus)
+    if time_share is not None:  # measured slowdown of each rank's compute when all ranks run at once
+        if time_share <= 0:
+            raise UserError(f"--time-share must be positive, got {time_share}")
+        cl = cl.model_copy(update={"device": cl.device.model_copy(update={"time_share": float(time_share)})})
     if cl.num_devices < gpus:
         raise UserError(f"cluster {cluster!r} has {cl.num_devices} devices, fewer than --gpus {gpus}")
     graph, shape = _traced(model, tuple(input_shape) if input_shape else None)
@@ -382,18 +387,21 @@ def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, gr
 def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int = 32, *,
                memory_limit: float | None = None, strategy: str | None = None, dtype: str = "fp32",
                input_shape: Sequence[int] | None = None, grad_sync: str = "flat", free_sample: bool = False,
-               calibration=None, progress: Callable[[str], None] | None = None) -> PlanResult:
+               calibration=None, time_share: float | None = None,
+               progress: Callable[[str], None] | None = None) -> PlanResult:
     """Plan `model` on `gpus` devices of `cluster` at global batch `batch` (or evaluate `strategy`).
 
     By default the space is the runtime's: one sample degree S for the model, each layer choosing
     channel x filter = gpus / S (no redistribution between layers). `free_sample` lets every layer
     choose its own sample degree too, paying an all-to-all redistribution where neighbours differ
-    (Dryden et al.'s full space; such a plan runs only if its sample degrees agree)."""
+    (Dryden et al.'s full space; such a plan runs only if its sample degrees agree).
+    `time_share` overrides how much slower each rank computes when all ranks run at once (the cluster
+    assumes ranks/cores on localhost; a machine shared with other jobs is slower: measure it)."""
     import time
 
     t0 = time.perf_counter()
     s = _setup(model, cluster, gpus, batch, memory_limit, dtype,
-               tuple(input_shape) if input_shape else None, calibration)
+               tuple(input_shape) if input_shape else None, calibration, time_share)
     baseline, base_brk, note = None, None, ""
     if batch % gpus:
         note = f"data parallelism needs the batch ({batch}) divisible by {gpus}"
@@ -451,3 +459,21 @@ def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int
 
 def _chosen_layouts(opts: list[VertexOptions], choice: Sequence[int]) -> list[LayerLayout]:
     return [vo.options[k] for vo, k in zip(opts, choice) if isinstance(vo.options[k], LayerLayout)]
+
+
+def evaluate_plan(plan: Plan, *, grad_sync: str = "flat", time_share: float | None = None,
+                  calibration=None) -> Prediction:
+    """Predict an existing plan's step (its own per-layer layouts), e.g. to compare with a measurement."""
+    if plan.mp != 1:
+        raise UserError("evaluate_plan: channel/filter/sample plans only (mp = 1)")
+    shape = tuple(plan.input_shape) if plan.input_shape else None
+    s = _setup(plan.model, plan.cluster, plan.world_size, plan.batch, None, "fp32", shape, calibration, time_share)
+    opts = []
+    for v in s.lg.vertices:
+        if v.is_weight:
+            lay = plan.layout_of(v.node.module) if v.node.module else plan.default_layout
+            opts.extend(_options(LayerGraph((v,), (), s.lg.graph), s.ctx, INF, [lay], even_only=False,
+                                 empty_ok=True))
+        else:
+            opts.append(_join_options(v, s.ctx, [distribution_of(plan.default_layout)]))
+    return predict(s.lg, opts, [0] * len(opts), s.ctx, grad_sync)

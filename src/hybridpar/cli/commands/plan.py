@@ -97,9 +97,12 @@ def register(app: click.Group) -> None:
                        "overlapping backward")
     @click.option("--free-sample", is_flag=True,
                   help="let each layer pick its own sample degree (redistribution between; projection only)")
+    @click.option("--time-share", type=float, default=None,
+                  help="measured slowdown of each rank's compute with all ranks running (default: the "
+                       "cluster's; on localhost ranks/cores)")
     @click.option("--out", "out", default=None, type=click.Path(dir_okay=False), help="write the Plan JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample, out,
+    def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample, time_share, out,
                  json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
         from hybridpar.graph.models import parse_shape
@@ -113,6 +116,7 @@ def register(app: click.Group) -> None:
         try:
             res = plan_model(model, cluster, gpus, batch, memory_limit=limit, strategy=strategy, dtype=dtype,
                              input_shape=shape, grad_sync=grad_sync, free_sample=free_sample,
+                             time_share=time_share,
                              progress=None if status is None else (lambda msg: status.update(msg)))
         finally:
             if status is not None:
