@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -75,7 +76,7 @@ def brute_force(problem: PlacementProblem) -> int:
     m = problem.num_devices
     for rest in itertools.product(range(m), repeat=len(problem.tasks) - 1):
         assignment = (0, *rest)  # devices are interchangeable in these problems
-        if fits(problem, assignment):
+        if problem.respects_ties(assignment) and fits(problem, assignment):
             best = exact_schedule(build_ops(problem, assignment), best)
     return best
 
@@ -92,6 +93,56 @@ def test_ilp_matches_brute_force(n, m, seed):
     assert r.status == "optimal"
     assert round(r.step_time_s / US) == opt
     assert r.gap == pytest.approx(0.0, abs=1e-9)
+
+
+def tied(problem: PlacementProblem, seed: int, groups: int = 2) -> PlacementProblem:
+    """`problem` with `groups` random tie groups of 2-3 tasks (tasks that must share a device)."""
+    rng = random.Random(seed)
+    names = [t.name for t in problem.tasks]
+    rng.shuffle(names)
+    tie = {}
+    for g in range(groups):
+        for name in names[:rng.randint(2, 3)]:
+            tie[name] = f"g{g}"
+        names = names[3:]
+    tasks = tuple(dataclasses.replace(t, tie=tie.get(t.name, "")) for t in problem.tasks)
+    return dataclasses.replace(problem, tasks=tasks)
+
+
+TIE_CASES = [(6, 2, s) for s in range(3)] + [(8, 2, 3), (9, 2, 4), (6, 3, 5), (7, 3, 6)]
+
+
+@pytest.mark.parametrize("n,m,seed", TIE_CASES)
+def test_ilp_matches_brute_force_with_ties(n, m, seed):
+    p = tied(random_problem(n, m, seed, shared_links=seed % 2 == 1), seed)
+    assert any(t.tie for t in p.tasks)
+    opt = brute_force(p)
+    r = solve(p, "ilp", time_unit_s=US, time_limit_s=20, workers=1)
+    assert r.status == "optimal" and p.respects_ties(r.assignment)
+    assert round(r.step_time_s / US) == opt
+    # ties only remove placements: the optimum can only rise
+    free = solve(dataclasses.replace(p, tasks=tuple(dataclasses.replace(t, tie="") for t in p.tasks)), "ilp",
+                 time_unit_s=US, time_limit_s=20, workers=1)
+    assert r.step_time_s >= free.step_time_s - 1e-12
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_baselines_respect_ties(seed):
+    p = tied(random_problem(14, 3, 200 + seed, shared_links=True), seed, groups=3)
+    for name, fn in BASELINES.items():
+        assert p.respects_ties(fn(p).assignment), name
+    assert p.respects_ties(solve(p, "ilp", time_limit_s=2, workers=1).assignment)
+
+
+def test_tied_group_memory_is_reserved_whole():
+    # four 40% tasks tied in pairs: each pair fills 80% of a device, so the pairs go apart
+    base = random_problem(4, 2, 5, mem=100, task_mem=40)
+    tasks = tuple(dataclasses.replace(t, tie=("a" if i < 2 else "b")) for i, t in enumerate(base.tasks))
+    p = dataclasses.replace(base, tasks=tasks)
+    for solver in ("ilp", "dp", "etf", "greedy"):
+        r = solve(p, solver, time_limit_s=5, workers=1)
+        assert fits(p, r.assignment) and p.respects_ties(r.assignment), solver
+        assert r.assignment[0] == r.assignment[1] != r.assignment[2] == r.assignment[3], solver
 
 
 def test_exact_schedule_is_exhaustive_on_a_known_case():

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch.fx
 
 from hybridpar.cli.main import main
 from hybridpar.cluster import load_cluster
@@ -51,8 +52,12 @@ def test_cli_place_writes_plan_and_gantt(tmp_path, capsys):
     assert out["step_time_s"] == pytest.approx(out["compute_s"] + out["exposed_comm_s"])
     plan = load_plan(plan_path)
     assert plan.mp == 2 and plan.dp == 1 and plan.predicted.step_time_s == pytest.approx(out["step_time_s"])
-    modules = dict(load_model("inception_mini").module.named_modules())
-    assert plan.placement and set(plan.placement) <= set(modules)
+    module = load_model("inception_mini").module
+    modules = dict(module.named_modules())
+    fx_nodes = {n.name for n in torch.fx.symbolic_trace(module).graph.nodes}
+    assert plan.placement and set(plan.placement) <= set(modules) | fx_nodes
+    # the nodes no module runs (branch concats) are placed by their fx node name
+    assert any(k.startswith("cat") for k in plan.placement) and set(plan.placement) & fx_nodes - set(modules)
     assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -129,7 +134,10 @@ def test_plan_placement_is_accepted_by_the_mp_runtime():
     out = place_model("inception_mini", "dgx1-v100", 2, batch=16, coarsen=12, time_limit_s=5, workers=1)
     assert set(out.plan.placement.values()) == {0, 1}  # the branches are split: both devices work
     part = partition.partition_module(load_model("inception_mini").module, out.plan.placement, 2)
-    assert part is not None
+    # every fine node runs where the placer put its coarse node, concats included
+    device_of = {x: d for n, d in zip(out.graph.nodes, out.result.assignment) for x in n.attr("members") or (n.name,)}
+    placed = {k: v for k, v in part.device_of.items() if k in device_of and v is not None}
+    assert placed and all(v == device_of[k] for k, v in placed.items())
 
 
 def test_package_level_place_api():

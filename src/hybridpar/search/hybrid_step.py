@@ -49,7 +49,7 @@ def hybrid_step_time(model, cluster: str | Cluster, dp: int, mp: int, batch_per_
     """Predicted step of D x M hybrid training at `batch_per_worker` samples per replica.
 
     model: zoo name, file spec or Graph (a name caches the placement per (model, cluster, M, batch)).
-    placement: module name -> device to time instead of searching (e.g. a Plan's placement)."""
+    placement: module or fine node name -> device to time instead of searching (e.g. a Plan's placement)."""
     if dp < 1 or mp < 1:
         raise UserError(f"dp and mp must be >= 1, got dp={dp}, mp={mp}")
     full = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, dp * mp)
@@ -72,18 +72,22 @@ def _cached_mp_result(model: str, cluster: str, mp: int, batch: int, solver: str
 def _mp_result(model, cluster, mp: int, batch: int, solver: str, time_limit_s: float, coarsen: int | None,
                placement: Mapping[str, int] | None) -> PlacementResult:
     from hybridpar.search.placer import solve
-    from hybridpar.search.placer.adapter import node_modules
+    from hybridpar.search.placer.adapter import members, node_modules
     from hybridpar.search.placer.api import build_problem
+    from hybridpar.search.placer.unroll import tie_name
 
     prob, coarse, *_ = build_problem(model, cluster, mp, batch=batch, coarsen=coarsen)
     if placement is None:
         return solve(prob, "single" if mp == 1 else solver, time_limit_s=time_limit_s, workers=2)
-    assignment = []
+    assignment: list[int] = []
+    by_tie: dict[str, int] = {}  # the time chunks of one node share its device
     for n in coarse.nodes:
-        devs = [placement[mod] for mod in node_modules(n) if mod in placement]
-        d = devs[0] if devs else (assignment[-1] if assignment else 0)
+        keys = [*node_modules(n), *members(n)]  # modules, then fine node names (concat/add)
+        devs = [placement[k] for k in keys if k in placement]
+        d = by_tie.get(tie_name(n), devs[0] if devs else (assignment[-1] if assignment else 0))
         if not 0 <= d < mp:
             raise UserError(f"placement puts {n.name} on device {d}, outside 0..{mp - 1}")
+        by_tie[tie_name(n)] = d
         assignment.append(d)
     return evaluate(prob, assignment, "given")
 

@@ -34,15 +34,18 @@ def register(app: click.Group) -> None:
     @click.option("--time-limit", "time_limit", default=30.0, show_default=True, type=float,
                   help="ILP time limit in seconds")
     @click.option("--batch", type=int, default=None, help="samples per step of the MP group [32]")
-    @click.option("--coarsen", type=int, default=None, help="max nodes of the coarsened graph [32]")
+    @click.option("--coarsen", type=int, default=None,
+                  help="max nodes of the coarsened graph [32]; half of it before time chunks split recurrent nodes")
+    @click.option("--time-chunks", "time_chunks", type=int, default=None,
+                  help="split each recurrent node into K time chunks (wavefront); 0 = off [4 when the model has an LSTM]")
     @click.option("--input-shape", default=None, help="per-sample input shape for file models, e.g. 3,32,32")
     @click.option("--workers", default=2, show_default=True, type=int, help="CP-SAT search workers")
     @click.option("--gantt", type=click.Path(dir_okay=False), default=None, help="write the schedule as PNG")
     @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the Plan as JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def place_cmd(model: str, cluster: str, devices: int, solver: str, time_limit: float, batch: int | None,
-                  coarsen: int | None, input_shape: str | None, workers: int, gantt: str | None,
-                  out: str | None, json_: bool) -> None:
+                  coarsen: int | None, time_chunks: int | None, input_shape: str | None, workers: int,
+                  gantt: str | None, out: str | None, json_: bool) -> None:
         """Place a model's graph on DEVICES devices (ILP or a baseline) and predict the per-step time."""
         from hybridpar.errors import UserError
         from hybridpar.graph.models import parse_shape
@@ -52,7 +55,8 @@ def register(app: click.Group) -> None:
             raise UserError(f"--workers must be >= 1, got {workers}")
         with _progress(not json_ and err_console.is_terminal, f"placing {model} on {devices} device(s) with {solver}"):
             outcome = place_model(model, cluster, devices, solver=solver, time_limit_s=time_limit, batch=batch,
-                                  coarsen=coarsen, input_shape=parse_shape(input_shape), workers=workers)
+                                  coarsen=coarsen, input_shape=parse_shape(input_shape), workers=workers,
+                                  time_chunks=time_chunks)
         if out:
             outcome.plan.save(out)
         if gantt:

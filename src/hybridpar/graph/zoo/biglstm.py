@@ -26,15 +26,19 @@ class BigLSTM(nn.Module):
                  layers: int = 2, dropout: float = 0.1, num_sampled: int | None = None):
         super().__init__()
         self.embedding = nn.Embedding(vocab, embed)
-        self.lstm = nn.LSTM(embed, hidden, num_layers=layers, proj_size=proj, batch_first=True,
-                            dropout=dropout if layers > 1 else 0.0)
+        # one nn.LSTM module per layer (lstm.0, lstm.1) so that model parallelism can put the layers on
+        # different devices (Pal et al. 2019); same weights and FLOPs as nn.LSTM(num_layers=layers)
+        self.lstm = nn.ModuleList(nn.LSTM(embed if i == 0 else proj, hidden, proj_size=proj, batch_first=True)
+                                  for i in range(layers))
         self.dropout = nn.Dropout(dropout)
         self.softmax = nn.Linear(proj, vocab)
         self.num_sampled = num_sampled
 
     def forward(self, tokens):
-        x, _ = self.lstm(self.dropout(self.embedding(tokens)))
-        x = self.dropout(x)
+        x = self.dropout(self.embedding(tokens))
+        for lstm in self.lstm:  # dropout between layers, as nn.LSTM(dropout=...) applies it
+            x, _ = lstm(x)
+            x = self.dropout(x)
         if self.num_sampled:
             s = self.num_sampled
             return F.linear(x, self.softmax.weight[:s], self.softmax.bias[:s])

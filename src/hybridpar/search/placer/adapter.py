@@ -18,6 +18,7 @@ from hybridpar.cost.memory import OPTIMIZER_STATE_BYTES, kept_activations
 from hybridpar.graph.coarsen import merge_groups
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 from hybridpar.search.placer.problem import PlacementProblem, Task
+from hybridpar.search.placer.unroll import chunk_of, share, tie_name
 
 # SGD with momentum touches w, grad and momentum: read 3, write 2 tensors of the parameters' size.
 UPDATE_BYTES_PER_PARAM_BYTE = 5
@@ -86,7 +87,7 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
     master = 4 if b < 4 else 0
     per_param = b + master + b + OPTIMIZER_STATE_BYTES[optimizer]  # weights (+fp32 master), grads, state
     kept = set(kept_activations(fine))
-    owner = {x: n.name for n in coarse.nodes for x in members(n)}
+    owner = {x: tie_name(n) for n in coarse.nodes for x in members(n)}
     fine_succ = fine.successors
     dev = cluster.device
     tasks = []
@@ -102,10 +103,13 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
             grad += fn.params * b
             mem += _activation_bytes(fn, x in kept, b)
             # graph inputs arrive from the data loader on whichever device consumes them
-            if fn.op != "input" and any(owner[s] != n.name for s in fine_succ[x]):
+            if fn.op != "input" and any(owner[s] != tie_name(n) for s in fine_succ[x]):
                 out += fn.out_numel * b
-        tasks.append(Task(n.name, tuple(n.inputs), (fwd,) * m, (bwd,) * m, int(mem), int(out), node_modules(n),
-                          int(grad)))
+        # a time chunk t of K: 1/K of the node's work, memory and output; its weight gradients are
+        # complete after chunk 0's backward (the last to run), so they are counted there
+        c, k = chunk_of(n)
+        tasks.append(Task(n.name, tuple(n.inputs), (fwd / k,) * m, (bwd / k,) * m, share(mem, c, k), share(out, c, k),
+                          node_modules(n), int(grad) if c == 0 else 0, n.attr("tie") or ""))
     bw = tuple(tuple(cluster.p2p_bw_Bps(a, c) if a != c else dev.mem_bw_Bps for c in device_ids) for a in device_ids)
     lat = tuple(tuple(cluster.p2p_latency_s(a, c) if a != c else 0.0 for c in device_ids) for a in device_ids)
     links = tuple(tuple(cluster.links_between(a, c) if a != c else () for c in device_ids) for a in device_ids)
@@ -127,9 +131,11 @@ def _activation_bytes(node: Node, kept: bool, b: int) -> float:
     return acts
 
 
-def placement_by_module(coarse: Graph, assignment: Sequence[int]) -> dict[str, int]:
-    """module name -> device. A parameterless module called from nodes on two devices (a reused
-    dropout) is left out: the runtime runs such calls next to their input."""
+def placement_by_module(coarse: Graph, assignment: Sequence[int], fine: Graph | None = None) -> dict[str, int]:
+    """module name -> device, plus fine node name -> device for the nodes no module runs (a branch
+    concat, a residual add) when `fine` is given, so the runtime runs them where the placer scheduled
+    them rather than next to their first input. A parameterless module called from nodes on two
+    devices (a reused dropout) is left out: the runtime runs such calls next to their input."""
     out: dict[str, int] = {}
     clash: set[str] = set()
     for n, d in zip(coarse.nodes, assignment):
@@ -137,4 +143,12 @@ def placement_by_module(coarse: Graph, assignment: Sequence[int]) -> dict[str, i
             if out.get(mod, d) != d:
                 clash.add(mod)
             out.setdefault(mod, d)
-    return {k: v for k, v in out.items() if k not in clash}
+    out = {k: v for k, v in out.items() if k not in clash}
+    # fine node names are torch.fx node names only when torch.fx traced the model (the runtime's names)
+    if fine is not None and dict(fine.meta).get("tracer") == "torch.fx":
+        for n, d in zip(coarse.nodes, assignment):
+            for x in members(n):
+                fn = fine.by_name.get(x)
+                if fn is not None and fn.op != "input" and not fn.module:
+                    out.setdefault(x, int(d))
+    return out

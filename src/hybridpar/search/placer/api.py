@@ -12,6 +12,7 @@ from hybridpar.plan import Plan, Prediction
 from hybridpar.search.placer.adapter import placement_by_module, problem_from_graph, tie_shared_modules
 from hybridpar.search.placer.problem import PlacementProblem
 from hybridpar.search.placer.result import PlacementResult
+from hybridpar.search.placer.unroll import DEFAULT_TIME_CHUNKS, has_recurrence, unroll
 
 DEFAULT_BATCH = 32  # per data-parallel worker (one MP group), when the caller gives none
 DEFAULT_COARSEN = 32  # coarse nodes the ILP sees by default (Inception-V3 solves within 60 s on 4 devices)
@@ -57,7 +58,8 @@ def _traced(model: str, batch: int, input_shape: tuple[int, ...] | None) -> tupl
     from hybridpar.graph.models import load_model
     from hybridpar.graph.trace import trace
 
-    lm = load_model(model, batch=batch, input_shape=input_shape)
+    # meta tensors: tracing needs shapes only, so BigLSTM's 1.8 B weights are never allocated
+    lm = load_model(model, batch=batch, input_shape=input_shape, device="meta")
     return trace(lm.module, lm.example_inputs, lm.name), lm.name
 
 
@@ -76,24 +78,37 @@ def model_graph(model, batch: int, input_shape: tuple[int, ...] | None = None) -
     raise UserError("model must be a zoo name, 'file.py:factory', a Graph or (module, example_inputs)")
 
 
-_COARSE: dict[tuple[int, int], tuple[Graph, Graph]] = {}  # (id(fine), max_nodes) -> (fine, coarse)
+_COARSE: dict[tuple[int, int, int], tuple[Graph, Graph]] = {}  # (id(fine), nodes, chunks) -> (fine, coarse)
 
 
-def _coarse(fine: Graph, max_nodes: int) -> Graph:
+def _coarse(fine: Graph, max_nodes: int, chunks: int = 0) -> Graph:
     from hybridpar.graph.coarsen import coarsen_to
 
-    key = (id(fine), max_nodes)
+    key = (id(fine), max_nodes, chunks)
     hit = _COARSE.get(key)
     if hit is None or hit[0] is not fine:  # keep `fine` alive so its id is not reused
         tied = tie_shared_modules(fine)
+        # unrolling multiplies the recurrent nodes by `chunks`: coarsen to half the budget first so
+        # that the ILP's task count stays near the budget's scale (GNMT: 35 -> 16 nodes -> 52 tasks)
+        budget = max(2, max_nodes // 2) if chunks >= 2 and has_recurrence(fine) else max_nodes
         # coarsen only when needed: collapsing chains would hide the splits a model needs to fit
-        hit = _COARSE[key] = (fine, tied if len(tied) <= max_nodes else coarsen_to(tied, max_nodes))
+        coarse = tied if len(tied) <= budget else coarsen_to(tied, budget)
+        hit = _COARSE[key] = (fine, unroll(coarse, fine, chunks))
     return hit[1]
+
+
+def default_time_chunks(fine: Graph) -> int:
+    """Time chunks per recurrent node by default: DEFAULT_TIME_CHUNKS for graphs with a splittable
+    LSTM, 0 (off) otherwise."""
+    return DEFAULT_TIME_CHUNKS if has_recurrence(fine) else 0
 
 
 def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, batch: int | None = None,
                   coarsen: int | None = None, input_shape=None, dtype: str = "fp32",
-                  mem_capacity_bytes: float | None = None) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
+                  mem_capacity_bytes: float | None = None, time_chunks: int | None = None
+                  ) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
+    """The placement problem of a model; `time_chunks` K splits recurrent nodes into K tied time
+    chunks (None: the default for the graph, 0: off). The returned coarse graph has one node per task."""
     if devices < 1:
         raise UserError(f"--devices must be >= 1, got {devices}")
     if coarsen is not None and coarsen < 2:
@@ -101,13 +116,16 @@ def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2,
     batch = DEFAULT_BATCH if batch is None else batch
     if batch < 1:
         raise UserError(f"--batch must be >= 1, got {batch}")
+    if time_chunks is not None and time_chunks < 0:
+        raise UserError(f"--time-chunks must be >= 0 (0 = off), got {time_chunks}")
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, devices)
     if devices > cl.gpus_per_node:
         # model parallelism sends activations at every cut: keep the group on one node's links
         raise UserError(f"--devices {devices}: an MP group must fit in one node of {cl.name!r} "
                         f"({cl.gpus_per_node} devices)")
     fine, name = model_graph(model, batch, input_shape)
-    coarse = _coarse(fine, coarsen or DEFAULT_COARSEN)
+    chunks = default_time_chunks(fine) if time_chunks is None else time_chunks
+    coarse = _coarse(fine, coarsen or DEFAULT_COARSEN, chunks if chunks >= 2 else 0)
     prob = problem_from_graph(coarse, fine, cl, tuple(range(devices)), dtype=dtype,
                               mem_capacity_bytes=mem_capacity_bytes)
     return prob, coarse, fine, cl, name
@@ -116,7 +134,7 @@ def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2,
 def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, solver: str = "ilp",
                 time_limit_s: float = 30.0, batch: int | None = None, coarsen: int | None = None,
                 input_shape=None, dtype: str = "fp32", workers: int = 2,
-                mem_capacity_bytes: float | None = None) -> PlaceOutcome:
+                mem_capacity_bytes: float | None = None, time_chunks: int | None = None) -> PlaceOutcome:
     """Place `model` over `devices` devices (0..devices-1) of `cluster` at `batch` samples per step.
 
     Returns the placement (solver result with schedule and gap), the one-device step for the speedup,
@@ -129,7 +147,7 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
         raise UserError(f"--time-limit must be > 0, got {time_limit_s}")
     prob, coarse, fine, cl, name = build_problem(model, cluster, devices, batch=batch, coarsen=coarsen,
                                                  input_shape=input_shape, dtype=dtype,
-                                                 mem_capacity_bytes=mem_capacity_bytes)
+                                                 mem_capacity_bytes=mem_capacity_bytes, time_chunks=time_chunks)
     result = solve(prob, solver, time_limit_s=time_limit_s, workers=workers)
     baselines: dict[str, float] = {}
     for bname, fn in BASELINES.items():
@@ -147,11 +165,13 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
     bd = result.breakdown
     plan = Plan(model=name, input_shape=list(input_shape) if input_shape else None, cluster=cl.name,
                 world_size=devices, batch=DEFAULT_BATCH if batch is None else batch, dp=1, mp=devices,
-                placement=placement_by_module(coarse, result.assignment), strategy=f"mp={devices}",
+                placement=placement_by_module(coarse, result.assignment, fine), strategy=f"mp={devices}",
                 predicted=Prediction(step_time_s=result.step_time_s, compute_s=bd.compute_s, comm_s=bd.comm_s,
                                      exposed_comm_s=bd.exposed_comm_s, idle_s=bd.idle_s,
                                      memory_bytes=[int(x) for x in result.memory_bytes]),
                 notes=[f"placer: {result.solver} ({result.status}"
                        + (f", gap {result.gap:.2%}" if result.gap is not None else "") + ")",
-                       f"graph coarsened {len(fine)} -> {len(coarse)} nodes"])
+                       f"graph coarsened {len(fine)} -> {len(coarse)} nodes"
+                       + (f" ({dict(coarse.meta)['time_chunks']} time chunks per recurrent node)"
+                          if "time_chunks" in dict(coarse.meta) else "")])
     return PlaceOutcome(result, single_time, single is not None, baselines, plan, coarse, len(fine))

@@ -30,7 +30,8 @@ def place_single(problem: PlacementProblem) -> PlacementResult:
 
 def place_dp(problem: PlacementProblem) -> PlacementResult:
     """Contiguous stages s = 0..k-1 on devices 0..k-1 (k <= M), minimising the max stage time
-    (compute + sending its outputs to the next stage and their gradients back)."""
+    (compute + sending its outputs to the next stage and their gradients back). Tie groups must be
+    contiguous in the task order (they are never split)."""
     t0 = time.perf_counter()
     n, m = len(problem.tasks), problem.num_devices
     tasks = problem.tasks
@@ -47,13 +48,24 @@ def place_dp(problem: PlacementProblem) -> PlacementResult:
         return comp
 
     inf = math.inf
+    # a stage boundary may not split a tie group (the time chunks of one module)
+    root = problem.tie_root
+    last_of: dict[int, int] = {}
+    for u in range(n):
+        last_of[root[u]] = u
+    cuttable = [True] * (n + 1)
+    for u in range(n):
+        for c in range(root[u] + 1, last_of[root[u]] + 1):
+            cuttable[c] = False
     best = [[inf] * (n + 1) for _ in range(m + 1)]
     cut = [[0] * (n + 1) for _ in range(m + 1)]
     best[0][0] = 0.0
     for k in range(1, m + 1):
         for j in range(1, n + 1):
+            if not cuttable[j]:
+                continue
             for i in range(k - 1, j):
-                if best[k - 1][i] == inf:
+                if best[k - 1][i] == inf or not cuttable[i]:
                     continue
                 c = max(best[k - 1][i], stage_cost(i, j, k - 1))
                 if c < best[k][j]:
@@ -82,9 +94,19 @@ class _Placer:
         self.free = [0.0] * m
         self.mem = [0] * m
         self.buffers: set[tuple[int, int]] = set()
+        # tied tasks: the first one placed picks the device and reserves the whole group's memory
+        self.root = problem.tie_root
+        self.group_mem: dict[int, int] = {}
+        self.group_dev: dict[int, int] = {}
+        for v, r in enumerate(self.root):
+            self.group_mem[r] = self.group_mem.get(r, 0) + problem.tasks[v].mem_bytes
+
+    def allowed(self, v: int) -> range | tuple[int]:
+        d = self.group_dev.get(self.root[v])
+        return range(self.p.num_devices) if d is None else (d,)
 
     def extra_mem(self, v: int, d: int) -> int:
-        extra = self.p.tasks[v].mem_bytes
+        extra = 0 if self.root[v] in self.group_dev else self.group_mem[self.root[v]]
         for u in self.p.preds[v]:
             if self.dev[u] != d and (u, d) not in self.buffers:
                 extra += self.p.tasks[u].out_bytes
@@ -107,6 +129,7 @@ class _Placer:
             if self.dev[u] != d:
                 self.buffers.add((u, d))
         self.dev[v] = d
+        self.group_dev[self.root[v]] = d
         self.finish[v] = s + cost(v, d)
         self.free[d] = self.finish[v]
 
@@ -126,7 +149,7 @@ def place_etf(problem: PlacementProblem) -> PlacementResult:
     ready = {v for v in range(len(problem.tasks)) if missing[v] == 0}
     fwd = lambda v, d: problem.tasks[v].fwd_s[d]
     while ready:
-        cands = [(st.est(v, d), -rank[v], d, v) for v in ready for d in range(problem.num_devices) if st.fits(v, d)]
+        cands = [(st.est(v, d), -rank[v], d, v) for v in ready for d in st.allowed(v) if st.fits(v, d)]
         if not cands:
             raise st.no_fit(max(ready, key=lambda v: problem.tasks[v].mem_bytes))
         _, _, d, v = min(cands)
@@ -148,7 +171,7 @@ def place_greedy(problem: PlacementProblem) -> PlacementResult:
     step = lambda v, d: problem.tasks[v].fwd_s[d] + problem.tasks[v].bwd_s[d]
     # decreasing upward rank is a topological order (a predecessor's rank exceeds its successor's)
     for v in sorted(range(len(problem.tasks)), key=lambda v: (-rank[v], v)):
-        cands = [(st.est(v, d) + step(v, d), d) for d in range(problem.num_devices) if st.fits(v, d)]
+        cands = [(st.est(v, d) + step(v, d), d) for d in st.allowed(v) if st.fits(v, d)]
         if not cands:
             raise st.no_fit(v)
         st.put(v, min(cands)[1], step)

@@ -1,6 +1,6 @@
 """DLPlacer's ILP (Pal et al., IEEE Micro 2019) as a CP-SAT model with optional interval variables.
 
-Variables: x[t,d] (task t on device d); start of each task's forward and backward; for every task u
+Variables: x[t,d] (task t on device d; tasks with one tie share these literals); start of each task's forward and backward; for every task u
 with consumers and every ordered device pair (a, b), a literal p[u,a,b] (u on a and some consumer on b)
 that makes present one optional forward transfer on links[a][b] and one gradient transfer on
 links[b][a]. Constraints: one device per task; per-device memory (tasks + receive buffers);
@@ -58,9 +58,16 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
             max((xdur[(u, a, b)] for a in range(m) for b in range(m) if a != b), default=0) for u in range(n))
 
     md = cp_model.CpModel()
-    x = [[md.new_bool_var(f"x{t}_{d}") for d in range(m)] for t in range(n)]
+    # tied tasks (time chunks of one module) share their device literals: one assignment, several
+    # schedule slots
+    root = problem.tie_root
+    x: list[list] = []
     for t in range(n):
-        md.add_exactly_one(x[t])
+        if root[t] == t:
+            x.append([md.new_bool_var(f"x{t}_{d}") for d in range(m)])
+            md.add_exactly_one(x[t])
+        else:
+            x.append(x[root[t]])
     if problem.devices_interchangeable and n:
         # symmetry: any placement can be relabelled so the first task with work is on device 0
         md.add(x[_anchor(problem)][0] == 1)
@@ -139,6 +146,8 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     solver.parameters.num_workers = int(workers)
     solver.parameters.random_seed = int(seed)
     status = solver.solve(md)
+    if status == cp_model.MODEL_INVALID:  # a bug in this model, not a property of the problem
+        raise RuntimeError(f"DLPlacer ILP model invalid: {md.validate()}")
     elapsed = time.perf_counter() - t0
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         assignment = [next(d for d in range(m) if solver.value(x[t][d])) for t in range(n)]
@@ -178,6 +187,8 @@ def _anchor(problem: PlacementProblem) -> int:
 def _add_hint(md, problem, assignment, ops, sched, x, sf, sb, pres, tf, tb, span) -> None:
     m = problem.num_devices
     for t, d in enumerate(assignment):
+        if problem.tie_root[t] != t:
+            continue  # a tied task shares its root's literals (hinting them twice invalidates the model)
         for e in range(m):
             md.add_hint(x[t][e], d == e)
     start = {op.name: int(s) for op, s in zip(ops, sched.start)}

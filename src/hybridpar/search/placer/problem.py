@@ -22,6 +22,8 @@ class Task:
     (weights, gradients, optimizer state, activations kept for backward). out_bytes: the output
     activation, sent once to every other device that consumes it (its gradient travels back).
     grad_bytes: the task's weight gradients (what data parallelism allreduces).
+    tie: tasks with the same non-empty tie must share a device (the time chunks of one module, which
+    the runtime places whole); each is still scheduled on its own.
     """
 
     name: str
@@ -32,6 +34,7 @@ class Task:
     out_bytes: int = 0
     modules: tuple[str, ...] = ()
     grad_bytes: int = 0
+    tie: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,15 @@ class PlacementProblem:
     @cached_property
     def preds(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(self.index[i] for i in t.inputs) for t in self.tasks)
+
+    @cached_property
+    def tie_root(self) -> tuple[int, ...]:
+        """For every task, the first task of its tie group (itself when untied)."""
+        first: dict[str, int] = {}
+        return tuple(first.setdefault(t.tie, i) if t.tie else i for i, t in enumerate(self.tasks))
+
+    def respects_ties(self, assignment: Sequence[int]) -> bool:
+        return all(assignment[i] == assignment[r] for i, r in enumerate(self.tie_root))
 
     @cached_property
     def succs(self) -> tuple[tuple[int, ...], ...]:
@@ -163,13 +175,15 @@ def contract(problem: PlacementProblem, groups: Sequence[Sequence[str]]) -> Plac
         if key not in merged:
             order.append(key)
             merged[key] = {"inputs": [], "fwd": [0.0] * problem.num_devices,
-                           "bwd": [0.0] * problem.num_devices, "mem": 0, "out": 0, "modules": [], "grad": 0}
+                           "bwd": [0.0] * problem.num_devices, "mem": 0, "out": 0, "modules": [], "grad": 0,
+                           "ties": set()}
         d = merged[key]
         d["fwd"] = [x + y for x, y in zip(d["fwd"], t.fwd_s)]
         d["bwd"] = [x + y for x, y in zip(d["bwd"], t.bwd_s)]
         d["mem"] += t.mem_bytes
         d["modules"] += list(t.modules)
         d["grad"] += t.grad_bytes
+        d["ties"].add(t.tie)
         for i in t.inputs:
             if owner[i] != key and owner[i] not in d["inputs"]:
                 d["inputs"].append(owner[i])
@@ -177,9 +191,19 @@ def contract(problem: PlacementProblem, groups: Sequence[Sequence[str]]) -> Plac
         if any(owner[problem.tasks[s].name] != owner[t.name] for s in problem.succs[problem.index[t.name]]):
             merged[owner[t.name]]["out"] = max(merged[owner[t.name]]["out"], t.out_bytes)
     tasks = [Task(k, tuple(merged[k]["inputs"]), tuple(merged[k]["fwd"]), tuple(merged[k]["bwd"]),
-                  merged[k]["mem"], merged[k]["out"], tuple(merged[k]["modules"]), merged[k]["grad"])
+                  merged[k]["mem"], merged[k]["out"], tuple(merged[k]["modules"]), merged[k]["grad"],
+                  _one_tie(merged[k]["ties"]))
              for k in order]
     return _replace_tasks(problem, _toposort(tasks))
+
+
+def _one_tie(ties: set[str]) -> str:
+    """A merged task keeps its members' tie (a merge of two tie groups would have to tie every member
+    of both, which one tie name cannot express)."""
+    named = ties - {""}
+    if len(named) > 1:
+        raise ValueError("contraction merges tasks of different tie groups")
+    return next(iter(named), "")
 
 
 def _toposort(tasks: list[Task]) -> list[Task]:

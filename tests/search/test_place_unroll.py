@@ -1,0 +1,98 @@
+"""Time-step unrolling of recurrent nodes: the wavefront across stacked LSTM layers (Pal et al. 2019)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hybridpar.cli.main import main
+from hybridpar.graph.trace import trace
+from hybridpar.search.placer import place_model
+from hybridpar.search.placer.api import build_problem
+from hybridpar.search.placer.unroll import unroll
+
+
+class TwoLayerLSTM(nn.Module):
+    def __init__(self, width: int = 1024, bidirectional_first: bool = False):
+        super().__init__()
+        self.l1 = nn.LSTM(width, width // (2 if bidirectional_first else 1), batch_first=True,
+                          bidirectional=bidirectional_first)
+        self.l2 = nn.LSTM(width, width, batch_first=True)
+
+    def forward(self, x):
+        return self.l2(self.l1(x)[0])[0]
+
+
+def lstm_graph(bidirectional_first: bool = False):
+    with torch.device("meta"):
+        m = TwoLayerLSTM(bidirectional_first=bidirectional_first)
+        x = torch.randn(64, 16, 1024)
+    return trace(m, (x,), "lstm2")
+
+
+def test_unroll_splits_layers_into_tied_chunks_with_recurrence():
+    g = lstm_graph()
+    u = unroll(g, g, 4)
+    names = [n.name for n in u.nodes]
+    assert names == ["x", *[f"l1#{t}" for t in range(4)], *[f"l2#{t}" for t in range(4)]]
+    assert u.node("l1#2").inputs == ("l1#1", "x")  # the recurrence, then the whole input (a graph input)
+    assert u.node("l2#2").inputs == ("l2#1", "l1#2")  # layer l+1 step t reads layer l step t
+    assert {u.node(f"l2#{t}").attr("tie") for t in range(4)} == {"l2"}
+    assert u.fwd_flops == g.fwd_flops and u.bwd_flops == g.bwd_flops and u.params == g.params
+    assert unroll(g, g, 0) is g and unroll(g, g, 1) is g
+
+
+def test_bidirectional_layer_is_not_split():
+    # its step t needs the whole input (the reverse direction), and its chunks would all need it too
+    g = lstm_graph(bidirectional_first=True)
+    u = unroll(g, g, 4)
+    assert "l1" in {n.name for n in u.nodes}
+    assert u.node("l2#0").inputs == ("l1",)
+
+
+def test_problem_chunks_share_work_memory_and_bytes():
+    g = lstm_graph()
+    whole, *_ = build_problem(g, "dgx1-v100", 2, time_chunks=0)
+    split, *_ = build_problem(g, "dgx1-v100", 2, time_chunks=4)
+    assert len(split.tasks) == 1 + 2 * 4
+    for attr in ("mem_bytes", "grad_bytes"):
+        assert sum(getattr(t, attr) for t in split.tasks) == sum(getattr(t, attr) for t in whole.tasks)
+    assert sum(t.fwd_s[0] + t.bwd_s[0] for t in split.tasks) == pytest.approx(whole.serial_time_s())
+    assert split.tasks[1].out_bytes == whole.tasks[1].out_bytes // 4
+    assert split.tasks[1].grad_bytes == whole.tasks[1].grad_bytes  # gradients complete after chunk 0's backward
+
+
+def _overlap(result) -> float:
+    """Time during which both devices compute at once."""
+    spans = [[(s, e) for op, s, e in zip(result.schedule.ops, result.schedule.start, result.schedule.end)
+              if op.kind in ("fwd", "bwd") and op.device == d and e > s] for d in range(2)]
+    return sum(max(0.0, min(e0, e1) - max(s0, s1)) for s0, e0 in spans[0] for s1, e1 in spans[1])
+
+
+def test_unrolled_two_layer_lstm_finds_the_wavefront():
+    g = lstm_graph()
+    whole = place_model(g, "dgx1-v100", 2, time_chunks=0, time_limit_s=10, workers=1)
+    split = place_model(g, "dgx1-v100", 2, time_chunks=4, time_limit_s=10, workers=1)
+    assert split.result.status == "optimal"
+    # without chunks the layers can only run one after the other: nothing to gain from two devices
+    assert whole.speedup == pytest.approx(1.0, abs=1e-6)
+    assert split.speedup > 1.2  # K = 4: ideally 8 layer-chunks in 5 slots each way, less the transfers
+    assert split.plan.placement["l1"] != split.plan.placement["l2"]
+    assert _overlap(split.result) > 0.2 * split.result.step_time_s
+    assert split.problem.respects_ties(split.result.assignment)
+
+
+def test_gnmt_unrolls_by_default_and_the_cli_turns_it_off(capsys):
+    prob, _, fine, *_ = build_problem("gnmt", "dgx1-v100", 2)
+    assert len(prob.tasks) > len(fine) // 2 and any(t.tie for t in prob.tasks)
+    args = ["place", "--model", "gnmt", "--devices", "2", "--solver", "greedy", "--json"]
+    assert main(args) == 0
+    on = json.loads(capsys.readouterr().out)
+    assert main([*args, "--time-chunks", "0"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert on["nodes"] == len(prob.tasks) and off["nodes"] < on["nodes"]
+    assert on["single_device_step_s"] == pytest.approx(off["single_device_step_s"], rel=1e-6)
+    assert main([*args, "--time-chunks", "-1"]) == 2
