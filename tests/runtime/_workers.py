@@ -74,8 +74,8 @@ def conv_errors(cases: list[dict], strategies: list[str]) -> list[dict]:
 
 
 def comm_and_memory(strategies: list[str], batch: int = 8, shape=(4, 16, 16)) -> list[dict]:
-    """Per strategy and rank: measured step bytes per kind (2nd step, after the one-time shape
-    handshakes), the cost model's bytes for the same layout and grid position, and parameter bytes."""
+    """Per strategy and rank: measured bytes per kind of the first step after warm_up, the cost
+    model's bytes for the same layout and grid position, and parameter bytes (before and after)."""
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
     from hybridpar.graph.trace import trace
     from hybridpar.graph.zoo.small import small_resnet
@@ -87,9 +87,11 @@ def comm_and_memory(strategies: list[str], batch: int = 8, shape=(4, 16, 16)) ->
         ref = small_resnet(in_channels=shape[0], width=8)
         graph = trace(copy.deepcopy(ref), torch.randn(batch, *shape))
         eng = ChannelFilterEngine(ref, strategy, grid=grid_for(strategy))
+        eng.warm_up(shape)  # shape exchanges now: step 1 is already a steady-state step
+        before = eng.param_bytes_by_type()
         opt = torch.optim.SGD(eng.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(1)
-        for _ in range(2):
+        for _ in range(1):
             x, y = torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
             eng.train_step(*eng.local_batch(x, y))
             opt.step()
@@ -98,7 +100,7 @@ def comm_and_memory(strategies: list[str], batch: int = 8, shape=(4, 16, 16)) ->
         mine = {"strategy": strategy, "rank": dist.get_rank(),
                 "measured": eng.comm_log.step_bytes_by_kind(),
                 "model": bytes_by_kind(model_collectives(graph, lay, position=eng.grid.g)),
-                "param_bytes": eng.param_bytes_by_type(),
+                "param_bytes": eng.param_bytes_by_type(), "param_bytes_before": before,
                 "serial_conv_bytes": sum(p.numel() * 4 for m in small_resnet(in_channels=shape[0], width=8).modules()
                                          if isinstance(m, nn.Conv2d) for p in m.parameters())}
         got = [None] * dist.get_world_size()

@@ -8,6 +8,7 @@ scattering, alltoall = the rank's input, send/recv = the message."""
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -26,9 +27,20 @@ class CommLog:
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
         self._step_start = 0
+        self._setup_depth = 0
 
     def record(self, kind: str, group_size: int, bytes_: int, tag: str = "", setup: bool = False) -> None:
+        setup = setup or self._setup_depth > 0
         self.records.append(CommRecord(kind, int(group_size), int(bytes_), tag, setup))
+
+    @contextmanager
+    def setup_phase(self):
+        """Everything recorded inside counts as setup (e.g. a warm-up forward), not step traffic."""
+        self._setup_depth += 1
+        try:
+            yield self
+        finally:
+            self._setup_depth -= 1
 
     def mark_step(self) -> None:
         self._step_start = len(self.records)

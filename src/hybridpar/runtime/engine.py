@@ -103,6 +103,25 @@ class ChannelFilterEngine:
         """This rank's samples (sample group s) and input-channel piece (position g)."""
         return local_slice(x, self.grid), local_slice(y, self.grid, split_channels=False)
 
+    @torch.no_grad()
+    def warm_up(self, sample_shape: tuple[int, ...]) -> None:
+        """One eval-mode forward of a dummy sample per sample group, so the one-time shape exchanges
+        (Linear input pieces, output and concat widths) happen before training: parameters then have
+        their final shapes when an optimizer or a checkpoint first sees them. Logged as setup;
+        batch-norm running statistics are untouched (eval mode uses them without updating)."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with self.comm_log.setup_phase():
+                x = torch.zeros(self.grid.sample, *sample_shape, device=self._device())
+                self.forward(local_slice(x, self.grid))
+        finally:
+            self.module.train(was_training)
+
+    def _device(self) -> torch.device:
+        p = next(self.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
     def forward(self, x_loc: torch.Tensor) -> torch.Tensor:
         """Model output for this rank's samples, whole (gathered over the sample group)."""
         out = self.module(x_loc)

@@ -117,6 +117,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     ds = load_dataset(cfg.data, shape, num_classes=classes, size=cfg.synthetic_size, seed=cfg.seed)
     device = current_device()  # CUDA under torchrun+NCCL; batches move there step by step
     engine = make_engine(loaded.module.to(device), cfg.plan, bn_stats=cfg.bn_stats)
+    if hasattr(engine, "warm_up"):  # final shard shapes before the optimizer and checkpoints see them
+        engine.warm_up(shape)
     opt = torch.optim.SGD(engine.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
     start = ckpt.restore_training_state(resumed, engine, opt) if resumed else 0
