@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from hybridpar.errors import UserError
 from hybridpar.plan import LayerLayout, Plan
 from hybridpar.runtime.collectives import all_gather_dim, all_reduce_
 from hybridpar.runtime.comm_log import CommLog
@@ -154,10 +155,15 @@ class ChannelFilterEngine:
         return gather_full_state(self.module.state_dict(), self.state.shards(), self.comm_log)
 
 
-def make_engine(module: nn.Module, plan: Plan | LayerLayout | str, **kwargs):
-    """The engine for `plan`: model parallel (mp > 1) or channel/filter/sample parallel."""
+def make_engine(module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: str = "global",
+                micro_batches: int = 1, **kwargs):
+    """The engine for `plan`: model parallel (mp > 1; `micro_batches` > 1 pipelines each replica's
+    batch GPipe-style) or channel/filter/sample parallel (one micro-batch only). Other keyword
+    arguments go to the chosen engine's constructor."""
     if isinstance(plan, Plan) and plan.mp > 1:
         from hybridpar.runtime.mp.engine import MPEngine  # lazy: another helper's package
 
-        return MPEngine(module, plan)
-    return ChannelFilterEngine(module, plan, **kwargs)
+        return MPEngine(module, plan, bn_stats=bn_stats, micro_batches=micro_batches, **kwargs)
+    if micro_batches != 1:
+        raise UserError(f"micro_batches={micro_batches} needs a model-parallel plan (mp > 1)")
+    return ChannelFilterEngine(module, plan, bn_stats=bn_stats, **kwargs)

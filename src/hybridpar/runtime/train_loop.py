@@ -2,7 +2,8 @@
 
 `run_rank(cfg, queue)` builds the model (seeded, or from --init-from), the engine from make_engine,
 SGD, and trains; rank 0 sends one StepInfo per step on `queue` (when given) and runs the callbacks,
-the hook point for checkpointing or gradient-noise-scale estimates:
+the hook point for checkpointing or other per-step work (the online gradient noise scale is built in:
+TrainConfig.gns, hybridpar.runtime.grad_noise):
     callback(info: StepInfo, engine, optimizer) -> None
 registered with `register_step_callback` (importable callables, so they survive process spawn)."""
 
@@ -46,6 +47,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir, if any
     deterministic: bool = False
+    micro_batches: int = 1  # GPipe micro-batches per replica (MP plans only)
+    gns: bool = False  # online gradient noise scale (hybridpar.runtime.grad_noise), one tiny allreduce/step
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class StepInfo:
     step_time_s: float
     samples_per_s: float
     comm_bytes: dict[str, int] = field(default_factory=dict)
+    gns_b_noise: float | None = None  # smoothed B_noise after this step (None: off, n/a or not yet)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +72,8 @@ class TrainResult:
     final_loss: float
     saved: str | None
     world_size: int
+    gns_per_epoch: list[float | None] = field(default_factory=list)  # smoothed B_noise at each epoch's end
+    gns_note: str | None = None  # why there is no estimate ("n/a: needs >1 sample group"), else None
 
 
 def total_steps(cfg: TrainConfig, n_samples: int) -> int:
@@ -100,7 +106,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     (param bytes gathered from all ranks)."""
     from hybridpar.runtime import checkpoint as ckpt
     from hybridpar.runtime import faults
-    from hybridpar.runtime.data import batch_indices, load_dataset
+    from hybridpar.runtime.data import batch_indices, data_spec, load_dataset
     from hybridpar.runtime.engine import make_engine
     from hybridpar.runtime.launch import current_device
 
@@ -112,13 +118,21 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     info = ckpt.latest_checkpoint(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
     resumed = ckpt.load_checkpoint(info, loaded.module) if info else None  # weights, before sharding
     shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
-    with torch.no_grad():
-        classes = loaded.module.eval()(loaded.example_inputs[0][:1]).shape[1]
-    ds = load_dataset(cfg.data, shape, num_classes=classes, size=cfg.synthetic_size, seed=cfg.seed)
+    spec = data_spec(loaded)
+    ds = load_dataset(cfg.data, shape, num_classes=spec.num_classes, size=cfg.synthetic_size, seed=cfg.seed,
+                      vocab=spec.vocab, label_shape=spec.label_shape)
     device = current_device()  # CUDA under torchrun+NCCL; batches move there step by step
-    engine = make_engine(loaded.module.to(device), cfg.plan, bn_stats=cfg.bn_stats)
+    engine = make_engine(loaded.module.to(device), cfg.plan, bn_stats=cfg.bn_stats,
+                         micro_batches=cfg.micro_batches)
     if hasattr(engine, "warm_up"):  # final shard shapes before the optimizer and checkpoints see them
         engine.warm_up(shape)
+    probe = None
+    if cfg.gns:
+        from hybridpar.runtime.grad_noise import GradNoiseProbe
+
+        probe = GradNoiseProbe(engine, cfg.batch)
+    per_epoch = len(ds) // cfg.batch
+    gns_epochs: list[float | None] = []
     opt = torch.optim.SGD(engine.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
     start = ckpt.restore_training_state(resumed, engine, opt) if resumed else 0
@@ -135,14 +149,18 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
             loss = engine.train_step(x_loc, y_loc)
         except RuntimeError as err:  # a dead or unreachable peer: say so, never hang (timeouts in launch)
             raise (faults.peer_loss_error(err, step) if faults.is_peer_loss(err) else err) from err
+        b_noise = probe.after_step() if probe is not None else None  # synced grads, before the update
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
+        if probe is not None and ((step + 1) % per_epoch == 0 or step + 1 == last):
+            gns_epochs.append(b_noise)  # a partial last epoch reports where it stopped
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
                                    or step + 1 == last):
             ckpt.save_checkpoint(cfg.checkpoint_dir, step + 1, engine, opt, meta=checkpoint_meta(cfg),
                                  keep=cfg.keep_checkpoints)
-        info = StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind())
+        info = StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind(),
+                        b_noise)
         infos.append(info)
         if rank == 0:
             if queue is not None:
@@ -154,8 +172,12 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
         _atomic_save(state, cfg.save)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (engine.param_bytes(), engine.param_bytes_by_type()))
+    note = probe.reason if probe is not None else None
+    if probe is not None:
+        probe.close()
     return TrainResult(infos, [p[0] for p in per_rank], [p[1] for p in per_rank],
-                       infos[-1].loss if infos else float("nan"), cfg.save, dist.get_world_size())
+                       infos[-1].loss if infos else float("nan"), cfg.save, dist.get_world_size(),
+                       gns_epochs, note)
 
 
 def checkpoint_meta(cfg: TrainConfig) -> dict:
