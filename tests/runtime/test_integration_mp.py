@@ -90,7 +90,13 @@ def test_lstm2_mp_train_matches_serial(tmp_path, capsys, micro):
     model = load_model("lstm2").module
     torch.save(model.state_dict(), tmp_path / "init.pt")
 
-    code = main(["train", "--model", "lstm2", "--strategy", "mp=2", "--nproc", "2", "--data",
+    if micro == 1:  # the placer chooses
+        layout = ["--model", "lstm2", "--strategy", "mp=2"]
+    else:  # a fixed placement (the LSTM layers on different devices) skips the placer's search
+        Plan(model="lstm2", world_size=2, dp=1, mp=2, batch=BATCH, default_layout=LayerLayout(sample=1),
+             placement={"lstm2": 1, "fc": 1}).save(tmp_path / "plan.json")
+        layout = ["--plan", str(tmp_path / "plan.json")]
+    code = main(["train", *layout, "--nproc", "2", "--data",
                  str(tmp_path / "data.pt"), "--batch", str(BATCH), "--steps", str(STEPS), "--no-shuffle",
                  "--lr", str(LR), "--momentum", str(MOMENTUM), "--micro-batches", str(micro),
                  "--init-from", str(tmp_path / "init.pt"), "--save", str(tmp_path / "out.pt"), "--json"])
