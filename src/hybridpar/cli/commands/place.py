@@ -35,7 +35,7 @@ def register(app: click.Group) -> None:
                   help="ILP time limit in seconds")
     @click.option("--batch", type=int, default=None, help="samples per step of the MP group [32]")
     @click.option("--coarsen", type=int, default=None,
-                  help="max nodes of the coarsened graph [32]; half of it before time chunks split recurrent nodes")
+                  help="max nodes of the coarsened graph [64]; recurrent graphs: N/K nodes before K time chunks")
     @click.option("--time-chunks", "time_chunks", type=int, default=None,
                   help="split each recurrent node into K time chunks (wavefront); 0 = off [4 when the model has an LSTM]")
     @click.option("--input-shape", default=None, help="per-sample input shape for file models, e.g. 3,32,32")
