@@ -96,3 +96,18 @@ def test_gnmt_unrolls_by_default_and_the_cli_turns_it_off(capsys):
     assert on["nodes"] == len(prob.tasks) and off["nodes"] < on["nodes"]
     assert on["single_device_step_s"] == pytest.approx(off["single_device_step_s"], rel=1e-6)
     assert main([*args, "--time-chunks", "-1"]) == 2
+
+
+@pytest.mark.parametrize("model", ["gnmt", "biglstm"])
+def test_plan_runs_every_node_where_the_placer_put_it(model):
+    # modules, plus fx node names for functionals and for calls of a dropout reused on two devices
+    partition = pytest.importorskip("hybridpar.runtime.mp.partition")
+    from hybridpar.graph.models import load_model
+
+    out = place_model(model, "dgx1-v100", 2, solver="greedy")
+    part = partition.partition_module(load_model(model, device="meta").module, out.plan.placement, 2)
+    device_of = {x: d for n, d in zip(out.graph.nodes, out.result.assignment) for x in n.attr("members") or (n.name,)}
+    placed = {k: v for k, v in part.device_of.items() if k in device_of and v is not None}
+    assert len(placed) >= len(device_of) - 2  # all but the graph inputs
+    assert all(v == device_of[k] for k, v in placed.items())
+    assert set(out.plan.placement.values()) == {0, 1}

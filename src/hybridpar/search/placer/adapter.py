@@ -135,7 +135,7 @@ def placement_by_module(coarse: Graph, assignment: Sequence[int], fine: Graph | 
     """module name -> device, plus fine node name -> device for the nodes no module runs (a branch
     concat, a residual add) when `fine` is given, so the runtime runs them where the placer scheduled
     them rather than next to their first input. A parameterless module called from nodes on two
-    devices (a reused dropout) is left out: the runtime runs such calls next to their input."""
+    devices (a reused dropout) is left out as a module; its calls are then placed by node name."""
     out: dict[str, int] = {}
     clash: set[str] = set()
     for n, d in zip(coarse.nodes, assignment):
@@ -149,6 +149,7 @@ def placement_by_module(coarse: Graph, assignment: Sequence[int], fine: Graph | 
         for n, d in zip(coarse.nodes, assignment):
             for x in members(n):
                 fn = fine.by_name.get(x)
-                if fn is not None and fn.op != "input" and not fn.module:
+                # functionals, and calls of a module left out above (a dropout used on two devices)
+                if fn is not None and fn.op != "input" and (not fn.module or fn.module in clash):
                     out.setdefault(x, int(d))
     return out
