@@ -1,7 +1,7 @@
 """hybridpar: plan and run hybrid-parallel deep-learning training.
 
 Pipeline: model -> graph -> cost -> search -> Plan -> runtime.
-Heavy sub-packages are imported lazily so `import hybridpar` stays cheap.
+Heavy sub-packages (torch, solvers) are imported lazily so `import hybridpar` stays cheap.
 """
 
 from __future__ import annotations
@@ -10,12 +10,8 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "plan", "place"]
 
-
-def plan(*args, **kwargs):
-    """Per-layer decomposition planner; see :func:`hybridpar.search.planner.plan_model`."""
-    from hybridpar.search.planner import plan_model
-
-    return plan_model(*args, **kwargs)
+# `hybridpar.plan` is the Plan package, and callable: hybridpar.plan(...) runs the planner.
+from hybridpar import plan  # noqa: E402
 
 
 def place(*args, **kwargs):

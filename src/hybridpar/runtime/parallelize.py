@@ -217,3 +217,9 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     setattr(parent, leaf, new)
+
+
+# `hybridpar.runtime.parallelize` names this module once it is imported; keep it callable.
+from hybridpar._callable import make_module_callable  # noqa: E402
+
+make_module_callable(__name__, parallelize)
