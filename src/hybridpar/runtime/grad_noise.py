@@ -78,7 +78,9 @@ def _device_of(params: list[nn.Parameter]) -> torch.device:
 
 def _counted_params(engine, batch: int) -> tuple[int, list[nn.Parameter], str | None]:
     """(sample groups S, the parameters whose gradient pieces this rank counts, reason if n/a)."""
-    if hasattr(engine, "layout") and hasattr(engine, "partition"):  # MPEngine: each weight on one device
+    from hybridpar.runtime.mp.engine import MPEngine  # lazy: another package's engine
+
+    if isinstance(engine, MPEngine):  # each weight whole on one device of its replica
         groups = engine.layout.dp
         params = [p for p in engine.parameters() if p.numel()]
     else:
