@@ -109,3 +109,19 @@ def test_lstm2_mp_train_matches_serial(tmp_path, capsys, micro):
         err = ((saved[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)).item()
         assert err <= 1e-4, f"{k}: rel err {err:.2e}"
     assert [s["loss"] for s in report["steps"]] == pytest.approx(losses, rel=1e-4)
+
+
+def test_sequence_labels_follow_the_output(tmp_path):
+    """Logits [N, T, V] want labels [N, T]; a file with [N] labels is refused in one line."""
+    from hybridpar.errors import UserError
+    from hybridpar.graph.models import LoadedModel
+    from hybridpar.runtime.data import data_spec, load_dataset
+
+    lm = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))  # [N, T] -> [N, T, 50]
+    spec = data_spec(LoadedModel("lm", lm, (torch.zeros(1, 6, dtype=torch.long),), "seq", (6,)))
+    assert (spec.vocab, spec.num_classes, spec.label_shape) == (32, 50, (6,))  # no zoo vocab: the example ids'
+    ds = load_dataset("synthetic", (6,), num_classes=50, size=20, vocab=spec.vocab, label_shape=spec.label_shape)
+    assert ds.y.shape == (20, 6) and int(ds.x.max()) < 32
+    torch.save({"x": torch.zeros(4, 6, dtype=torch.long), "y": torch.zeros(4, dtype=torch.long)}, tmp_path / "d.pt")
+    with pytest.raises(UserError, match="2-D long"):
+        load_dataset(str(tmp_path / "d.pt"), (6,), vocab=32, label_shape=(6,))
