@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/hybridpar plan --model resnet50 --cluster dgx1-v100 --gpus 16 --batch 512
+	$(BIN)/hybridpar plan --model resnet50_w8 --cluster lassen --gpus 256 --batch 512
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
