@@ -8,10 +8,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "plan", "place"]
+__all__ = ["__version__", "place", "plan"]
 
 # `hybridpar.plan` is the Plan package, and callable: hybridpar.plan(...) runs the planner.
-from hybridpar import plan  # noqa: E402
+from hybridpar import plan
 
 
 def place(*args, **kwargs):

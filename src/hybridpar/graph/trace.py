@@ -231,6 +231,6 @@ def _export_records(module: nn.Module, inputs: tuple) -> list[OpRecord]:
 
 
 # `hybridpar.graph.trace` names this module once it is imported; keep it callable.
-from hybridpar._callable import make_module_callable  # noqa: E402
+from hybridpar._callable import make_module_callable
 
 make_module_callable(__name__, trace)

@@ -16,8 +16,16 @@ from hybridpar.plan.schema import (
 )
 from hybridpar.plan.strategy import Strategy, parse_strategy
 
-__all__ = ["SCHEMA_VERSION", "LayerLayout", "Plan", "Prediction", "Strategy", "load_plan",
-           "plan_from_dict", "parse_strategy"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "LayerLayout",
+    "Plan",
+    "Prediction",
+    "Strategy",
+    "load_plan",
+    "parse_strategy",
+    "plan_from_dict",
+]
 
 
 def _plan(*args, **kwargs):

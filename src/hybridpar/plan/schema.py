@@ -82,7 +82,7 @@ class Plan(_Frozen):
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Plan":
+    def _consistent(self) -> Plan:
         if self.dp * self.mp != self.world_size:
             raise ValueError(f"dp*mp = {self.dp}*{self.mp} != world_size {self.world_size}")
         per_worker = self.world_size // self.mp

@@ -220,6 +220,6 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 # `hybridpar.runtime.parallelize` names this module once it is imported; keep it callable.
-from hybridpar._callable import make_module_callable  # noqa: E402
+from hybridpar._callable import make_module_callable
 
 make_module_callable(__name__, parallelize)

@@ -14,9 +14,9 @@ def register(app: click.Group) -> None:
         """List the built-in models."""
         from hybridpar.graph.zoo import ZOO
 
-        rows = [dict(name=e.name, kind=e.kind, input_shape=list(e.input_shape),
-                     published_params=e.published_params, description=e.description,
-                     reference=e.reference) for e in sorted(ZOO.values(), key=lambda e: e.name)]
+        rows = [{"name": e.name, "kind": e.kind, "input_shape": list(e.input_shape),
+                     "published_params": e.published_params, "description": e.description,
+                     "reference": e.reference} for e in sorted(ZOO.values(), key=lambda e: e.name)]
         if json_:
             print_json(rows)
             return
