@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     plots = Path(os.environ.get("HYBRIDPAR_BENCH_PLOTS", ROOT / "docs" / "convergence_img"))
     plots.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as cache:
-        os.environ["HYBRIDPAR_CACHE_DIR"] = cache
+        os.environ["HYBRIDPAR_CACHE"] = cache
         projs, cold_s = sweep(args.placer_time_limit)
         _, warm_s = sweep(args.placer_time_limit)
 

@@ -1,8 +1,21 @@
 import os
+import shutil
+import tempfile
 
 # Ranks time-share 2 cores: one intra-op thread per process keeps timings sane.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch
+# Caches and calibration live in a fresh folder per test session, so a run here behaves like CI on a
+# new machine (cold graph/projection caches, no calibration file) and leaves the user's home alone.
+# Set in the environment so spawned ranks and CLI subprocesses see the same folder.
+_STATE = tempfile.mkdtemp(prefix="hybridpar-tests-")
+os.environ["HYBRIDPAR_CACHE"] = os.path.join(_STATE, "cache")
+os.environ["HYBRIDPAR_CALIBRATION"] = os.path.join(_STATE, "calibration.json")
+
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_STATE, ignore_errors=True)

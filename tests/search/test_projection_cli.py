@@ -9,7 +9,7 @@ from hybridpar.cli.main import main
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRIDPAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture

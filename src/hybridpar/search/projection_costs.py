@@ -40,8 +40,9 @@ def code_fingerprint() -> str:
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("HYBRIDPAR_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "hybridpar" / "projection"
+    """$HYBRIDPAR_CACHE/projection (default ~/.cache/hybridpar/projection), beside the graph cache."""
+    env = os.environ.get("HYBRIDPAR_CACHE")
+    return (Path(env) if env else Path.home() / ".cache" / "hybridpar") / "projection"
 
 
 class DiskCache:
