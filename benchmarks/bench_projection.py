@@ -42,7 +42,7 @@ def sweep(placer_time_limit: float) -> tuple[dict, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--placer-time-limit", type=float, default=5.0)
+    ap.add_argument("--placer-time-limit", type=float, default=3.0)
     args = ap.parse_args(argv)
     plots = Path(os.environ.get("HYBRIDPAR_BENCH_PLOTS", ROOT / "docs" / "convergence_img"))
     plots.mkdir(parents=True, exist_ok=True)

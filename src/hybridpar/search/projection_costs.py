@@ -79,7 +79,7 @@ class CostModelBackend:
     """`StepCosts` for a zoo model on a cluster preset (see hybridpar.search.projection)."""
 
     def __init__(self, model: str, cluster: str, *, dtype: str = "fp32", placer_solver: str = "ilp",
-                 placer_time_limit_s: float = 5.0, cf_max_gpus: int = 32, use_disk_cache: bool = True) -> None:
+                 placer_time_limit_s: float = 3.0, cf_max_gpus: int = 32, use_disk_cache: bool = True) -> None:
         from hybridpar.cluster import load_cluster
         from hybridpar.graph.zoo import ZOO
 

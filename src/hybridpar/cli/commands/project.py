@@ -28,7 +28,7 @@ def register(app: click.Group) -> None:
                   help="data-set size, for absolute times with a measured curve")
     @click.option("--mp", "mp_text", default="2,4,8", show_default=True, help="model-parallel degrees to try")
     @click.option("--placer", default="ilp", show_default=True, help="DLPlacer solver: ilp, dp, etf, greedy")
-    @click.option("--placer-time-limit", type=float, default=5.0, show_default=True, help="seconds per ILP solve")
+    @click.option("--placer-time-limit", type=float, default=3.0, show_default=True, help="seconds per ILP solve")
     @click.option("--cf-max-gpus", type=int, default=32, show_default=True,
                   help="plan channel/filter layouts (CNNs) up to this many GPUs")
     @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16", "bf16"]))
