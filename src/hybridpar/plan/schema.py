@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hybridpar.errors import UserError
+from hybridpar.jsonfile import read_json
 
 SCHEMA_VERSION = 1
 
@@ -137,16 +137,4 @@ def plan_from_dict(data: object) -> Plan:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise UserError(f"cannot read plan {path}: {err.strerror}") from None
-    except UnicodeDecodeError as err:
-        raise UserError(f"plan {path} is not UTF-8 text (byte {err.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise UserError(f"plan {path} is not valid JSON: line {err.lineno}: {err.msg}") from None
-    except RecursionError:
-        raise UserError(f"plan {path}: JSON nested too deeply") from None
-    return plan_from_dict(data)
+    return plan_from_dict(read_json(path, "plan"))

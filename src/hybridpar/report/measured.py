@@ -6,15 +6,14 @@ collective kind) and ignores the rest, so a newer train output still renders.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from statistics import median
 from typing import Any
 
 from hybridpar.errors import UserError
+from hybridpar.jsonfile import read_json
 
 _TIME_KEYS = ("step_time_s", "time_s", "seconds", "wall_s")
 _LOSS_KEYS = ("loss",)
@@ -90,14 +89,4 @@ def measured_from_dict(data: object, source: str = "<dict>") -> Measured:
 
 
 def load_measured(path: str | os.PathLike) -> Measured:
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise UserError(f"cannot read measured run {path}: {err.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise UserError(f"measured run {path} is not valid JSON: line {err.lineno}: {err.msg}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"measured run {path} is not UTF-8 text") from None
-    return measured_from_dict(data, str(path))
+    return measured_from_dict(read_json(path, "measured run"), str(path))
