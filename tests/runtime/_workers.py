@@ -29,6 +29,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
+def train_side_by_side(eng, ref: nn.Module, batches, lr: float, momentum: float = 0.0) -> float:
+    """SGD the distributed engine and the serial reference on the same (x, y) batches; the max
+    relative error of the gathered weights against the reference (0 on ranks other than 0)."""
+    import torch.nn.functional as F
+
+    opt = torch.optim.SGD(eng.parameters(), lr=lr, momentum=momentum)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
+    for x, y in batches:
+        eng.train_step(*eng.local_batch(x, y))
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = eng.full_state_dict()
+    if full is None:
+        return 0.0
+    return max(_rel(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
+
+
 
 def build_case(case: dict) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(case["seed"])
@@ -112,7 +132,6 @@ def comm_and_memory(strategies: list[str], batch: int = 8, shape=(4, 16, 16)) ->
 def mixed_plan(layers: dict[str, str], default: str, steps: int = 3, batch: int = 8, shape=(3, 16, 16)) -> list:
     """Train small_resnet with per-layer layouts for `steps` SGD steps; per rank: max relative error of
     the gathered weights against serial SGD, and measured vs modelled bytes of the last step."""
-    import torch.nn.functional as F
 
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
     from hybridpar.graph.trace import trace
@@ -128,21 +147,10 @@ def mixed_plan(layers: dict[str, str], default: str, steps: int = 3, batch: int 
     ref = small_resnet(width=8)
     graph = trace(copy.deepcopy(ref), torch.randn(batch, *shape))
     eng = ChannelFilterEngine(copy.deepcopy(ref), plan)
-    opt = torch.optim.SGD(eng.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x, y = torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
-        eng.train_step(*eng.local_batch(x, y))
-        opt.step()
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    full = eng.full_state_dict()
-    err = 0.0
-    if full is not None:
-        err = max(_rel(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
+    batches = [(torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g))
+               for _ in range(steps)]
+    err = train_side_by_side(eng, ref, batches, lr=0.05, momentum=0.9)
     mine = {"rank": dist.get_rank(), "err": err, "measured": eng.comm_log.step_bytes_by_kind(),
             "model": bytes_by_kind(model_collectives(graph, plan, rank=dist.get_rank()))}
     got = [None] * world
@@ -170,7 +178,6 @@ class CatNet(nn.Module):
 
 def concat_model(strategies: list[str], steps: int = 2, batch: int = 8) -> list:
     """Per strategy and rank: weight error vs serial SGD, measured vs modelled bytes."""
-    import torch.nn.functional as F
 
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
     from hybridpar.graph.trace import trace
@@ -182,20 +189,10 @@ def concat_model(strategies: list[str], steps: int = 2, batch: int = 8) -> list:
         ref = CatNet()
         graph = trace(copy.deepcopy(ref), torch.randn(batch, 3, 8, 8))
         eng = ChannelFilterEngine(copy.deepcopy(ref), strategy, grid=grid_for(strategy))
-        opt, ref_opt = torch.optim.SGD(eng.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
-        for _ in range(steps):
-            x, y = torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
-            eng.train_step(*eng.local_batch(x, y))
-            opt.step()
-            opt.zero_grad()
-            F.cross_entropy(ref(x), y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        full = eng.full_state_dict()
-        err = 0.0
-        if full is not None:
-            err = max(_rel(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
+        batches = [(torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g))
+                   for _ in range(steps)]
+        err = train_side_by_side(eng, ref, batches, lr=0.1)
         lay = as_layouts(strategy, dist.get_world_size()).default
         mine = {"strategy": strategy, "rank": dist.get_rank(), "err": err,
                 "measured": eng.comm_log.step_bytes_by_kind(),

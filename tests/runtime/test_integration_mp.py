@@ -12,6 +12,8 @@ from hybridpar.cli.main import main
 from hybridpar.graph.models import load_model
 from hybridpar.plan import LayerLayout, Plan
 
+from .test_mp_cli import serial_sgd
+
 STEPS, BATCH, LR, MOMENTUM = 3, 8, 0.1, 0.9
 
 
@@ -66,16 +68,7 @@ def test_synthetic_tokens_fit_the_model():
 
 
 def _serial(model, data):
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    losses = []
-    for i in range(STEPS):
-        x, y = data["x"][i * BATCH:(i + 1) * BATCH], data["y"][i * BATCH:(i + 1) * BATCH]
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return serial_sgd(model, data, steps=STEPS, batch=BATCH, lr=LR, momentum=MOMENTUM)
 
 
 @pytest.mark.slow

@@ -14,6 +14,21 @@ from hybridpar.graph.models import load_model
 STEPS, BATCH, LR, MOMENTUM = 5, 8, 0.05, 0.9
 
 
+def serial_sgd(model, data, *, steps: int, batch: int, lr: float, momentum: float) -> list[float]:
+    """Plain single-process SGD over data["x"/"y"] in file order (the --no-shuffle contract);
+    the per-step losses. The reference every MP train test compares --save against."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    losses = []
+    for i in range(steps):
+        x, y = data["x"][i * batch:(i + 1) * batch], data["y"][i * batch:(i + 1) * batch]
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_hybrid_strategy_matches_serial(tmp_path, capsys):
@@ -34,15 +49,7 @@ def test_train_hybrid_strategy_matches_serial(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert len(report["steps"]) == STEPS
 
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    losses = []
-    for i in range(STEPS):
-        x, y = data["x"][i * BATCH:(i + 1) * BATCH], data["y"][i * BATCH:(i + 1) * BATCH]
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = serial_sgd(model, data, steps=STEPS, batch=BATCH, lr=LR, momentum=MOMENTUM)
     saved = torch.load(tmp_path / "out.pt", weights_only=True)
     ref = model.state_dict()
     assert saved.keys() == ref.keys()
