@@ -119,6 +119,7 @@ def comm_and_memory(strategies: list[str], batch: int = 8, shape=(4, 16, 16)) ->
         lay = as_layouts(strategy, dist.get_world_size()).default
         mine = {"strategy": strategy, "rank": dist.get_rank(),
                 "measured": eng.comm_log.step_bytes_by_kind(),
+                "seconds": eng.comm_log.step_seconds_by_kind(),
                 "model": bytes_by_kind(model_collectives(graph, lay, position=eng.grid.g)),
                 "param_bytes": eng.param_bytes_by_type(), "param_bytes_before": before,
                 "serial_conv_bytes": sum(p.numel() * 4 for m in small_resnet(in_channels=shape[0], width=8).modules()

@@ -1,5 +1,5 @@
-"""Measured communication equals the cost model's, per collective kind; channel=P stores 1/P of the
-conv weights per rank."""
+"""Measured communication equals the cost model's, per collective kind, and every collective is timed;
+channel=P stores 1/P of the conv weights per rank."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def test_measured_bytes_equal_model(rows, strategy):
     for r in mine:
         assert r["measured"] == r["model"], r
         assert r["measured"], "every layout here communicates"
+        # every collective of the step was timed (what `train --json` reports as comm_s)
+        assert set(r["seconds"]) == set(r["measured"]) and all(t > 0 for t in r["seconds"].values())
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ All ranks sit on one node. Figures come from the calibration file when there is 
 `hybridpar profile`), else from the conservative defaults in presets/localhost.yaml (labelled there as
 approximations). With more ranks than cores the ranks time-share the cores: compute stretches by
 ranks/cores (DeviceSpec.time_share), and the gloo alpha/beta are taken from the calibrated world
-size nearest to the rank count, scaled by the ratio of the two oversubscription factors.
+size nearest to the rank count, scaled by the ratio of the two oversubscription factors; so are the
+per-kind collective times (allreduce, allgather, reduce-scatter, all-to-all per group size), which
+the cost model takes over the link model wherever they cover a collective.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 
 from hybridpar.cluster.loader import build_cluster
-from hybridpar.cluster.model import Cluster
+from hybridpar.cluster.model import Cluster, MeasuredCollective
 from hybridpar.cluster.spec import ClusterFile
 from hybridpar.profile.calibration import Calibration, default_calibration_path, load_calibration
 
@@ -62,11 +64,28 @@ def localhost_cluster(spec: ClusterFile, ranks: int | None, calibration: str | o
             intra = intra.model_copy(update={"link_latency_s": alpha, "link_bw_Bps": 1.0 / beta})
             for key in ("intra.link_latency_s", "intra.link_bw_Bps"):
                 sources[key] = f"fitted to gloo allreduce runs by `hybridpar profile` ({where})"
+        measured = _measured_collectives(cal, ranks, cores)
+        if measured:
+            sources["measured_collectives"] = f"gloo collectives per kind timed by `hybridpar profile` ({where})"
         notes.append(f"calibrated from {where}")
     else:
+        measured = ()
         notes.append("no calibration file: built-in approximate figures (run `hybridpar profile`)")
     return base.model_copy(update={"device": device, "intra": intra, "ranks_share_cores": True,
+                                   "measured_collectives": measured,
                                    "cores": cores, "sources": sources, "notes": tuple(notes)})
+
+
+def _measured_collectives(cal: Calibration, ranks: int, cores: int) -> tuple[MeasuredCollective, ...]:
+    """Per kind and group size, the fits measured at the world size nearest to `ranks`, scaled like
+    the link figures (_gloo_alpha_beta) when that world size is not `ranks`."""
+    out = []
+    for fit in cal.collective_fits(ranks):
+        stretch = oversubscription(ranks, cal.cpu_count) / oversubscription(fit.world_size, cal.cpu_count)
+        out.append(MeasuredCollective(kind=fit.kind, group_size=fit.group_size,
+                                      intercept_s=fit.intercept_s * stretch,
+                                      slope_s_per_byte=fit.slope_s_per_byte * stretch))
+    return tuple(out)
 
 
 def _gloo_alpha_beta(cal: Calibration, ranks: int, cores: int) -> tuple[float | None, float | None]:

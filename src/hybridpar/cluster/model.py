@@ -54,6 +54,20 @@ class InterNode(_Frozen):
     latency_s: float
 
 
+class MeasuredCollective(_Frozen):
+    """A measured collective time, T(n) = intercept + slope * n for n bytes (the runtime's byte
+    convention), in groups of `group_size` ranks with every such group running at once. Where a
+    cluster has one for a kind and group size, the cost model takes it over the link model."""
+
+    kind: str
+    group_size: int
+    intercept_s: float
+    slope_s_per_byte: float
+
+    def time_s(self, bytes_: float) -> float:
+        return self.intercept_s + self.slope_s_per_byte * bytes_
+
+
 @dataclass(frozen=True)
 class Route:
     links: tuple[str, ...]
@@ -75,8 +89,12 @@ class Cluster(_Frozen):
     ranks_share_cores: bool = False
     cores: int | None = None
     max_nodes: int | None = None
+    measured_collectives: tuple[MeasuredCollective, ...] = ()  # localhost: from `hybridpar profile`
     sources: dict[str, str] = {}
     notes: tuple[str, ...] = ()
+
+    def measured_collective(self, kind: str, group_size: int) -> MeasuredCollective | None:
+        return next((m for m in self.measured_collectives if m.kind == kind and m.group_size == group_size), None)
 
     # -- placement of devices ------------------------------------------------------------------
     def node_of(self, dev: int) -> int:

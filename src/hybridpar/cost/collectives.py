@@ -291,6 +291,15 @@ def _phases_time(phases, n: float) -> float:
     return sum(_phase_time(ph, n) for ph in phases)
 
 
+def _measured(kind: str, bytes_: float, groups: Sequence[Sequence[int]], cluster: Cluster) -> float | None:
+    """The cluster's measured time of `kind` in groups of this size (localhost), if it has one."""
+    if not cluster.measured_collectives:
+        return None
+    sizes = {len(g) for g in groups}
+    fit = cluster.measured_collective(kind, sizes.pop()) if len(sizes) == 1 else None
+    return None if fit is None else fit.time_s(bytes_)
+
+
 def allreduce_time(bytes_: float, ranks: Sequence[int], cluster: Cluster, algo: Algo = "auto") -> float:
     """Seconds for an allreduce of `bytes_` among `ranks` (algo ring/tree/hierarchical; auto = fastest)."""
     return concurrent_allreduce_time(bytes_, [ranks], cluster, algo=algo)
@@ -320,6 +329,8 @@ def concurrent_allreduce_time(bytes_: float, groups: Sequence[Sequence[int]], cl
         seen |= set(g)
     if all(len(g) <= 1 for g in key) or bytes_ <= 0:
         return 0.0
+    if algo == "auto" and (t := _measured("allreduce", bytes_, key, cluster)) is not None:
+        return t
     names = _candidates(key) if algo == "auto" else [algo]
     if algo == "tree" and len(key) > 1:
         raise ValueError("tree allreduce is modelled for a single group only")
@@ -368,6 +379,8 @@ def concurrent_collective_time(kind: str, bytes_: float, groups: Sequence[Sequen
         return max(collective_time(kind, bytes_, g, cluster) for g in key)
     if kind not in _STEPS:
         raise ValueError(f"unknown collective kind {kind!r}")
+    if (t := _measured(kind, bytes_, key, cluster)) is not None:
+        return t
     parts = _cached(("rc", cluster.cache_key, key, kind),
                     lambda: _rings_phase([ring_order(g, cluster) for g in key], kind, 1.0, cluster))
     return _phase_time(parts, bytes_) + _base(cluster, key)
@@ -411,6 +424,9 @@ def alltoall_time(bytes_: float, ranks: Sequence[int], cluster: Cluster) -> floa
     p = len(g)
     if p <= 1 or bytes_ <= 0:
         return 0.0
+    # measured in the runtime's convention: what a rank sends to the others, (p-1)/p of its buffer
+    if (t := _measured("alltoall", bytes_ * (p - 1) / p, key, cluster)) is not None:
+        return t
 
     def make() -> _Affine:
         steps = [_step([(g[j], g[(j + i) % p], 1.0 / p) for j in range(p)], cluster) for i in range(1, p)]

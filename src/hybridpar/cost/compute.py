@@ -152,16 +152,16 @@ def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample
     return OpTime(fwd, bwd_data, bwd_weight)
 
 
-def _lookup(cal: Calibration, node: Node, loc: LocalShapes) -> tuple[OpRecord, float] | None:
+def _lookup(cal: Calibration, op: str, loc: LocalShapes) -> tuple[OpRecord, float] | None:
     """Exact local-shape match, else the same op and per-sample shapes at another batch size
     (time scaled linearly in the batch)."""
-    rec = cal.ops.get(loc.key(node.op))
+    rec = cal.ops.get(loc.key(op))
     if rec is not None:
         return rec, 1.0
     if not loc.x or not loc.y:
         return None
     for other in cal.ops.values():
-        if other.op != node.op:
+        if other.op != op:
             continue
         parts = dict(p.split("=", 1) for p in other.key.split("|")[1:])
         ox, oy = parts["x"].split("x"), parts["y"].split("x")
@@ -173,24 +173,28 @@ def _lookup(cal: Calibration, node: Node, loc: LocalShapes) -> tuple[OpRecord, f
 
 def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sample_frac: float = 1.0,
             channel_frac: float = 1.0, filter_frac: float = 1.0,
-            calibration: Calibration | str | os.PathLike | None = None) -> OpTime:
+            calibration: Calibration | str | os.PathLike | None = None, variant: str | None = None) -> OpTime:
     """Forward / backward-data / backward-weight seconds of `node` on one device at its local shape.
 
     A measured time from the calibration table is used when the table was measured on this device
     (`calibration` None: the default calibration file, for CPU devices); measured times are
-    single-threaded per rank, so they stretch by `device.time_share` when ranks share cores."""
+    single-threaded per rank, so they stretch by `device.time_share` when ranks share cores.
+    `variant` names the table entry of how the runtime runs this op here, when that differs from the
+    plain op (e.g. "batchnorm_global": batch norm with statistics over several sample groups);
+    without a measurement of the variant, the plain op's is used."""
     dev = device.device if isinstance(device, Cluster) else device
     cal = calibration if isinstance(calibration, Calibration) else None
     if cal is None and (calibration is not None or dev.kind == "cpu"):
         cal = load_calibration(calibration)
     if cal is not None and cal.device_name == dev.name and dtype == "fp32" and node.op not in _FREE:
         loc = local_shapes(node, sample_frac, channel_frac, filter_frac)
-        hit = _lookup(cal, node, loc)
+        hit = (_lookup(cal, variant, loc) if variant else None) or _lookup(cal, node.op, loc)
         if hit is not None:
             rec, scale = hit
             k = scale * dev.time_share
             bw = rec.bwd_weight.median_s * k if rec.bwd_weight is not None else 0.0
-            bd = 0.0 if node.bwd_data_flops == 0 else rec.bwd_data.median_s * k  # first layer: no dx
+            first = node.op in _MATMUL and node.bwd_data_flops == 0  # first layer: autograd skips dx
+            bd = 0.0 if first else rec.bwd_data.median_s * k
             return OpTime(rec.fwd.median_s * k, bd, bw,
                           "measured" if scale == 1.0 else "measured-scaled")
     return roofline_time(node, dev, dtype=dtype, sample_frac=sample_frac, channel_frac=channel_frac,

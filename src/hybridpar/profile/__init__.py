@@ -1,4 +1,4 @@
-"""hybridpar.profile: measure this machine (op times, matmul peak, gloo alpha/beta) and write the
+"""hybridpar.profile: measure this machine (op times, matmul peak, gloo collectives) and write the
 calibration file that the `localhost` cluster and `hybridpar.cost.compute.op_time` read.
 
 Importing this package does not import torch; the measuring modules (ops, gloo, run) do.
@@ -6,6 +6,7 @@ Importing this package does not import torch; the measuring modules (ops, gloo, 
 
 from hybridpar.profile.calibration import (
                                            Calibration,
+                                           CollectiveFit,
                                            GlooFit,
                                            Measurement,
                                            OpRecord,
@@ -15,5 +16,5 @@ from hybridpar.profile.calibration import (
                                            save_calibration,
 )
 
-__all__ = ["Calibration", "GlooFit", "Measurement", "OpRecord", "default_calibration_path",
+__all__ = ["Calibration", "CollectiveFit", "GlooFit", "Measurement", "OpRecord", "default_calibration_path",
            "load_calibration", "op_key", "save_calibration"]

@@ -54,6 +54,24 @@ class GlooFit(_Model):
         return self.intercept_s + self.slope_s_per_byte * bytes_
 
 
+class CollectiveFit(_Model):
+    """T(n) = intercept + slope * n of one collective kind, in groups of `group_size` ranks (all
+    world_size / group_size groups at once), measured in a world of `world_size` ranks. n in the
+    runtime's byte convention (hybridpar.runtime.comm_log)."""
+
+    kind: str
+    world_size: int = Field(ge=2)
+    group_size: int = Field(ge=2)
+    intercept_s: float = Field(ge=0)
+    slope_s_per_byte: float = Field(ge=0)
+    sizes_bytes: list[int]
+    times: list[Measurement]
+    max_rel_residual: float = Field(ge=0)
+
+    def predict_s(self, bytes_: float) -> float:
+        return self.intercept_s + self.slope_s_per_byte * bytes_
+
+
 class OpRecord(_Model):
     """Measured times of one op at one local shape (see `op_key`)."""
 
@@ -76,6 +94,7 @@ class Calibration(_Model):
     matmul: Measurement | None = None
     mem_bw_Bps: float = Field(gt=0)  # measured copy bandwidth (read + write bytes / time)
     gloo: dict[int, GlooFit] = {}
+    collectives: list[CollectiveFit] = []  # per kind and group size, per world size
     ops: dict[str, OpRecord] = {}
 
     def gloo_fit(self, world_size: int) -> GlooFit | None:
@@ -85,6 +104,14 @@ class Calibration(_Model):
         if world_size in self.gloo:
             return self.gloo[world_size]
         return self.gloo[min(self.gloo, key=lambda p: (abs(p - world_size), p))]
+
+    def collective_fits(self, world_size: int) -> list[CollectiveFit]:
+        """The per-kind fits measured at `world_size`, else at the measured world size nearest to it."""
+        worlds = {f.world_size for f in self.collectives}
+        if not worlds:
+            return []
+        w = world_size if world_size in worlds else min(worlds, key=lambda p: (abs(p - world_size), p))
+        return [f for f in self.collectives if f.world_size == w]
 
 
 def op_key(op: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...] | None,

@@ -1,12 +1,20 @@
-"""One rank of the gloo allreduce benchmark (run as `python -m hybridpar.profile.gloo_worker ...`).
+"""One rank of the gloo collectives benchmark (run as `python -m hybridpar.profile.gloo_worker ...`).
 
 What is timed is what a training step pays for a collective: each repeat runs K iterations of
-(a slice of compute, then the allreduce) and K iterations of the compute alone, and the sample is the
+(a slice of compute, then the collective) and K iterations of the compute alone, and the sample is the
 difference per iteration. Timing an allreduce right after a barrier, with every rank already
 waiting in it, measured about a third of that on this machine (2 ranks, 4 KiB: 0.5 ms after a barrier,
 1.2-1.7 ms between compute), and the validation against real training runs under-predicted every
-layout by that much per collective. The per-repeat sample is the maximum over ranks (the collective
-is done when the last rank is done). Rank 0 writes the samples as JSON.
+layout by that much per collective.
+
+Every kind is timed through the runtime's own functions (hybridpar.runtime.collectives), copies and
+padding included, in groups of each requested size: the world split into consecutive blocks, all
+blocks running at once, as a layer's channel or replica groups do. Measured per kind because gloo's
+kinds differ far more than a ring model says (at 4 ranks its list-based reduce-scatter took 3x an
+allreduce of the same buffer). Sizes follow hybridpar.runtime.comm_log's byte convention (allreduce:
+the buffer; allgather: the gathered result; reduce_scatter: the input; alltoall: what a rank sends to
+the others). The per-repeat sample is the maximum over ranks (the collective is done when the last
+rank is done). Rank 0 writes the samples as JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +25,53 @@ import os
 import time
 from datetime import timedelta
 
+KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall")
+
+
+def _groups(world: int, size: int, rank: int):
+    """Consecutive blocks of `size` ranks; every rank creates every group (torch requires it)."""
+    import torch.distributed as dist
+
+    from hybridpar.runtime.grid import Group
+
+    mine = None
+    for start in range(0, world, size):
+        ranks = tuple(range(start, start + size))
+        pg = dist.new_group(list(ranks)) if size < world else dist.group.WORLD
+        if rank in ranks:
+            mine = Group(ranks, pg, ranks.index(rank))
+    return mine
+
+
+def _collective(kind: str, nbytes: int, group):
+    """A closure issuing one `kind` of `nbytes` (CommLog convention) on `group`, as the runtime does."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.runtime.collectives import all_gather_dim, all_reduce_, reduce_scatter_dim
+    from hybridpar.runtime.comm_log import CommLog
+
+    g = group.size
+    log = CommLog()
+    rows = 8  # a [rows, cols] activation split along dim 1, like a channel split
+    if kind == "allreduce":
+        buf = torch.ones(max(1, nbytes // 4))
+        return lambda: all_reduce_(buf, group, log)
+    if kind == "allgather":
+        cols = max(1, nbytes // 4 // rows // g)
+        piece = torch.ones(rows, cols)
+        return lambda: all_gather_dim(piece, 1, group, [cols] * g, log)
+    if kind == "reduce_scatter":
+        cols = max(1, nbytes // 4 // rows // g)
+        full = torch.ones(rows, cols * g)
+        return lambda: reduce_scatter_dim(full, 1, group, [cols] * g, log)
+    if kind == "alltoall":
+        per_peer = max(1, nbytes // 4 // (g - 1))
+        send = torch.ones(per_peer * g)
+        recv = torch.empty_like(send)
+        return lambda: dist.all_to_all_single(recv, send, group=group.pg)
+    raise ValueError(f"unknown collective kind {kind!r}")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -24,6 +79,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--sizes", required=True, help="comma-separated bytes")
+    ap.add_argument("--kinds", default="allreduce", help=f"comma-separated, of {', '.join(KINDS)}")
+    ap.add_argument("--group-sizes", default="", help="comma-separated divisors of the world (default: the world)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", required=True)
@@ -38,10 +95,9 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world, timeout=timedelta(seconds=args.timeout))
     sizes = [int(s) for s in args.sizes.split(",")]
-    # The first collectives of a new group pay for connection set-up: run some before timing anything.
-    warm = torch.ones(1024)
-    for _ in range(10):
-        dist.all_reduce(warm)
+    kinds = [k for k in args.kinds.split(",") if k]
+    group_sizes = [int(g) for g in args.group_sizes.split(",") if g] or [args.world]
+    groups = {g: _groups(args.world, g, args.rank) for g in group_sizes}
     # ~0.5 ms of single-thread compute between collectives, as between a training step's layers.
     mat = torch.randn(128, 128)
 
@@ -49,34 +105,44 @@ def main() -> None:
         for _ in range(8):
             torch.mm(mat, mat)
 
-    def loop(k: int, buf: torch.Tensor | None) -> float:
+    def loop(k: int, fn) -> float:
         t0 = time.perf_counter()
         for _ in range(k):
             compute()
-            if buf is not None:
-                dist.all_reduce(buf)
+            if fn is not None:
+                fn()
         return time.perf_counter() - t0
 
     k = 4
-    samples: list[list[float]] = []
-    for size in sizes:
-        buf = torch.ones(max(1, size // 4), dtype=torch.float32)
-        for _ in range(args.warmup):
-            dist.all_reduce(buf)
-        times = []
-        for _ in range(args.repeats):
-            dist.barrier()
-            alone = loop(k, None)
-            with_comm = loop(k, buf)
-            # Noise can make the difference tiny or negative; a collective never costs less than 1 us.
-            times.append(max(1e-6, (with_comm - alone) / k))
-        samples.append(times)
+    keys, samples = [], []
+    for g, group in groups.items():
+        for kind in kinds:
+            # The first collectives of a new group pay for connection set-up: run some before timing.
+            warm = _collective(kind, 4096, group)
+            for _ in range(5):
+                warm()
+            for size in sizes:
+                fn = _collective(kind, size, group)
+                for _ in range(args.warmup):
+                    fn()
+                times = []
+                for _ in range(args.repeats):
+                    dist.barrier()
+                    alone = loop(k, None)
+                    with_comm = loop(k, fn)
+                    # Noise can make the difference tiny or negative; a collective never costs < 1 us.
+                    times.append(max(1e-6, (with_comm - alone) / k))
+                samples.append(times)
+            keys.append(f"{kind}/{g}")
     worst = torch.tensor(samples, dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if args.rank == 0:
+        rows = worst.tolist()
+        per = len(sizes)
         tmp = args.out + ".tmp"
         with open(tmp, "w") as fh:
-            json.dump({"world": args.world, "sizes": sizes, "samples": worst.tolist()}, fh)
+            json.dump({"world": args.world, "sizes": sizes,
+                       "samples": {key: rows[i * per:(i + 1) * per] for i, key in enumerate(keys)}}, fh)
         os.replace(tmp, args.out)
     dist.destroy_process_group()
 

@@ -1,8 +1,12 @@
 """Measure op times (forward, backward-data, backward-weight) at the local shapes a model needs.
 
-The shapes come from the model's own Conv2d/Linear modules (forward hooks on one forward pass), so
-any nn.Module works; keys are the cost model's (`hybridpar.cost.compute.local_shapes`), so what is
-measured here is what `op_time` looks up.
+The shapes come from the model's own modules (forward hooks on one forward pass: Conv2d, Linear,
+BatchNorm2d, ReLU and the 2-d poolings), so any nn.Module works; keys are the cost model's
+(`hybridpar.cost.compute.local_shapes`), so what is measured here is what `op_time` looks up.
+Batch norm is measured twice: as nn.BatchNorm2d ("batchnorm": local statistics, or one sample
+group) and as the runtime's global-statistics function without its two allreduces
+("batchnorm_global": what a rank computes when samples are split). The poolings and batch norm were
+2-4x off the roofline on this CPU (max-pool 4x slower), which is why they are measured, not modelled.
 """
 
 from __future__ import annotations
@@ -22,25 +26,32 @@ from hybridpar.profile.timing import measure, summarize
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One conv2d/linear at a (local) shape, with what is needed to run it."""
+    """One op at a (local) shape, with what is needed to run it."""
 
-    op: str  # "conv2d" | "linear"
+    op: str  # "conv2d" | "linear" | "batchnorm" | "batchnorm_global" | "relu" | "maxpool" | "avgpool" | "adaptive_avgpool"
     x: tuple[int, ...]
-    w: tuple[int, ...]
+    w: tuple[int, ...] | None
     y: tuple[int, ...]
     bias: bool = False
     stride: tuple[int, int] = (1, 1)
     padding: tuple[int, int] = (0, 0)
     dilation: tuple[int, int] = (1, 1)
     groups: int = 1
+    kernel: tuple[int, int] = (1, 1)  # poolings
+    ceil_mode: bool = False
 
     def node(self) -> Node:
-        return Node(name="op", op=self.op, in_shapes=(self.x,), out_shape=self.y,
-                    param_shapes=(("weight", self.w),))
+        op = "batchnorm" if self.op == "batchnorm_global" else self.op
+        params = (("weight", self.w),) if self.w else ()
+        return Node(name="op", op=op, in_shapes=(self.x,), out_shape=self.y, param_shapes=params)
 
     @property
     def key(self) -> str:
         return local_shapes(self.node()).key(self.op)
+
+    @property
+    def has_weight(self) -> bool:
+        return self.op in _WEIGHTED
 
     def local(self, sample_frac: float = 1.0, channel_frac: float = 1.0, filter_frac: float = 1.0) -> OpSpec:
         """This op at the local shape of a sample/channel/filter split (same rule as the cost model)."""
@@ -48,23 +59,48 @@ class OpSpec:
         return replace(self, x=loc.x, w=loc.w or self.w, y=loc.y)
 
 
+_WEIGHTED = {"conv2d", "linear", "batchnorm", "batchnorm_global"}
+_MODULES = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
+
+
+def _pair(v) -> tuple[int, int]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (int(v), int(v))
+
+
+def _specs_of(mod: nn.Module, x: tuple[int, ...], y: tuple[int, ...]) -> list[OpSpec]:
+    if isinstance(mod, nn.Conv2d):
+        if not isinstance(mod.padding, tuple):
+            return []  # padding="same"/"valid" strings: shape-equivalent specs not derivable here
+        return [OpSpec("conv2d", x, tuple(mod.weight.shape), y, mod.bias is not None, tuple(mod.stride),
+                       tuple(mod.padding), tuple(mod.dilation), mod.groups)]
+    if isinstance(mod, nn.Linear):
+        return [OpSpec("linear", x, tuple(mod.weight.shape), y, mod.bias is not None)]
+    if isinstance(mod, nn.BatchNorm2d):
+        w = (x[1],) if mod.affine else None
+        return [OpSpec("batchnorm", x, w, y), OpSpec("batchnorm_global", x, w, y)]
+    if isinstance(mod, nn.ReLU):
+        return [OpSpec("relu", x, None, y)]
+    if isinstance(mod, (nn.MaxPool2d, nn.AvgPool2d)):
+        if isinstance(mod, nn.MaxPool2d) and _pair(mod.dilation) != (1, 1):
+            return []
+        return [OpSpec("maxpool" if isinstance(mod, nn.MaxPool2d) else "avgpool", x, None, y,
+                       stride=_pair(mod.stride or mod.kernel_size), padding=_pair(mod.padding),
+                       kernel=_pair(mod.kernel_size), ceil_mode=bool(mod.ceil_mode))]
+    return [OpSpec("adaptive_avgpool", x, None, y)]
+
+
 def collect_op_specs(module: nn.Module, example_inputs: tuple) -> list[OpSpec]:
-    """Conv2d and Linear shapes seen in one forward pass of `module` (deduplicated, in order)."""
+    """The shapes of the ops `op_time` can look up, seen in one forward pass of `module`
+    (deduplicated, in order)."""
     found: dict[tuple, OpSpec] = {}
 
     def hook(mod: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        x = tuple(inputs[0].shape)
-        y = tuple(output.shape)
-        if isinstance(mod, nn.Conv2d):
-            if not isinstance(mod.padding, tuple):
-                return  # padding="same"/"valid" strings: shape-equivalent specs not derivable here
-            spec = OpSpec("conv2d", x, tuple(mod.weight.shape), y, mod.bias is not None, tuple(mod.stride),
-                          tuple(mod.padding), tuple(mod.dilation), mod.groups)
-        else:
-            spec = OpSpec("linear", x, tuple(mod.weight.shape), y, mod.bias is not None)
-        found.setdefault((spec.key, spec.stride, spec.padding, spec.dilation, spec.groups), spec)
+        if not isinstance(output, torch.Tensor) or not inputs or not isinstance(inputs[0], torch.Tensor):
+            return
+        for spec in _specs_of(mod, tuple(inputs[0].shape), tuple(output.shape)):
+            found.setdefault((spec.key, spec.stride, spec.padding, spec.dilation, spec.groups, spec.kernel), spec)
 
-    handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, _MODULES)]
     try:
         with torch.no_grad():
             module(*example_inputs)
@@ -89,10 +125,32 @@ def split_variants(specs: list[OpSpec], splits: tuple[int, ...]) -> list[OpSpec]
     return list(out.values())
 
 
-def _forward(spec: OpSpec, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _forward(spec: OpSpec, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
     if spec.op == "conv2d":
         return F.conv2d(x, w, b, spec.stride, spec.padding, spec.dilation, spec.groups)
-    return F.linear(x, w, b)
+    if spec.op == "linear":
+        return F.linear(x, w, b)
+    if spec.op == "batchnorm":
+        return F.batch_norm(x, None, None, w, b, True, 0.1, 1e-5)
+    if spec.op == "batchnorm_global":
+        return _global_bn(x, w, b)
+    if spec.op == "relu":
+        return F.relu(x)
+    if spec.op == "maxpool":
+        return F.max_pool2d(x, spec.kernel, spec.stride, spec.padding, ceil_mode=spec.ceil_mode)
+    if spec.op == "avgpool":
+        return F.avg_pool2d(x, spec.kernel, spec.stride, spec.padding, ceil_mode=spec.ceil_mode)
+    return F.adaptive_avg_pool2d(x, spec.y[2:])
+
+
+def _global_bn(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    """The runtime's global-statistics batch norm on a one-rank group: its local work, no allreduce."""
+    from hybridpar.runtime.comm_log import CommLog
+    from hybridpar.runtime.grid import Group
+    from hybridpar.runtime.norm import GlobalBatchNormFunction, NormComm
+
+    comm = NormComm(Group((0,), None, 0), CommLog(), "profile")
+    return GlobalBatchNormFunction.apply(x, w, b, 1e-5, comm, x.new_zeros(x.shape[1]))[0]
 
 
 def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
@@ -100,25 +158,35 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     timed in turn within each repeat, so a burst of load from elsewhere hits all three alike."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(spec.x, generator=g).requires_grad_(True)
-    w = torch.randn(spec.w, generator=g).requires_grad_(True)
-    b = torch.randn(spec.w[0], generator=g).requires_grad_(True) if spec.bias else None
+    w = b = None
+    if spec.op in ("batchnorm", "batchnorm_global"):
+        if spec.w is not None:  # affine, over this rank's channels
+            w = torch.randn(spec.x[1], generator=g).requires_grad_(True)
+            b = torch.randn(spec.x[1], generator=g).requires_grad_(True)
+    elif spec.has_weight:
+        w = torch.randn(spec.w, generator=g).requires_grad_(True)
+        b = torch.randn(spec.w[0], generator=g).requires_grad_(True) if spec.bias else None
     y = _forward(spec, x, w, b)
     dy = torch.randn(y.shape, generator=g)
-    wrt = (w, b) if b is not None else (w,)
-    passes = (lambda: _forward(spec, x, w, b),
-              lambda: torch.autograd.grad(y, x, dy, retain_graph=True),
-              lambda: torch.autograd.grad(y, wrt, dy, retain_graph=True))
+    wrt = tuple(t for t in (w, b) if t is not None)
+    passes = [lambda: _forward(spec, x, w, b),
+              lambda: torch.autograd.grad(y, x, dy, retain_graph=True)]
+    if spec.op in ("batchnorm", "batchnorm_global"):
+        # one backward computes dx, dw and db together: all of it counts as backward-data
+        passes[1] = lambda: torch.autograd.grad(y, (x, *wrt), dy, retain_graph=True)
+    elif wrt:
+        passes.append(lambda: torch.autograd.grad(y, wrt, dy, retain_graph=True))
     for _ in range(warmup):
         for fn in passes:
             fn()
-    samples: list[list[float]] = [[], [], []]
+    samples: list[list[float]] = [[] for _ in passes]
     for _ in range(repeats):
         for i, fn in enumerate(passes):
             t0 = time.perf_counter()
             fn()
             samples[i].append(time.perf_counter() - t0)
-    fwd, bwd_data, bwd_weight = (summarize(s) for s in samples)
-    return OpRecord(key=spec.key, op=spec.op, fwd=fwd, bwd_data=bwd_data, bwd_weight=bwd_weight)
+    fwd, bwd_data, *rest = (summarize(s) for s in samples)
+    return OpRecord(key=spec.key, op=spec.op, fwd=fwd, bwd_data=bwd_data, bwd_weight=rest[0] if rest else None)
 
 
 def matmul_peak(n: int = 512, *, warmup: int = 2, repeats: int = 7) -> tuple[float, Measurement]:

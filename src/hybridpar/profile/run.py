@@ -12,13 +12,15 @@ from pathlib import Path
 from hybridpar.errors import UserError
 from hybridpar.profile.calibration import (
     Calibration,
+    CollectiveFit,
     GlooFit,
     OpRecord,
     default_calibration_path,
     load_calibration,
     save_calibration,
 )
-from hybridpar.profile.gloo import DEFAULT_SIZES, fit_alpha_beta, measure_allreduce
+from hybridpar.profile.gloo import DEFAULT_SIZES, fit_alpha_beta, fit_collective, measure_collectives
+from hybridpar.profile.gloo_worker import KINDS
 
 Progress = Callable[[str, int], None]  # (description of the step starting, total steps)
 
@@ -61,7 +63,8 @@ def op_specs(opts: ProfileOptions) -> list:
 
 def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                 progress: Progress | None = None, specs: list | None = None) -> tuple[Calibration, Path]:
-    """Measure matmul peak, copy bandwidth, the model's op times and gloo allreduce; write the file."""
+    """Measure matmul peak, copy bandwidth, the model's op times and gloo collectives (every kind the
+    runtime issues, in groups of every size that divides each world size); write the file."""
     opts.validate()
     import torch
 
@@ -84,20 +87,25 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
         rec = ops.profile_op(s, warmup=opts.warmup, repeats=max(3, opts.repeats // 2))
         records[rec.key] = rec
     fits: dict[int, GlooFit] = {}
+    colls: list[CollectiveFit] = []
     for p in opts.ranks:
-        step(f"gloo allreduce, {p} ranks", total)
-        times = measure_allreduce(p, opts.sizes, warmup=opts.warmup, repeats=opts.repeats)
-        fits[p] = fit_alpha_beta(p, opts.sizes, times)
+        step(f"gloo collectives, {p} ranks", total)
+        groups = [g for g in range(2, p + 1) if p % g == 0]
+        measured = measure_collectives(p, opts.sizes, KINDS, groups, warmup=opts.warmup, repeats=opts.repeats,
+                                       timeout_s=600.0)
+        fits[p] = fit_alpha_beta(p, opts.sizes, measured[("allreduce", p)])
+        colls += [fit_collective(kind, p, g, opts.sizes, times) for (kind, g), times in measured.items()]
 
     path = Path(out).expanduser() if out is not None else default_calibration_path()
     old = _previous(path) if opts.merge else None
     if old is not None:
         records = {**old.ops, **records}
         fits = {**old.gloo, **fits}
+        colls = [f for f in old.collectives if f.world_size not in opts.ranks] + colls
     cal = Calibration(created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                       hostname=platform.node(), cpu_count=physical_cores(), torch_version=torch.__version__,
                       threads_per_rank=1, peak_flops_fp32=peak, matmul=mm, mem_bw_Bps=bw, gloo=fits,
-                      ops=records)
+                      collectives=colls, ops=records)
     return cal, save_calibration(cal, path)
 
 

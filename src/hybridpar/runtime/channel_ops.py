@@ -50,8 +50,8 @@ def _to_pieces(parts: list[torch.Tensor], c_sizes: list[int], group, log, tag) -
         recv_sizes.append(size)
     flat_in = torch.cat(sends) if sends else parts[0].new_empty(0)
     flat_out = parts[0].new_empty(sum(recv_sizes))
-    dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group.pg)
-    log.record("alltoall", G, (sum(send_sizes) - send_sizes[g]) * parts[0].element_size(), tag)
+    with log.timed("alltoall", G, (sum(send_sizes) - send_sizes[g]) * parts[0].element_size(), tag):
+        dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group.pg)
     out = parts[0].new_empty(lead[0], want[1] - want[0], *inner)
     pos = 0
     for _, i in plan:  # plan is in sender order, each sender's blocks in input order
@@ -88,8 +88,8 @@ def _from_piece(d: torch.Tensor, c_sizes: list[int], group, log, tag) -> list[to
         recv_sizes.append(size)
     flat_in = torch.cat(sends) if sends else d.new_empty(0)
     flat_out = d.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group.pg)
-    log.record("alltoall", G, (sum(send_sizes) - send_sizes[g]) * d.element_size(), tag)
+    with log.timed("alltoall", G, (sum(send_sizes) - send_sizes[g]) * d.element_size(), tag):
+        dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group.pg)
     grads = [d.new_zeros(lead[0], r[1] - r[0], *inner) for r in mine]
     pos = 0
     for k, i in recv_plan:

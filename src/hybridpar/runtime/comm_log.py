@@ -7,6 +7,7 @@ scattering, alltoall = the rank's input, send/recv = the message."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ class CommRecord:
     bytes_: int
     tag: str = ""  # what issued it, e.g. "layers.0.conv1:fwd"
     setup: bool = False  # one-time exchanges (shape handshakes), excluded from per-step totals
+    seconds: float = 0.0  # wall time this rank spent in the call (0: not timed; async: issue only)
 
 
 class CommLog:
@@ -29,9 +31,18 @@ class CommLog:
         self._step_start = 0
         self._setup_depth = 0
 
-    def record(self, kind: str, group_size: int, bytes_: int, tag: str = "", setup: bool = False) -> None:
+    def record(self, kind: str, group_size: int, bytes_: int, tag: str = "", setup: bool = False,
+               seconds: float = 0.0) -> None:
         setup = setup or self._setup_depth > 0
-        self.records.append(CommRecord(kind, int(group_size), int(bytes_), tag, setup))
+        self.records.append(CommRecord(kind, int(group_size), int(bytes_), tag, setup, float(seconds)))
+
+    @contextmanager
+    def timed(self, kind: str, group_size: int, bytes_: int, tag: str = ""):
+        """Record the collective issued inside, with the wall time it took on this rank (waiting for
+        slower peers included: that is what a step pays)."""
+        t0 = time.perf_counter()
+        yield
+        self.record(kind, group_size, bytes_, tag, seconds=time.perf_counter() - t0)
 
     @contextmanager
     def setup_phase(self):
@@ -51,6 +62,14 @@ class CommLog:
 
     def step_bytes_by_kind(self) -> dict[str, int]:
         return bytes_by_kind(self.step_records())
+
+    def step_seconds_by_kind(self) -> dict[str, float]:
+        """Wall time in collectives since the last mark_step(), per kind (timed calls only)."""
+        out: dict[str, float] = defaultdict(float)
+        for r in self.step_records():
+            if r.seconds:
+                out[r.kind] += r.seconds
+        return dict(sorted(out.items()))
 
     def total_bytes_by_kind(self) -> dict[str, int]:
         return bytes_by_kind([r for r in self.records if not r.setup])

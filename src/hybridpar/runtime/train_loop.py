@@ -58,6 +58,7 @@ class StepInfo:
     step_time_s: float
     samples_per_s: float
     comm_bytes: dict[str, int] = field(default_factory=dict)
+    comm_s: dict[str, float] = field(default_factory=dict)  # rank 0's wall time in collectives, per kind
     gns_b_noise: float | None = None  # smoothed B_noise after this step (None: off, n/a or not yet)
 
     def to_dict(self) -> dict:
@@ -160,7 +161,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
             ckpt.save_checkpoint(cfg.checkpoint_dir, step + 1, engine, opt, meta=checkpoint_meta(cfg),
                                  keep=cfg.keep_checkpoints)
         info = StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind(),
-                        b_noise)
+                        engine.comm_log.step_seconds_by_kind(), b_noise)
         infos.append(info)
         if rank == 0:
             if queue is not None:

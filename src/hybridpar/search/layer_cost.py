@@ -101,8 +101,11 @@ class CostContext:
     def op(self, node: Node, s: int, channel_frac: float, filter_frac: float = 1.0):
         from hybridpar.cost.compute import op_time
 
+        # batch norm over several sample groups runs the runtime's global-statistics function
+        variant = "batchnorm_global" if node.op == "batchnorm" and s > 1 and self.bn_stats == "global" else None
         return op_time(node, self.cluster.device, dtype=self.dtype, sample_frac=1.0 / s,
-                       channel_frac=channel_frac, filter_frac=filter_frac, calibration=self.calibration)
+                       channel_frac=channel_frac, filter_frac=filter_frac, calibration=self.calibration,
+                       variant=variant)
 
     def comm_time(self, op: CommOp) -> float:
         key = (op.group_kind, op.layout) if op.group_kind else op.groups
