@@ -8,6 +8,8 @@
    the median over the steps after warm-up.
 3. Each is predicted with `hybridpar plan --strategy ...` (same model, ranks, batch), and the
    planner's own choice for each (model, ranks, batch) is run too, via `hybridpar train --plan`.
+   Beside the step times: the predicted communication time and the time rank 0 measured inside its
+   collectives (train --json's comm_s), so a miss can be traced to communication or to compute.
 
 Prints predicted vs measured per layout, the median and worst relative error, the Spearman rank
 correlation, whether the planner's choice measured fastest in its group, and whether the bytes the
@@ -74,12 +76,22 @@ def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: in
             mine = best.get("gloo", {}).get(ws)
             if mine is None or _gloo_at(fit, 2**20) < _gloo_at(mine, 2**20):
                 best.setdefault("gloo", {})[ws] = fit
+        coll = {_coll_key(f): f for f in best.get("collectives", [])}
+        for fit in other.get("collectives", []):
+            mine = coll.get(_coll_key(fit))
+            if mine is None or _gloo_at(fit, 2**20) < _gloo_at(mine, 2**20):
+                coll[_coll_key(fit)] = fit
+        best["collectives"] = list(coll.values())
     target.write_text(json.dumps(best, indent=2))
     return time.perf_counter() - t0
 
 
 def _op_total(rec: dict) -> float:
     return sum(rec[p]["median_s"] for p in ("fwd", "bwd_data", "bwd_weight") if rec.get(p))
+
+
+def _coll_key(fit: dict) -> tuple:
+    return fit["kind"], fit["world_size"], fit["group_size"]
 
 
 def _gloo_at(fit: dict, n: float) -> float:
@@ -114,11 +126,16 @@ def compute_stretch(ranks: int) -> float:
     return run_copies(ranks) / run_copies(1)
 
 
-def measure(model: str, ranks: int, batch: int, steps: int, layout: list[str]) -> tuple[float, dict]:
+def measure(model: str, ranks: int, batch: int, steps: int, layout: list[str]) -> tuple[float, float, dict]:
+    """Lower quartile of the step times after warm-up; median time rank 0 spent in collectives per
+    step (its comm_s, all kinds); the last step's bytes per kind."""
     out = run(["train", "--model", model, "--nproc", str(ranks), "--batch", str(batch), "--steps", str(steps),
                "--data", "synthetic", "--json", *layout])
-    times = sorted(s["step_time_s"] for s in out["steps"][WARMUP_STEPS:])
-    return statistics.quantiles(times, n=4)[0] if len(times) >= 4 else times[0], out["steps"][-1].get("comm_bytes", {})
+    steps_ = out["steps"][WARMUP_STEPS:]
+    times = sorted(s["step_time_s"] for s in steps_)
+    comm = statistics.median(sum(s.get("comm_s", {}).values()) for s in steps_)
+    step = statistics.quantiles(times, n=4)[0] if len(times) >= 4 else times[0]
+    return step, comm, out["steps"][-1].get("comm_bytes", {})
 
 
 def predict(model: str, ranks: int, batch: int, extra: list[str]) -> dict:
@@ -126,8 +143,8 @@ def predict(model: str, ranks: int, batch: int, extra: list[str]) -> dict:
                 "--json", *extra])
 
 
-def _evaluate(plan_file: str, stretch: float) -> dict:
-    """The prediction of the plan file's own per-layer layouts at the measured stretch."""
+def _evaluate(plan_file: str, stretch: float | None) -> dict:
+    """The prediction of the plan file's own per-layer layouts (at the measured stretch, if given)."""
     from hybridpar.plan import load_plan
     from hybridpar.search.planner import evaluate_plan
 
@@ -146,6 +163,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer layouts (not the acceptance run)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-profile", action="store_true", help="reuse $HYBRIDPAR_CALIBRATION as it is")
+    ap.add_argument("--measure-stretch", action="store_true",
+                    help="measure each run's compute stretch (all ranks computing at once vs one alone) right "
+                         "before it and predict with it (--time-share) instead of the model's ranks/cores")
     args = ap.parse_args()
     groups = [(m, r, b, s[:2]) for m, r, b, s in GROUPS[:2]] if args.quick else GROUPS
     tmp = Path(tempfile.mkdtemp(prefix="hybridpar-validation-"))
@@ -166,17 +186,18 @@ def main() -> None:
         runs.append(("plan: " + " | ".join(chosen), ["--plan", str(tmp / f"{model}-{ranks}-{batch}.json")], []))
         for label, train_args, plan_args in runs:
             # the load from other jobs changes by the minute: measure the stretch right before the run
-            stretch = compute_stretch(ranks)
-            print(f"  {model} x{ranks} batch {batch}: {label} (compute stretch {stretch:.2f})", file=sys.stderr)
-            measured, logged = measure(model, ranks, batch, args.steps, train_args)
-            share = ["--time-share", f"{stretch:.3f}"]
+            stretch = compute_stretch(ranks) if args.measure_stretch else None
+            print(f"  {model} x{ranks} batch {batch}: {label}"
+                  + (f" (compute stretch {stretch:.2f})" if stretch else ""), file=sys.stderr)
+            measured, measured_comm, logged = measure(model, ranks, batch, args.steps, train_args)
+            share = ["--time-share", f"{stretch:.3f}"] if stretch else []
             pred = predict(model, ranks, batch, [*plan_args, *share]) if plan_args else \
                 _evaluate(plan_file, stretch)
             p = pred["predicted"]
             model_bytes = {k: v for k, v in p["comm_bytes"].items() if v}
             rows.append({"model": model, "ranks": ranks, "batch": batch, "layout": label,
                          "is_plan": not plan_args, "predicted_s": p["step_time_s"], "measured_s": measured,
-                         "compute_stretch": stretch,
+                         "compute_stretch": stretch, "measured_comm_s": measured_comm,
                          "rel_error": (p["step_time_s"] - measured) / measured,
                          "compute_s": p["compute_s"], "comm_s": p["comm_s"],
                          "bytes_model": model_bytes, "bytes_logged": logged,
@@ -193,11 +214,13 @@ def main() -> None:
         choice_fastest[f"{model} x{ranks} b{batch}"] = plan_row["measured_s"] <= best * 1.05
 
     t = Table(title="predicted vs measured step time (localhost, gloo)", header_style="bold")
-    for c in ("model", "ranks", "batch", "layout", "predicted", "measured", "error", "bytes = model"):
+    for c in ("model", "ranks", "batch", "layout", "predicted", "measured", "error", "comm pred / meas",
+              "bytes = model"):
         t.add_column(c, justify="left" if c in ("model", "layout") else "right")
     for r in rows:
         t.add_row(r["model"], str(r["ranks"]), str(r["batch"]), r["layout"][:44], f"{r['predicted_s'] * 1e3:.1f} ms",
-                  f"{r['measured_s'] * 1e3:.1f} ms", f"{r['rel_error'] * 100:+.1f}%", "yes" if r["bytes_equal"] else "no")
+                  f"{r['measured_s'] * 1e3:.1f} ms", f"{r['rel_error'] * 100:+.1f}%",
+                  f"{r['comm_s'] * 1e3:.0f} / {r['measured_comm_s'] * 1e3:.0f} ms", "yes" if r["bytes_equal"] else "no")
     console = Console(width=140)
     console.print(t)
     summary = {"layouts": len(strat_rows), "median_rel_error": statistics.median(errs), "worst_rel_error": errs[-1],

@@ -12,7 +12,7 @@ _STATE = tempfile.mkdtemp(prefix="hybridpar-tests-")
 os.environ["HYBRIDPAR_CACHE"] = os.path.join(_STATE, "cache")
 os.environ["HYBRIDPAR_CALIBRATION"] = os.path.join(_STATE, "calibration.json")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 

@@ -13,18 +13,18 @@ def register(app: click.Group) -> None:
                   help="calibration file (default $HYBRIDPAR_CALIBRATION or ~/.cache/hybridpar/calibration.json)")
     @click.option("--ranks", default="2,4", show_default=True, help="gloo world sizes to measure")
     @click.option("--model", default="small_cnn", show_default=True,
-                  help="profile this model's conv/linear ops (zoo name or file.py:factory; '' for none)")
+                  help="profile this model's conv/linear/norm/relu/pool ops (zoo name or file.py:factory; '' for none)")
     @click.option("--batch", type=int, default=32, show_default=True)
     @click.option("--input-shape", default=None, help="C,H,W for a factory model")
     @click.option("--splits", default="1", show_default=True,
                   help="also profile each op at 1/k of samples, channels and filters for each k")
-    @click.option("--sizes", default=None, help="allreduce sizes in bytes, e.g. 4K,64K,1M (default 4K..4M)")
+    @click.option("--sizes", default=None, help="collective sizes in bytes, e.g. 4K,64K,1M (default 4K..4M)")
     @click.option("--repeats", type=int, default=10, show_default=True)
     @click.option("--warmup", type=int, default=2, show_default=True)
     @click.option("--no-merge", is_flag=True, help="replace the file instead of merging with it")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def profile_cmd(out, ranks, model, batch, input_shape, splits, sizes, repeats, warmup, no_merge, json_):
-        """Measure op times, matmul peak and gloo alpha/beta on this machine."""
+        """Measure op times, matmul peak and gloo collectives (per kind and group size) on this machine."""
         from hybridpar.graph.models import parse_shape
         from hybridpar.profile.run import ProfileOptions, op_specs, parse_int_list, run_profile, sizes_default
 
@@ -65,6 +65,11 @@ def _print(cal, path) -> None:
     console.print(table("gloo allreduce fit: T = 2(p-1) alpha + 2(p-1)/p n beta",
                         ["ranks", "alpha us", "1/beta MB/s", "worst fit error", "worst spread (p90-p10)/med"],
                         rows))
+    if cal.collectives:
+        c_rows = [[f.kind, f.world_size, f.group_size, f.intercept_s * 1e3, f.predict_s(1 << 20) * 1e3,
+                   f.max_rel_residual] for f in sorted(cal.collectives, key=lambda f: (f.world_size, f.group_size, f.kind))]
+        console.print(table("gloo collectives in a step: T(n) = a + b n (what the localhost cost model uses)",
+                            ["kind", "ranks", "group", "a ms", "T(1 MiB) ms", "worst fit error"], c_rows))
     if cal.ops:
         ops_rows = [[r.op, r.key.split("|", 1)[1], r.fwd.median_s * 1e3, r.bwd_data.median_s * 1e3,
                      r.bwd_weight.median_s * 1e3 if r.bwd_weight else 0.0, r.fwd.rel_spread]
