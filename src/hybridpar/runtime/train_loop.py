@@ -168,6 +168,9 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
                 queue.put(info.to_dict())
             for cb in callbacks:
                 cb(info, engine, opt)
+    if queue is not None and rank == 0:  # every StepInfo reaches the parent before this rank exits
+        queue.close()
+        queue.join_thread()
     state = engine.full_state_dict()
     if rank == 0 and cfg.save and state is not None:
         _atomic_save(state, cfg.save)
