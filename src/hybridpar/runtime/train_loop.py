@@ -168,8 +168,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
                 queue.put(info.to_dict())
             for cb in callbacks:
                 cb(info, engine, opt)
-    if queue is not None and rank == 0:  # every StepInfo reaches the parent before this rank exits
-        queue.close()
+    if rank == 0 and hasattr(queue, "join_thread"):  # a multiprocessing queue (spawn): every StepInfo
+        queue.close()                                  # reaches the parent before this rank exits
         queue.join_thread()
     state = engine.full_state_dict()
     if rank == 0 and cfg.save and state is not None:
