@@ -30,7 +30,7 @@ def _work(slices: tuple[int, ...], nbytes: int, repeats: int = 9, k: int = 4) ->
     out = torch.empty(nbytes // 4 // world)
     res = {}
     for reps in slices:
-        def compute() -> None:
+        def compute(reps: int = reps) -> None:
             for _ in range(reps):
                 torch.mm(mat, mat)
 
@@ -59,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
     args = ap.parse_args()
-    for _, (cost, comp) in spawn(_work, args.ranks, SLICES, 1 << 20).items():
+    for cost, comp in spawn(_work, args.ranks, SLICES, 1 << 20).values():
         print(f"compute before it {comp * 1e3:6.2f} ms   1 MiB reduce-scatter {cost * 1e3:6.2f} ms")
 
 
