@@ -69,7 +69,8 @@ def _print(cal, path) -> None:
         c_rows = [[f.kind, f.world_size, f.group_size, f.intercept_s * 1e3, f.predict_s(1 << 20) * 1e3,
                    f.max_rel_residual] for f in sorted(cal.collectives, key=lambda f: (f.world_size, f.group_size, f.kind))]
         console.print(table("gloo collectives in a step: T(n) = a + b n (what the localhost cost model uses)",
-                            ["kind", "ranks", "group", "a ms", "T(1 MiB) ms", "worst fit error"], c_rows))
+                            ["kind", "ranks", "group", "a ms", "T(1 MiB) ms", "worst fit error"], c_rows,
+                            justify_right=lambda c: c != "kind"))
     if cal.ops:
         ops_rows = [[r.op, r.key.split("|", 1)[1], r.fwd.median_s * 1e3, r.bwd_data.median_s * 1e3,
                      r.bwd_weight.median_s * 1e3 if r.bwd_weight else 0.0, r.fwd.rel_spread]
