@@ -57,6 +57,14 @@ def test_small_cnn_ops_use_the_measured_table(calibration):
     ops = [n for n in g.nodes if n.op in ("conv2d", "linear", "batchnorm", "relu", "maxpool")]
     assert len({n.op for n in ops}) == 5
     assert all(op_time(n, dev, calibration=path).source == "measured" for n in ops)
+    # batch norm over split samples is priced as the runtime runs it: the "batchnorm_global" record
+    from hybridpar.cost.compute import local_shapes
+
+    bn = next(n for n in ops if n.op == "batchnorm")
+    rec = load_calibration(path).ops[local_shapes(bn).key("batchnorm_global")]
+    t = op_time(bn, dev, calibration=path, variant="batchnorm_global")
+    assert t.fwd_s == pytest.approx(rec.fwd.median_s * dev.time_share)
+    assert t.bwd_data_s == pytest.approx(rec.bwd_data.median_s * dev.time_share)
 
 
 @pytest.mark.slow

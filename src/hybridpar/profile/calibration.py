@@ -37,15 +37,12 @@ class Measurement(_Model):
         return (self.p90_s - self.p10_s) / self.median_s if self.median_s > 0 else 0.0
 
 
-class GlooFit(_Model):
-    """Least-squares fit T(n) = intercept + slope * n of gloo allreduce at one world size, and the
-    ring-model alpha/beta it implies: T = 2(p-1) alpha + 2(p-1)/p n beta (reduction folded into beta)."""
+class _AffineFit(_Model):
+    """T(n) = intercept + slope * n fitted to timings at several sizes (bytes), at one world size."""
 
     world_size: int = Field(ge=2)
     intercept_s: float = Field(ge=0)
     slope_s_per_byte: float = Field(ge=0)
-    alpha_s: float = Field(ge=0)
-    beta_s_per_byte: float = Field(ge=0)
     sizes_bytes: list[int]
     times: list[Measurement]
     max_rel_residual: float = Field(ge=0)  # worst |fit - median| / median over the sizes
@@ -54,22 +51,20 @@ class GlooFit(_Model):
         return self.intercept_s + self.slope_s_per_byte * bytes_
 
 
-class CollectiveFit(_Model):
-    """T(n) = intercept + slope * n of one collective kind, in groups of `group_size` ranks (all
-    world_size / group_size groups at once), measured in a world of `world_size` ranks. n in the
-    runtime's byte convention (hybridpar.runtime.comm_log)."""
+class GlooFit(_AffineFit):
+    """The fit of gloo allreduce over the whole world, and the ring-model alpha/beta it implies:
+    T = 2(p-1) alpha + 2(p-1)/p n beta (reduction folded into beta)."""
+
+    alpha_s: float = Field(ge=0)
+    beta_s_per_byte: float = Field(ge=0)
+
+
+class CollectiveFit(_AffineFit):
+    """The fit of one collective kind in groups of `group_size` ranks (all world_size / group_size
+    groups at once). n in the runtime's byte convention (hybridpar.runtime.comm_log)."""
 
     kind: str
-    world_size: int = Field(ge=2)
     group_size: int = Field(ge=2)
-    intercept_s: float = Field(ge=0)
-    slope_s_per_byte: float = Field(ge=0)
-    sizes_bytes: list[int]
-    times: list[Measurement]
-    max_rel_residual: float = Field(ge=0)
-
-    def predict_s(self, bytes_: float) -> float:
-        return self.intercept_s + self.slope_s_per_byte * bytes_
 
 
 class OpRecord(_Model):

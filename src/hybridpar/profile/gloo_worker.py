@@ -46,9 +46,8 @@ def _groups(world: int, size: int, rank: int):
 def _collective(kind: str, nbytes: int, group):
     """A closure issuing one `kind` of `nbytes` (CommLog convention) on `group`, as the runtime does."""
     import torch
-    import torch.distributed as dist
 
-    from hybridpar.runtime.collectives import all_gather_dim, all_reduce_, reduce_scatter_dim
+    from hybridpar.runtime.collectives import all_gather_dim, all_reduce_, all_to_all_flat, reduce_scatter_dim
     from hybridpar.runtime.comm_log import CommLog
 
     g = group.size
@@ -67,9 +66,8 @@ def _collective(kind: str, nbytes: int, group):
         return lambda: reduce_scatter_dim(full, 1, group, [cols] * g, log)
     if kind == "alltoall":
         per_peer = max(1, nbytes // 4 // (g - 1))
-        send = torch.ones(per_peer * g)
-        recv = torch.empty_like(send)
-        return lambda: dist.all_to_all_single(recv, send, group=group.pg)
+        sends = [torch.ones(per_peer) for _ in range(g)]
+        return lambda: all_to_all_flat(sends, [per_peer] * g, [per_peer] * g, sends[0], group, log)
     raise ValueError(f"unknown collective kind {kind!r}")
 
 

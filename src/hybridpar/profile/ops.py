@@ -49,17 +49,13 @@ class OpSpec:
     def key(self) -> str:
         return local_shapes(self.node()).key(self.op)
 
-    @property
-    def has_weight(self) -> bool:
-        return self.op in _WEIGHTED
-
     def local(self, sample_frac: float = 1.0, channel_frac: float = 1.0, filter_frac: float = 1.0) -> OpSpec:
         """This op at the local shape of a sample/channel/filter split (same rule as the cost model)."""
         loc = local_shapes(self.node(), sample_frac, channel_frac, filter_frac)
         return replace(self, x=loc.x, w=loc.w or self.w, y=loc.y)
 
 
-_WEIGHTED = {"conv2d", "linear", "batchnorm", "batchnorm_global"}
+_NORMS = ("batchnorm", "batchnorm_global")
 _MODULES = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
 
 
@@ -159,11 +155,11 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(spec.x, generator=g).requires_grad_(True)
     w = b = None
-    if spec.op in ("batchnorm", "batchnorm_global"):
+    if spec.op in _NORMS:
         if spec.w is not None:  # affine, over this rank's channels
             w = torch.randn(spec.x[1], generator=g).requires_grad_(True)
             b = torch.randn(spec.x[1], generator=g).requires_grad_(True)
-    elif spec.has_weight:
+    elif spec.op in ("conv2d", "linear"):
         w = torch.randn(spec.w, generator=g).requires_grad_(True)
         b = torch.randn(spec.w[0], generator=g).requires_grad_(True) if spec.bias else None
     y = _forward(spec, x, w, b)
@@ -171,7 +167,7 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     wrt = tuple(t for t in (w, b) if t is not None)
     passes = [lambda: _forward(spec, x, w, b),
               lambda: torch.autograd.grad(y, x, dy, retain_graph=True)]
-    if spec.op in ("batchnorm", "batchnorm_global"):
+    if spec.op in _NORMS:
         # one backward computes dx, dw and db together: all of it counts as backward-data
         passes[1] = lambda: torch.autograd.grad(y, (x, *wrt), dy, retain_graph=True)
     elif wrt:

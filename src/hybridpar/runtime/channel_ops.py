@@ -13,9 +13,9 @@ from __future__ import annotations
 from math import prod
 
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from hybridpar.runtime.collectives import all_to_all_flat
 from hybridpar.runtime.conv import exchange_sizes
 from hybridpar.runtime.shard import held, needed
 from hybridpar.runtime.shard import inter as _inter
@@ -48,10 +48,7 @@ def _to_pieces(parts: list[torch.Tensor], c_sizes: list[int], group, log, tag) -
                 plan.append((r, i))
                 size += (i[1] - i[0]) * per_chan
         recv_sizes.append(size)
-    flat_in = torch.cat(sends) if sends else parts[0].new_empty(0)
-    flat_out = parts[0].new_empty(sum(recv_sizes))
-    with log.timed("alltoall", G, (sum(send_sizes) - send_sizes[g]) * parts[0].element_size(), tag):
-        dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group.pg)
+    flat_out = all_to_all_flat(sends, send_sizes, recv_sizes, parts[0], group, log, tag)
     out = parts[0].new_empty(lead[0], want[1] - want[0], *inner)
     pos = 0
     for _, i in plan:  # plan is in sender order, each sender's blocks in input order
@@ -86,10 +83,7 @@ def _from_piece(d: torch.Tensor, c_sizes: list[int], group, log, tag) -> list[to
                 recv_plan.append((k, i))
                 size += (i[1] - i[0]) * per_chan
         recv_sizes.append(size)
-    flat_in = torch.cat(sends) if sends else d.new_empty(0)
-    flat_out = d.new_empty(sum(recv_sizes))
-    with log.timed("alltoall", G, (sum(send_sizes) - send_sizes[g]) * d.element_size(), tag):
-        dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group.pg)
+    flat_out = all_to_all_flat(sends, send_sizes, recv_sizes, d, group, log, tag)
     grads = [d.new_zeros(lead[0], r[1] - r[0], *inner) for r in mine]
     pos = 0
     for k, i in recv_plan:

@@ -7,6 +7,8 @@ measured per kind beside the cost model's prediction."""
 
 from __future__ import annotations
 
+from math import prod
+
 import torch
 import torch.distributed as dist
 
@@ -16,13 +18,6 @@ from hybridpar.runtime.grid import Group
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def concat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -52,7 +47,7 @@ def all_gather_dim(t: torch.Tensor, dim: int, group: Group, sizes: list[int], lo
     out = t.new_empty([group.size, *shape])
     full_shape = list(t.shape)
     full_shape[dim] = sum(sizes)
-    with log.timed("allgather", group.size, _numel(full_shape) * t.element_size(), tag):
+    with log.timed("allgather", group.size, prod(full_shape) * t.element_size(), tag):
         dist.all_gather_single(out.flatten(0, 1), buf, group=group.pg)  # gloo: pieces along dim 0
     return concat([o.narrow(dim, 0, n) for o, n in zip(out.unbind(0), sizes)], dim)
 
@@ -90,6 +85,24 @@ def all_reduce_(t: torch.Tensor, group: Group, log: CommLog, tag: str = "", asyn
     """In-place sum over the group. With async_op, returns the work handle (None for 1 rank)."""
     if group.size == 1:
         return None
+    if async_op:  # only issued here: the wait happens elsewhere, so there is no time to record
+        work = dist.all_reduce(t, group=group.pg, async_op=True)
+        log.record("allreduce", group.size, _nbytes(t), tag)
+        return work
     with log.timed("allreduce", group.size, _nbytes(t), tag):
-        work = dist.all_reduce(t, group=group.pg, async_op=async_op)
-    return work
+        dist.all_reduce(t, group=group.pg)
+    return None
+
+
+def all_to_all_flat(sends: list[torch.Tensor], send_sizes: list[int], recv_sizes: list[int],
+                    like: torch.Tensor, group: Group | None, log: CommLog, tag: str = "") -> torch.Tensor:
+    """One all_to_all_single: the flat `sends` (send_sizes[q] elements for rank q of the group, in
+    order) go out; what arrives comes back flat, in sender order (recv_sizes[q] from rank q).
+    group=None: the whole world. Logged as the bytes this rank sends to the other ranks."""
+    pg, index, size = (None, dist.get_rank(), dist.get_world_size()) if group is None else \
+        (group.pg, group.index, group.size)
+    flat_in = torch.cat(sends) if sends else like.new_empty(0)
+    flat_out = like.new_empty(sum(recv_sizes))
+    with log.timed("alltoall", size, (sum(send_sizes) - send_sizes[index]) * like.element_size(), tag):
+        dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=pg)
+    return flat_out

@@ -10,6 +10,7 @@ from math import prod
 import torch
 import torch.distributed as dist
 
+from hybridpar.runtime.collectives import all_to_all_flat
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.shard import Split, overlap
 
@@ -31,10 +32,7 @@ def _move(x: torch.Tensor, n: int, c: int, src: Split, dst: Split, log: CommLog,
         send_sizes.append(block.numel())
     boxes = [overlap(src.box(r, n, c), want) for r in range(world)]
     recv_sizes = [0 if o is None else (o[1] - o[0]) * (o[3] - o[2]) * prod(inner) for o in boxes]
-    out_flat = x.new_empty(sum(recv_sizes))
-    flat_in = torch.cat(sends)
-    with log.timed("alltoall", world, (sum(send_sizes) - send_sizes[rank]) * x.element_size(), tag):
-        dist.all_to_all_single(out_flat, flat_in, recv_sizes, send_sizes)
+    out_flat = all_to_all_flat(sends, send_sizes, recv_sizes, x, None, log, tag)
     out = x.new_empty(want[1] - want[0], want[3] - want[2], *inner)
     for o, part in zip(boxes, out_flat.split(recv_sizes)):
         if o is not None:
