@@ -3,7 +3,7 @@
 import pytest
 
 from hybridpar.errors import UserError
-from hybridpar.plan import load_plan
+from hybridpar.plans import load_plan
 from hybridpar.report.measured import load_measured
 
 

@@ -2,14 +2,14 @@
 hybridpar.runtime.parallelize."""
 
 import hybridpar
-from hybridpar.plan import Plan, parse_strategy
+from hybridpar.plans import Plan, parse_strategy
 
 
-def test_plan_package_is_also_the_planner():
+def test_plan_runs_the_planner():
     result = hybridpar.plan("small_cnn", "localhost", gpus=2, batch=8)
     assert isinstance(result.plan, Plan)
     assert result.plan.world_size == 2 and result.prediction.step_time_s > 0
-    # The package's own names still work after the call.
+    # The Plan package's names work beside the function.
     assert parse_strategy("sample=2").layout.sample == 2
 
 
@@ -28,3 +28,31 @@ def test_parallelize_is_exported():
     from hybridpar.runtime import parallelize
 
     assert callable(parallelize)
+
+
+def test_api_names_are_plain_functions():
+    import inspect
+
+    import hybridpar.plans  # importing the Plan package must not shadow the function
+
+    assert inspect.isfunction(hybridpar.plan) and inspect.isfunction(hybridpar.place)
+
+
+def test_plan_takes_a_module_and_a_cluster_object():
+    import pytest
+    import torch
+    from torch import nn
+
+    from hybridpar.cluster import load_cluster
+    from hybridpar.errors import UserError
+
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    x = torch.randn(2, 3, 8, 8)
+    result = hybridpar.plan(net, load_cluster("localhost", gpus=2), gpus=2, batch=8, example_inputs=x)
+    assert result.plan.world_size == 2 and result.plan.batch == 8
+    assert result.plan.model == "Sequential" and result.plan.input_shape == [3, 8, 8]
+    assert result.prediction.step_time_s > 0
+    by_name = hybridpar.plan("small_cnn", "localhost", gpus=2, batch=8)
+    assert by_name.plan.cluster == result.plan.cluster
+    with pytest.raises(UserError, match="example_inputs"):
+        hybridpar.plan(net, "localhost", gpus=2, batch=8)

@@ -1,21 +1,47 @@
 """hybridpar: plan and run hybrid-parallel deep-learning training.
 
 Pipeline: model -> graph -> cost -> search -> Plan -> runtime.
-Heavy sub-packages (torch, solvers) are imported lazily so `import hybridpar` stays cheap.
+`plan` and `place` are plain functions; they import the search (torch, solvers) only when called, so
+`import hybridpar` stays cheap. The Plan data type is `hybridpar.plans.Plan`.
 """
 
 from __future__ import annotations
+
+import sys
 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "place", "plan"]
 
-# `hybridpar.plan` is the Plan package, and callable: hybridpar.plan(...) runs the planner.
-from hybridpar import plan
+
+def _model_arg(model, example_inputs):
+    """A zoo name / file spec / Graph as is; an nn.Module with its example inputs as (module, inputs)."""
+    if example_inputs is None:
+        torch = sys.modules.get("torch")  # a module exists only if torch is loaded: never import it here
+        if torch is not None and isinstance(model, torch.nn.Module):
+            from hybridpar.errors import UserError
+
+            raise UserError("an nn.Module needs example_inputs (a tensor or a tuple of tensors)")
+        return model
+    return (model, example_inputs)
 
 
-def place(*args, **kwargs):
-    """DLPlacer device placement; see :func:`hybridpar.search.placer.place_model`."""
+def plan(model, cluster="localhost", gpus: int = 1, batch: int = 32, *, example_inputs=None, **options):
+    """Per-layer decomposition plan of `model` on `gpus` devices of `cluster` at global batch `batch`.
+
+    `model`: a zoo name, `path/to/file.py:factory`, a traced Graph, or an `nn.Module` with
+    `example_inputs`. `cluster`: a preset name, a cluster file, or a `Cluster`. `options` are those
+    of :func:`hybridpar.search.planner.plan_model` (strategy, memory_limit, dtype, ...)."""
+    from hybridpar.search.planner import plan_model
+
+    return plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, **options)
+
+
+def place(model, cluster="dgx1-v100", devices: int = 2, *, example_inputs=None, **options):
+    """DLPlacer device placement of `model` over `devices` devices of `cluster`.
+
+    `model` and `cluster` as for :func:`plan`; `options` are those of
+    :func:`hybridpar.search.placer.place_model` (solver, time_limit_s, batch, ...)."""
     from hybridpar.search.placer import place_model
 
-    return place_model(*args, **kwargs)
+    return place_model(_model_arg(model, example_inputs), cluster, devices, **options)

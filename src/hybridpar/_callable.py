@@ -1,9 +1,9 @@
-"""Callable modules, so DESIGN.md's API names work however Python resolved them.
+"""Callable modules: only `hybridpar.runtime.parallelize` still uses this.
 
-`hybridpar.plan`, `hybridpar.graph.trace` and `hybridpar.runtime.parallelize` are each both a module
-and a function. Once a submodule is imported, Python binds its name on the parent package to the
-module, shadowing a function of the same name; making the module itself callable keeps
-`hybridpar.graph.trace(module, inputs)` working either way.
+It is both a module and a function: once a submodule is imported, Python binds its name on the parent
+package to the module, shadowing a function of the same name; making the module itself callable keeps
+`hybridpar.runtime.parallelize(...)` working either way. The runtime's rewrite renames that module and
+deletes this file.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from hybridpar.plan import Plan, parse_strategy
+from hybridpar.plans import Plan, parse_strategy
 from hybridpar.runtime import checkpoint as ckpt
 from hybridpar.runtime import faults
 

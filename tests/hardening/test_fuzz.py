@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from hybridpar.cli.main import build_app, main
 from hybridpar.errors import UserError
-from hybridpar.plan import load_plan, parse_strategy, plan_from_dict
+from hybridpar.plans import load_plan, parse_strategy, plan_from_dict
 
 from .conftest import FUZZ_COUNTS, SpawnAttempt, plan_dict
 from .fuzzgen import file_text, mutated, strategy_text

@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 import pytest
 
 from hybridpar.cli.main import main
-from hybridpar.plan import plan_from_dict
+from hybridpar.plans import plan_from_dict
 from hybridpar.report import build_report, measured_from_dict
 
 from .conftest import plan_dict, run_dict

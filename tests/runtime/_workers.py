@@ -137,7 +137,7 @@ def mixed_plan(layers: dict[str, str], default: str, steps: int = 3, batch: int 
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
     from hybridpar.graph.trace import trace
     from hybridpar.graph.zoo.small import small_resnet
-    from hybridpar.plan import Plan, parse_strategy
+    from hybridpar.plans import Plan, parse_strategy
     from hybridpar.runtime.engine import ChannelFilterEngine
 
     world = dist.get_world_size()

@@ -49,7 +49,7 @@ def test_no_shuffle_takes_file_order_and_shuffle_is_a_permutation():
 
 
 def test_epochs_count_whole_batches():
-    from hybridpar.plan import LayerLayout, Plan
+    from hybridpar.plans import LayerLayout, Plan
     from hybridpar.runtime.train_loop import TrainConfig, total_steps
 
     plan = Plan(model="small_cnn", world_size=1, batch=10, default_layout=LayerLayout())

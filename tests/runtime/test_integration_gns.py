@@ -149,7 +149,7 @@ def test_mp_replicas_estimate_matches_serial(tmp_path, capsys):
         if want > 0:
             break
     torch.save({"x": x, "y": y}, tmp_path / "d.pt")
-    from hybridpar.plan import LayerLayout, Plan
+    from hybridpar.plans import LayerLayout, Plan
 
     # a fixed placement (the LSTM layers on different devices) skips the placer's search
     Plan(model="lstm2", world_size=4, dp=2, mp=2, batch=16, default_layout=LayerLayout(sample=2),

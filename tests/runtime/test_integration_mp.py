@@ -10,7 +10,7 @@ import torch
 
 from hybridpar.cli.main import main
 from hybridpar.graph.models import load_model
-from hybridpar.plan import LayerLayout, Plan
+from hybridpar.plans import LayerLayout, Plan
 
 from .test_mp_cli import serial_sgd
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from hybridpar.cost.layout_comm import bytes_by_kind, layer_collectives, model_collectives
 from hybridpar.graph.trace import trace
-from hybridpar.plan import LayerLayout
+from hybridpar.plans import LayerLayout
 
 
 def _graph():

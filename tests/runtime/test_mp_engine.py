@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.graph.models import load_model
-from hybridpar.plan import Plan
+from hybridpar.plans import Plan
 from hybridpar.runtime.launch import spawn
 from hybridpar.runtime.mp import MPEngine, loss_sum
 from hybridpar.runtime.mp.placement import placement_from_outcome, predicted_p2p_bytes

@@ -8,7 +8,7 @@ from torch import nn
 
 from hybridpar.errors import UserError
 from hybridpar.graph.models import load_model
-from hybridpar.plan import Plan
+from hybridpar.plans import Plan
 from hybridpar.runtime.mp import check_mp_plan, partition_module
 from hybridpar.runtime.mp.executor import crossings, meta_copy, meta_values
 

@@ -45,7 +45,7 @@ def test_depthwise_conv_rejected_for_channel_split(tmp_path, capsys):
 
 
 def test_plan_world_mismatch_rejected(tmp_path, capsys):
-    from hybridpar.plan import LayerLayout, Plan
+    from hybridpar.plans import LayerLayout, Plan
 
     Plan(model="small_cnn", world_size=4, dp=4, batch=8, default_layout=LayerLayout(sample=4)).save(tmp_path / "p.json")
     assert main(["train", "--plan", str(tmp_path / "p.json"), "--nproc", "2"]) == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpar.plan import LayerLayout
+from hybridpar.plans import LayerLayout
 from hybridpar.search.decomposition import (
     Distribution,
     all_layouts,

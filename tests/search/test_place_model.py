@@ -13,7 +13,7 @@ from hybridpar.cluster import load_cluster
 from hybridpar.cost.compute import op_time
 from hybridpar.cost.memory import training_memory
 from hybridpar.graph.models import load_model
-from hybridpar.plan import load_plan
+from hybridpar.plans import load_plan
 from hybridpar.search.hybrid_step import hybrid_step_time
 from hybridpar.search.placer import place_model
 from hybridpar.search.placer.api import build_problem

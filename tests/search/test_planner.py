@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybridpar.cli.main import main
-from hybridpar.plan import load_plan
+from hybridpar.plans import load_plan
 from hybridpar.search.planner import plan_model
 
 
@@ -94,7 +94,7 @@ def test_free_sample_space_is_searched_with_redistribution():
 def test_predicted_bytes_equal_the_runtimes_analytic_bytes(strategy):
     """Per kind, the bytes the prediction prices are those hybridpar.runtime issues (layout_comm, its twin)."""
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
-    from hybridpar.plan import parse_strategy
+    from hybridpar.plans import parse_strategy
     from hybridpar.search.planner import _scaled, _traced
 
     res = plan_model("small_resnet", "localhost", 4, 16, strategy=strategy)

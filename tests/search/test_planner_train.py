@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridpar.cli.main import main
-from hybridpar.plan import load_plan
+from hybridpar.plans import load_plan
 
 
 @pytest.mark.slow

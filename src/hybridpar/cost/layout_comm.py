@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from math import prod
 
 from hybridpar.graph.types import Graph, Node
-from hybridpar.plan.schema import LayerLayout, Plan
+from hybridpar.plans.schema import LayerLayout, Plan
 from hybridpar.runtime.shard import (
     GridPos,
     Split,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpar.errors import UserError
-from hybridpar.plan import Plan
+from hybridpar.plans import Plan
 from hybridpar.report import extras, figures
 from hybridpar.report.layers import layer_rows, zoo_split_layers
 from hybridpar.report.measured import Measured

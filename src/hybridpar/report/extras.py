@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from hybridpar.errors import UserError
-from hybridpar.plan import Plan
+from hybridpar.plans import Plan
 
 
 def _assignment(plan: Plan, tasks) -> tuple[list[int], int]:

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # headless: no display on clusters or in CI
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from hybridpar.plan import Prediction
+from hybridpar.plans import Prediction
 from hybridpar.report.measured import Measured
 
 _DPI = 96

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hybridpar.plan import LayerLayout, Plan
+from hybridpar.plans import LayerLayout, Plan
 
 # The layers whose weights a layout splits; the rest follow their neighbours' layout.
 _SPLIT_TYPES = (nn.Conv2d, nn.Linear)

@@ -9,7 +9,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hybridpar.errors import UserError
-from hybridpar.plan import LayerLayout, Plan
+from hybridpar.plans import LayerLayout, Plan
 from hybridpar.runtime.collectives import all_gather_dim, all_reduce_
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.conv import exchange_sizes

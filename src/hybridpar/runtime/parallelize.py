@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from hybridpar.errors import UserError
-from hybridpar.plan import LayerLayout, Plan, parse_strategy
+from hybridpar.plans import LayerLayout, Plan, parse_strategy
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.shard import piece_sizes, ranges
 

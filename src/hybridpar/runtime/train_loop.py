@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridpar.plan import Plan
+from hybridpar.plans import Plan
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hybridpar.plan import LayerLayout
+from hybridpar.plans import LayerLayout
 
 
 @dataclass(frozen=True, order=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from math import ceil, prod
 
 from hybridpar.graph.types import DTYPE_BYTES, Node
-from hybridpar.plan import LayerLayout
+from hybridpar.plans import LayerLayout
 from hybridpar.search.decomposition import (
     Distribution,
     Groups,

@@ -4,7 +4,7 @@ splits per layer to minimise the predicted step time under per-device memory.
 Pipeline: graph -> layer graph (weight layers and joins) -> options per layer with their costs
 (`layer_cost`) -> choice problem with redistribution costs on edges -> exact optimiser (DP on
 series-parallel graphs, ILP otherwise or when memory binds) -> step-time prediction with the
-gradient allreduce overlapping backward as the runtime does it -> `hybridpar.plan.Plan`.
+gradient allreduce overlapping backward as the runtime does it -> `hybridpar.plans.Plan`.
 
 The optimiser adds costs; overlap is not additive. So the optimiser runs with the gradient
 allreduce weighted 1, ½ and 0, the uniform layouts are added as candidates, and the one whose
@@ -19,8 +19,10 @@ from functools import lru_cache
 
 import numpy as np
 
+from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.errors import InfeasibleError, UserError
-from hybridpar.plan import LayerLayout, Plan, Prediction, parse_strategy
+from hybridpar.graph.types import Graph
+from hybridpar.plans import LayerLayout, Plan, Prediction, parse_strategy
 from hybridpar.search.decomposition import (
     Distribution,
     Pruned,
@@ -100,11 +102,29 @@ class PlanResult:
 # -- graph -------------------------------------------------------------------------------------
 
 @lru_cache(maxsize=16)
-def _traced(model: str, input_shape: tuple[int, ...] | None):
+def _traced_spec(model: str, input_shape: tuple[int, ...] | None):
     """Graph traced once per model at batch 1 (costs scale the batch; tracing is the slow part)."""
     from hybridpar.search.graph_cache import traced_graph
 
     return traced_graph(model, input_shape)
+
+
+def _traced(model, input_shape: tuple[int, ...] | None) -> tuple[Graph, tuple[int, ...] | None, str]:
+    """(graph, per-sample input shape, name) of a zoo name / file spec, a Graph, or (module, inputs)."""
+    if isinstance(model, str):
+        graph, shape = _traced_spec(model, input_shape)
+        return graph, shape, model
+    if isinstance(model, Graph):
+        return model, input_shape, model.name
+    if isinstance(model, tuple) and len(model) == 2:
+        from hybridpar.graph import trace
+
+        module, inputs = model
+        graph = trace(module, inputs)
+        first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
+        shape = tuple(first.shape[1:]) if getattr(first, "dim", lambda: 0)() > 1 else input_shape
+        return graph, shape, graph.name
+    raise UserError("model must be a zoo name, 'file.py:factory', a Graph or (module, example_inputs)")
 
 
 def _scaled(graph, batch: int):
@@ -304,33 +324,32 @@ class _Setup:
     capacity: float
     input_shape: tuple[int, ...] | None
     cluster_name: str
+    model_name: str
 
 
-def _setup(model: str, cluster: str, gpus: int, batch: int, memory_limit: float | None,
+def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: float | None,
            dtype: str, input_shape: tuple[int, ...] | None, calibration,
            time_share: float | None = None) -> _Setup:
-    from hybridpar.cluster import load_cluster
-
     if gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {gpus}")
     if batch < 1:
         raise UserError(f"--batch must be >= 1, got {batch}")
-    cl = load_cluster(cluster, gpus=gpus)
+    cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=gpus)
     if time_share is not None:  # measured slowdown of each rank's compute when all ranks run at once
         if time_share <= 0:
             raise UserError(f"--time-share must be positive, got {time_share}")
         cl = cl.model_copy(update={"device": cl.device.model_copy(update={"time_share": float(time_share)})})
     if cl.num_devices < gpus:
-        raise UserError(f"cluster {cluster!r} has {cl.num_devices} devices, fewer than --gpus {gpus}")
-    graph, shape = _traced(model, tuple(input_shape) if input_shape else None)
+        raise UserError(f"cluster {cl.name!r} has {cl.num_devices} devices, fewer than --gpus {gpus}")
+    graph, shape, name = _traced(model, tuple(input_shape) if input_shape else None)
     lg = build_layer_graph(_scaled(graph, batch))
     if not any(v.is_weight for v in lg.vertices):
-        raise UserError(f"model {model!r} has no conv2d or linear layer to decompose")
+        raise UserError(f"model {name!r} has no conv2d or linear layer to decompose")
     capacity = float(memory_limit) if memory_limit is not None else float(cl.device.memory_bytes)
-    return _Setup(lg, CostContext(cl, batch, gpus, dtype, calibration), capacity, shape, cl.name)
+    return _Setup(lg, CostContext(cl, batch, gpus, dtype, calibration), capacity, shape, cl.name, name)
 
 
-def _to_plan(model: str, s: _Setup, opts: list[VertexOptions], choice: Sequence[int], pred: Prediction,
+def _to_plan(s: _Setup, opts: list[VertexOptions], choice: Sequence[int], pred: Prediction,
              strategy: str | None, notes: list[str]) -> tuple[Plan, tuple[LayerChoice, ...]]:
     layers: dict[str, LayerLayout] = {}
     rows = []
@@ -345,7 +364,7 @@ def _to_plan(model: str, s: _Setup, opts: list[VertexOptions], choice: Sequence[
     for lay in layers.values():
         counts[lay] = counts.get(lay, 0) + 1
     default = max(counts, key=counts.get) if counts else LayerLayout(sample=s.ctx.ranks)
-    plan = Plan(model=model, input_shape=list(s.input_shape) if s.input_shape else None, cluster=s.cluster_name,
+    plan = Plan(model=s.model_name, input_shape=list(s.input_shape) if s.input_shape else None, cluster=s.cluster_name,
                 world_size=s.ctx.ranks, batch=s.ctx.batch, dp=s.ctx.ranks, mp=1, default_layout=default,
                 layers=layers, strategy=strategy, predicted=pred, notes=notes)
     return plan, tuple(rows)
@@ -384,7 +403,7 @@ def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, gr
     return best
 
 
-def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int = 32, *,
+def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch: int = 32, *,
                memory_limit: float | None = None, strategy: str | None = None, dtype: str = "fp32",
                input_shape: Sequence[int] | None = None, grad_sync: str = "flat", free_sample: bool = False,
                calibration=None, time_share: float | None = None,
@@ -425,7 +444,7 @@ def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int
         notes = [f"fixed layout {strat.layout.to_strategy()} evaluated (not searched)"]
         if pred.memory_bytes[0] > s.capacity:
             notes.append(f"over the memory limit: {_size(pred.memory_bytes[0])} per device")
-        plan, rows = _to_plan(model, s, opts, choice, pred, strat.layout.to_strategy(), notes)
+        plan, rows = _to_plan(s, opts, choice, pred, strat.layout.to_strategy(), notes)
         return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0, brk, base_brk)
 
     if free_sample:
@@ -446,13 +465,13 @@ def plan_model(model: str, cluster: str = "localhost", gpus: int = 1, batch: int
         elif best is None or found[1].step_time_s < best[1].step_time_s:
             best = (found[0], found[1], found[2] if free_sample else f"{key}, {found[2]}", found[3], found[4])
     if best is None:
-        raise InfeasibleError(f"no decomposition of {model} fits {_size(s.capacity)} per device "
+        raise InfeasibleError(f"no decomposition of {s.model_name} fits {_size(s.capacity)} per device "
                               f"on {gpus} devices at batch {batch} ({'; '.join(reasons[:3])})")
     choice, pred, method, opts, brk = best
     notes = [f"optimiser: {method}"] + ([note] if note else [])
     if free_sample and len({lay.sample for lay in _chosen_layouts(opts, choice)}) > 1:
         notes.append("layers use different sample degrees: the runtime needs one (plan for projection only)")
-    plan, rows = _to_plan(model, s, opts, choice, pred, None, notes)
+    plan, rows = _to_plan(s, opts, choice, pred, None, notes)
     pruned = {vo.vertex.node.module or vo.vertex.name: vo.pruned for vo in opts if vo.pruned}
     return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0, brk, base_brk)
 

@@ -25,7 +25,7 @@ def register(app: click.Group) -> None:
         """Write an HTML report: layout per layer, predicted time/memory, projection, Gantt, measured."""
         from rich.progress import Progress
 
-        from hybridpar.plan import load_plan
+        from hybridpar.plans import load_plan
         from hybridpar.report import build_report, load_measured, write_atomic
         from hybridpar.report.extras import load_projection
 

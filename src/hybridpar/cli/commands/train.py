@@ -75,7 +75,7 @@ def build_config(*, model, input_shape, strategy, plan_path, nproc, data, batch,
     import os
 
     from hybridpar.graph.models import load_model, parse_shape
-    from hybridpar.plan import Plan, load_plan, parse_strategy
+    from hybridpar.plans import Plan, load_plan, parse_strategy
     from hybridpar.runtime import launch
     from hybridpar.runtime.data import data_spec, load_dataset
     from hybridpar.runtime.parallelize import as_layouts, check_parallelizable

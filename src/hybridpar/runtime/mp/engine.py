@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.errors import UserError
-from hybridpar.plan import Plan
+from hybridpar.plans import Plan
 from hybridpar.runtime.mp.comm import CommLog
 from hybridpar.runtime.mp.executor import crossings, message_count, meta_copy, meta_values, run_forward
 from hybridpar.runtime.mp.grad_sync import BUCKET_BYTES, GradSync

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import fx, nn
 
-from hybridpar.plan import Plan
+from hybridpar.plans import Plan
 
 PLACER_TIME_LIMIT_S = 10.0  # the ILP is warm-started from the best heuristic; this bounds its search
 

@@ -8,7 +8,7 @@ from functools import lru_cache
 from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
-from hybridpar.plan import Plan, Prediction
+from hybridpar.plans import Plan, Prediction
 from hybridpar.search.placer.adapter import placement_by_module, problem_from_graph, tie_shared_modules
 from hybridpar.search.placer.problem import PlacementProblem
 from hybridpar.search.placer.result import PlacementResult

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridpar.errors import UserError
-from hybridpar.plan.schema import LayerLayout
+from hybridpar.plans.schema import LayerLayout
 
 _KEYS = ("sample", "channel", "filter", "mp")
 
