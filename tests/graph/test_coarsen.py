@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from hybridpar.graph.coarsen import coarsen_to, collapse_chains, fuse_pointwise
 from hybridpar.graph.models import load_model
-from hybridpar.graph.trace import trace
+from hybridpar.graph.tracing import trace
 from hybridpar.graph.types import Graph, Node
 
 

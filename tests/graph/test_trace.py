@@ -8,7 +8,7 @@ from torch import nn
 from hybridpar.errors import UserError
 from hybridpar.graph.flops import lstm_flops, matmul_flops
 from hybridpar.graph.models import load_model
-from hybridpar.graph.trace import trace
+from hybridpar.graph.tracing import trace
 
 
 def _acyclic_and_ordered(g) -> bool:
@@ -243,3 +243,16 @@ def test_opaque_torch_modules_get_measured_flops(flop_counter):
     fwd, bwd = flop_counter(m, (ids,))
     mm = matmul_flops(g)
     assert (mm.fwd, mm.bwd_data + mm.bwd_weight) == (fwd, bwd)
+
+
+def test_graph_trace_is_a_plain_function():
+    import inspect
+
+    import hybridpar.graph
+    import hybridpar.graph.tracing  # importing the module must not shadow the function
+
+    assert inspect.isfunction(hybridpar.graph.trace)
+    assert hybridpar.graph.trace is hybridpar.graph.tracing.trace
+    from hybridpar.graph import trace as fn
+
+    assert inspect.isfunction(fn)

@@ -5,7 +5,7 @@ import torch
 
 from hybridpar.graph.flops import matmul_flops
 from hybridpar.graph.models import load_model
-from hybridpar.graph.trace import trace
+from hybridpar.graph.tracing import trace
 from hybridpar.graph.zoo import ZOO
 
 PUBLISHED_EXACT = {

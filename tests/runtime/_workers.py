@@ -97,7 +97,7 @@ def comm_and_memory(strategies: list[str], batch: int = 8, shape=(4, 16, 16)) ->
     """Per strategy and rank: measured bytes per kind of the first step after warm_up, the cost
     model's bytes for the same layout and grid position, and parameter bytes (before and after)."""
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
-    from hybridpar.graph.trace import trace
+    from hybridpar.graph.tracing import trace
     from hybridpar.graph.zoo.small import small_resnet
     from hybridpar.runtime.engine import ChannelFilterEngine
 
@@ -135,7 +135,7 @@ def mixed_plan(layers: dict[str, str], default: str, steps: int = 3, batch: int 
     the gathered weights against serial SGD, and measured vs modelled bytes of the last step."""
 
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
-    from hybridpar.graph.trace import trace
+    from hybridpar.graph.tracing import trace
     from hybridpar.graph.zoo.small import small_resnet
     from hybridpar.plans import Plan, parse_strategy
     from hybridpar.runtime.engine import ChannelFilterEngine
@@ -181,7 +181,7 @@ def concat_model(strategies: list[str], steps: int = 2, batch: int = 8) -> list:
     """Per strategy and rank: weight error vs serial SGD, measured vs modelled bytes."""
 
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
-    from hybridpar.graph.trace import trace
+    from hybridpar.graph.tracing import trace
     from hybridpar.runtime.engine import ChannelFilterEngine
 
     rows = []

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hybridpar.cost.layout_comm import bytes_by_kind, layer_collectives, model_collectives
-from hybridpar.graph.trace import trace
+from hybridpar.graph.tracing import trace
 from hybridpar.plans import LayerLayout
 
 

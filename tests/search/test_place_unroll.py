@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hybridpar.cli.main import main
-from hybridpar.graph.trace import trace
+from hybridpar.graph.tracing import trace
 from hybridpar.search.placer import place_model
 from hybridpar.search.placer.api import build_problem
 from hybridpar.search.placer.unroll import unroll

@@ -8,7 +8,7 @@ __all__ = ["DTYPE_BYTES", "Graph", "Node", "load_model", "trace"]
 def __getattr__(name):
     # torch-heavy entry points load lazily.
     if name == "trace":
-        from hybridpar.graph.trace import trace
+        from hybridpar.graph.tracing import trace
 
         return trace
     if name == "load_model":

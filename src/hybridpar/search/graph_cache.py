@@ -54,7 +54,7 @@ def traced_graph(spec: str, input_shape: tuple[int, ...] | None) -> tuple[Graph,
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
         pass
     from hybridpar.graph.models import load_model
-    from hybridpar.graph.trace import trace
+    from hybridpar.graph.tracing import trace
 
     loaded = load_model(spec, batch=1, input_shape=input_shape)
     graph = trace(loaded.module, loaded.example_inputs, name=loaded.name)

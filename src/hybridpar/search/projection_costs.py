@@ -104,7 +104,7 @@ class CostModelBackend:
     @cache  # noqa: B019
     def graph(self, batch: int) -> Graph:
         from hybridpar.graph.models import load_model
-        from hybridpar.graph.trace import trace
+        from hybridpar.graph.tracing import trace
 
         # Build on the meta device: BigLSTM's 1.8 B weights are never allocated.
         with torch.device("meta"):

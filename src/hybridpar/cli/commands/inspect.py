@@ -48,7 +48,7 @@ def build_graph(model: str, batch: int | None, input_shape: str | None, coarsen:
         task = bar.add_task("building model", total=None) if bar else None
         loaded = load_model(model, batch=batch, input_shape=shape, device="meta")
         _step(bar, task, "tracing")
-        from hybridpar.graph.trace import trace
+        from hybridpar.graph.tracing import trace
 
         graph = trace(loaded.module, loaded.example_inputs, name=loaded.name)
         if coarsen is not None:

@@ -59,7 +59,7 @@ class PlaceOutcome:
 @lru_cache(maxsize=16)
 def _traced(model: str, batch: int, input_shape: tuple[int, ...] | None) -> tuple[Graph, str]:
     from hybridpar.graph.models import load_model
-    from hybridpar.graph.trace import trace
+    from hybridpar.graph.tracing import trace
 
     # meta tensors: tracing needs shapes only, so BigLSTM's 1.8 B weights are never allocated
     lm = load_model(model, batch=batch, input_shape=input_shape, device="meta")
@@ -74,7 +74,7 @@ def model_graph(model, batch: int, input_shape: tuple[int, ...] | None = None) -
     if isinstance(model, str):
         return _traced(model, batch, tuple(input_shape) if input_shape else None)
     if isinstance(model, tuple) and len(model) == 2:
-        from hybridpar.graph.trace import trace
+        from hybridpar.graph.tracing import trace
 
         g = trace(model[0], model[1])
         return g, g.name

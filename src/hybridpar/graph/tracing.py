@@ -228,9 +228,3 @@ def _export_records(module: nn.Module, inputs: tuple) -> list[OpRecord]:
                                 module=scope if leaf and kind not in ("fold", "other") else None,
                                 scope=scope or None, attrs=attrs))
     return records
-
-
-# `hybridpar.graph.trace` names this module once it is imported; keep it callable.
-from hybridpar._callable import make_module_callable
-
-make_module_callable(__name__, trace)
