@@ -5,7 +5,7 @@ import pytest
 from hybridpar.cli.main import main
 from hybridpar.cluster import load_cluster
 from hybridpar.errors import UserError
-from hybridpar.profile.calibration import (
+from hybridpar.cluster.calibration import (
     Calibration,
     GlooFit,
     Measurement,

@@ -16,7 +16,7 @@ import os
 from hybridpar.cluster.loader import build_cluster
 from hybridpar.cluster.model import Cluster, MeasuredCollective
 from hybridpar.cluster.spec import ClusterFile
-from hybridpar.profile.calibration import Calibration, default_calibration_path, load_calibration
+from hybridpar.cluster.calibration import Calibration, default_calibration_path, load_calibration
 
 
 def physical_cores() -> int:

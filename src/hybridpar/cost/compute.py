@@ -21,7 +21,7 @@ import yaml
 
 from hybridpar.cluster.model import Cluster, DeviceSpec
 from hybridpar.graph.types import DTYPE_BYTES, Node
-from hybridpar.profile.calibration import Calibration, OpRecord, load_calibration, op_key
+from hybridpar.cluster.calibration import Calibration, OpRecord, load_calibration, op_key
 
 EFFICIENCY_FILE = Path(__file__).with_name("efficiency.yaml")
 

@@ -16,7 +16,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from hybridpar.errors import UserError
-from hybridpar.profile.calibration import CollectiveFit, GlooFit, Measurement
+from hybridpar.cluster.calibration import CollectiveFit, GlooFit, Measurement
 from hybridpar.profile.timing import summarize
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)

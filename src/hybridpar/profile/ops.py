@@ -20,7 +20,7 @@ from torch import nn
 
 from hybridpar.cost.compute import local_shapes
 from hybridpar.graph.types import Node
-from hybridpar.profile.calibration import Measurement, OpRecord
+from hybridpar.cluster.calibration import Measurement, OpRecord
 from hybridpar.profile.timing import measure, summarize
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpar.errors import UserError
-from hybridpar.profile.calibration import (
+from hybridpar.cluster.calibration import (
     Calibration,
     CollectiveFit,
     GlooFit,

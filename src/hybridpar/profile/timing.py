@@ -6,7 +6,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from hybridpar.profile.calibration import Measurement
+from hybridpar.cluster.calibration import Measurement
 
 
 def summarize(samples: Sequence[float]) -> Measurement:

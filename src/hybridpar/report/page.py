@@ -7,7 +7,7 @@ import html
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from hybridpar.cli.output import fmt, human_bytes, human_time
+from hybridpar.humanize import fmt, human_bytes, human_time
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1100px;
