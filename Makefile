@@ -17,16 +17,18 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/hybridpar plan --model resnet50_w8 --cluster lassen --gpus 256 --batch 512
 
-test: $(STAMP)
+# The import contracts (pyproject.toml [tool.importlinter]) and ruff run before the tests, so CI runs them.
+test: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
-test-fast: $(STAMP)
+test-fast: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
 
 lint: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/ruff check src tests benchmarks
 
 clean:

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     c = m.curve
     result = {"per_batch": rows, "measure_wall_s": meas_s, "gns_wall_s": gns_s, "gns_per_epoch": gns}
     if c:
-        con.print(f"fit: E_min = {c.e_min:.3g} +- {c.e_min_sd:.2g} epochs, B_noise = {c.b_noise:.4g} +- {c.b_noise_sd:.2g}")
+        con.print(f"fit: E_min = {c.e_min:.3g} +- {c.e_min_sd:.2g} epochs, "
+                  f"B_noise = {c.b_noise:.4g} +- {c.b_noise_sd:.2g}")
         ratio = gns[-1] / c.b_noise
         con.print(f"online gradient noise scale (batch 256 as 8 ranks x 32), per epoch: "
                   f"{', '.join(f'{g:.4g}' for g in gns)}; last / fitted B_noise = {ratio:.2f}")

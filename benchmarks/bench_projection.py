@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     con.print(t)
     con.print(f"wall: cold cache {cold_s:.1f} s, warm cache {warm_s:.1f} s (3 models x 13 GPU counts); "
               f"warm/cold ratio {warm_s / cold_s:.2f}")
-    con.print("notes: inception_v3 and biglstm use BORROWED convergence curves; biglstm DP-only does not fit a 16 GB V100.")
+    con.print("notes: inception_v3 and biglstm use BORROWED convergence curves; "
+              "biglstm DP-only does not fit a 16 GB V100.")
     result = {"models": rows, "cold_wall_s": cold_s, "warm_wall_s": warm_s, "warm_vs_cold_ratio": warm_s / cold_s,
               "plots": [str(plots / f"projection_{m}.png") for m in MODELS]}
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")

@@ -3,9 +3,9 @@ import math
 import pytest
 
 from hybridpar.cluster import load_cluster
+from hybridpar.cluster.calibration import Calibration, Measurement, OpRecord
 from hybridpar.cost.compute import efficiency_table, local_shapes, op_time, roofline_time
 from hybridpar.graph.types import Node
-from hybridpar.cluster.calibration import Calibration, Measurement, OpRecord
 
 
 def conv(n=64, c=256, f=256, hw=56, first=False) -> Node:

@@ -4,7 +4,6 @@ import pytest
 
 from hybridpar.cli.main import main
 from hybridpar.cluster import load_cluster
-from hybridpar.errors import UserError
 from hybridpar.cluster.calibration import (
     Calibration,
     GlooFit,
@@ -12,6 +11,7 @@ from hybridpar.cluster.calibration import (
     load_calibration,
     save_calibration,
 )
+from hybridpar.errors import UserError
 from hybridpar.profile.gloo import fit_alpha_beta
 
 

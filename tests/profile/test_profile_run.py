@@ -6,8 +6,8 @@ import pytest
 
 from hybridpar.cli.main import main
 from hybridpar.cluster import load_cluster
-from hybridpar.cost.collectives import allreduce_time
 from hybridpar.cluster.calibration import load_calibration
+from hybridpar.cost.collectives import allreduce_time
 from hybridpar.profile.gloo import measure_allreduce
 
 SIZES = "16K,256K,2M"

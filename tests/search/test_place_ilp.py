@@ -59,7 +59,8 @@ def exact_schedule(ops, best: int) -> int:
             return
         for i in ready:
             # orders that only swap adjacent independent ops give the same schedule: keep one
-            if last >= 0 and i < last and last not in ops[i].preds and not set(ops[i].resources) & set(ops[last].resources):
+            if (last >= 0 and i < last and last not in ops[i].preds
+                    and not set(ops[i].resources) & set(ops[last].resources)):
                 continue
             end[i] = est[i] + dur[i]
             new_free = dict(free)

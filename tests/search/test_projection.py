@@ -31,7 +31,8 @@ class AnalyticCosts:
         c = self.sec_per_sample * batch
         k = 10
         ready = tuple((2 * c / 3 * (i + 1) / k, self.param_bytes // k) for i in range(k))
-        return Profile(c / 3, 2 * c / 3, self.param_bytes, ready, int(4 * self.param_bytes + self.mem_per_sample * batch))
+        mem = int(4 * self.param_bytes + self.mem_per_sample * batch)
+        return Profile(c / 3, 2 * c / 3, self.param_bytes, ready, mem)
 
     def allreduce_s(self, bytes_, ranks):
         return 2 * (ranks - 1) / ranks * bytes_ / self.bw_Bps + 5e-6 * math.log2(ranks)

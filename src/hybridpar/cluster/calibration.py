@@ -1,8 +1,9 @@
 """The calibration file of the `localhost` cluster: what `hybridpar profile` measured on this machine.
 
 It describes the cluster, so it lives here; `hybridpar.profile` is the tool that writes it, and
-`hybridpar.cost` reads it through the cluster. Kept free of torch so that loading a cluster stays fast. JSON, validated by pydantic, written
-atomically (temporary file + rename) so a reader never sees half a file.
+`hybridpar.cost` reads it through the cluster. Kept free of torch so that loading a cluster stays
+fast. JSON, validated by pydantic, written atomically (temporary file + rename) so a reader never sees
+half a file.
 """
 
 from __future__ import annotations

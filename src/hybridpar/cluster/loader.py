@@ -46,8 +46,8 @@ def _parse(path: Path) -> Any:
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"cluster file {str(path)!r} is unreadable: {err}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise UserError(f"cluster file {str(path)!r} is not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: "
-                        f"{' '.join(str(err).split())}") from None
+        kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+        raise UserError(f"cluster file {str(path)!r} is not valid {kind}: {' '.join(str(err).split())}") from None
 
 
 def _validate(data: Any, what: str) -> ClusterFile:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 
+from hybridpar.cluster.calibration import Calibration, default_calibration_path, load_calibration
 from hybridpar.cluster.loader import build_cluster
 from hybridpar.cluster.model import Cluster, MeasuredCollective
 from hybridpar.cluster.spec import ClusterFile
-from hybridpar.cluster.calibration import Calibration, default_calibration_path, load_calibration
 
 
 def physical_cores() -> int:

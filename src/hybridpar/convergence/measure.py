@@ -80,7 +80,10 @@ def digits_split(test_frac: float = 0.2) -> tuple[torch.Tensor, torch.Tensor, to
 
     x, y = load_digits(return_X_y=True)
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=test_frac, random_state=0, stratify=y)
-    as_img = lambda a: torch.tensor(a, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+
+    def as_img(a) -> torch.Tensor:
+        return torch.tensor(a, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+
     return as_img(xtr), torch.tensor(ytr), as_img(xte), torch.tensor(yte)
 
 
@@ -95,7 +98,7 @@ def build_model(name: str, seed: int) -> nn.Module:
     try:
         net = entry.build(in_channels=1, num_classes=10)
         net(torch.zeros(2, 1, 8, 8))
-    except Exception as err:  # noqa: BLE001 - any zoo model that cannot take 1x8x8 digits
+    except Exception as err:  # any zoo model that cannot take 1x8x8 digits
         raise UserError(f"model {name!r} cannot be trained on digits (1x8x8, 10 classes): "
                         f"{type(err).__name__}: {err}") from None
     return net

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import yaml
 
+from hybridpar.cluster.calibration import Calibration, OpRecord, load_calibration, op_key
 from hybridpar.cluster.model import Cluster, DeviceSpec
 from hybridpar.graph.types import DTYPE_BYTES, Node
-from hybridpar.cluster.calibration import Calibration, OpRecord, load_calibration, op_key
 
 EFFICIENCY_FILE = Path(__file__).with_name("efficiency.yaml")
 

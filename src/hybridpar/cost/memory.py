@@ -3,8 +3,9 @@ and communication buffers.
 
 Activations: the output of a node is kept when a consumer needs its input for backward (conv, linear,
 normalisation, pooling, ...) or when the node needs its own output (ReLU, softmax); views (flatten,
-reshape) alias their producer and are counted once; max-pool also keeps its int64 indices. LSTM nodes also keep their four gates and cell
-state (approximation: 4x the output). Allocator fragmentation and framework workspace are not modelled.
+reshape) alias their producer and are counted once; max-pool also keeps its int64 indices. LSTM nodes
+also keep their four gates and cell state (approximation: 4x the output). Allocator fragmentation and
+framework workspace are not modelled.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-from hybridpar.errors import UserError
 from hybridpar.cluster.calibration import CollectiveFit, GlooFit, Measurement
+from hybridpar.errors import UserError
 from hybridpar.profile.timing import summarize
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)

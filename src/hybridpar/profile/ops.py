@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridpar.cluster.calibration import Measurement, OpRecord
 from hybridpar.cost.compute import local_shapes
 from hybridpar.graph.types import Node
-from hybridpar.cluster.calibration import Measurement, OpRecord
 from hybridpar.profile.timing import measure, summarize
 
 
@@ -28,7 +28,8 @@ from hybridpar.profile.timing import measure, summarize
 class OpSpec:
     """One op at a (local) shape, with what is needed to run it."""
 
-    op: str  # "conv2d" | "linear" | "batchnorm" | "batchnorm_global" | "relu" | "maxpool" | "avgpool" | "adaptive_avgpool"
+    # "conv2d" | "linear" | "batchnorm" | "batchnorm_global" | "relu" | "maxpool" | "avgpool" | "adaptive_avgpool"
+    op: str
     x: tuple[int, ...]
     w: tuple[int, ...] | None
     y: tuple[int, ...]

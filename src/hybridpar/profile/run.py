@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpar.errors import UserError
 from hybridpar.cluster.calibration import (
     Calibration,
     CollectiveFit,
@@ -19,6 +18,7 @@ from hybridpar.cluster.calibration import (
     load_calibration,
     save_calibration,
 )
+from hybridpar.errors import UserError
 from hybridpar.profile.gloo import DEFAULT_SIZES, fit_alpha_beta, fit_collective, measure_collectives
 from hybridpar.profile.gloo_worker import KINDS
 

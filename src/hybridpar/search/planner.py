@@ -305,7 +305,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
             nbytes[k] = nbytes.get(k, 0) + b
     mem = int(sum(c.memory_bytes for c in costs))
     per_layer = {}
-    for vo, k, c, r in zip(opts, choice, costs, redist):
+    for vo, c, r in zip(opts, costs, redist):
         key = vo.vertex.node.module or vo.vertex.name
         per_layer[key] = {"fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.comm_fwd_s + c.comm_bwd_s + r,
                           "grad_sync_s": c.grad_sync_s, "memory_bytes": c.memory_bytes}

@@ -181,7 +181,8 @@ class CostModelBackend:
 
     def cf_step(self, gpus: int, groups: int, batch_global: int) -> CFStep | None:
         if gpus > self.cf_max_gpus:
-            note = f"channel/filter layouts planned up to {self.cf_max_gpus} GPUs only (planner cost); raise --cf-max-gpus"
+            note = (f"channel/filter layouts planned up to {self.cf_max_gpus} GPUs only (planner cost); "
+                    "raise --cf-max-gpus")
             if note not in self.notes:
                 self.notes.append(note)
             return None

@@ -74,7 +74,8 @@ def register(app: click.Group) -> None:
                             ["batch", "peak lr", "epochs", "sd", "reached", "fit"], rows))
         if m.curve:
             c = m.curve
-            console.print(f"fit: E(B) = {c.e_min:.3g} (+-{c.e_min_sd:.2g}) x (1 + B / {c.b_noise:.4g} (+-{c.b_noise_sd:.2g}))")
+            console.print(f"fit: E(B) = {c.e_min:.3g} (+-{c.e_min_sd:.2g}) x "
+                          f"(1 + B / {c.b_noise:.4g} (+-{c.b_noise_sd:.2g}))")
             for note in c.notes():
                 console.print(f"  note: {note}")
         else:

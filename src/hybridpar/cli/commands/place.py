@@ -37,7 +37,8 @@ def register(app: click.Group) -> None:
     @click.option("--coarsen", type=int, default=None,
                   help="max nodes of the coarsened graph [64]; recurrent graphs: N/K nodes before K time chunks")
     @click.option("--time-chunks", "time_chunks", type=int, default=None,
-                  help="split each recurrent node into K time chunks (wavefront); 0 = off [4 when the model has an LSTM]")
+                  help="split each recurrent node into K time chunks (wavefront); 0 = off "
+                       "[4 when the model has an LSTM]")
     @click.option("--input-shape", default=None, help="per-sample input shape for file models, e.g. 3,32,32")
     @click.option("--workers", default=2, show_default=True, type=int, help="CP-SAT search workers")
     @click.option("--gantt", type=click.Path(dir_okay=False), default=None, help="write the schedule as PNG")

@@ -102,8 +102,8 @@ def register(app: click.Group) -> None:
                        "cluster's; on localhost ranks/cores)")
     @click.option("--out", "out", default=None, type=click.Path(dir_okay=False), help="write the Plan JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample, time_share, out,
-                 json_) -> None:
+    def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample,
+                 time_share, out, json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
         from hybridpar.graph.models import parse_shape
         from hybridpar.search.planner import plan_model

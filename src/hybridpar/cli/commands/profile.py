@@ -66,8 +66,9 @@ def _print(cal, path) -> None:
                         ["ranks", "alpha us", "1/beta MB/s", "worst fit error", "worst spread (p90-p10)/med"],
                         rows))
     if cal.collectives:
+        fits = sorted(cal.collectives, key=lambda f: (f.world_size, f.group_size, f.kind))
         c_rows = [[f.kind, f.world_size, f.group_size, f.intercept_s * 1e3, f.predict_s(1 << 20) * 1e3,
-                   f.max_rel_residual] for f in sorted(cal.collectives, key=lambda f: (f.world_size, f.group_size, f.kind))]
+                   f.max_rel_residual] for f in fits]
         console.print(table("gloo collectives in a step: T(n) = a + b n (what the localhost cost model uses)",
                             ["kind", "ranks", "group", "a ms", "T(1 MiB) ms", "worst fit error"], c_rows,
                             justify_right=lambda c: c != "kind"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -154,10 +155,8 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
     result = solve(prob, solver, time_limit_s=time_limit_s, workers=workers)
     baselines: dict[str, float] = {}
     for bname, fn in BASELINES.items():
-        try:
+        with contextlib.suppress(InfeasibleError):  # a baseline that does not fit is left out
             baselines[bname] = fn(prob).step_time_s
-        except InfeasibleError:
-            pass
     single = baselines.get("single")
     if single is None:  # does not fit on one device: time it anyway for the speedup, flagged
         from hybridpar.search.placer.result import evaluate

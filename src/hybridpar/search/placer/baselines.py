@@ -135,8 +135,9 @@ class _Placer:
 
     def no_fit(self, v: int) -> InfeasibleError:
         t = self.p.tasks[v]
+        cap = fmt_bytes(self.p.mem_capacity_bytes[0])
         return InfeasibleError(f"{self.p.name}: node {t.name!r} ({fmt_bytes(t.mem_bytes)}) fits on no device "
-                               f"once earlier nodes are placed (device memory {fmt_bytes(self.p.mem_capacity_bytes[0])})")
+                               f"once earlier nodes are placed (device memory {cap})")
 
 
 def place_etf(problem: PlacementProblem) -> PlacementResult:
@@ -147,7 +148,10 @@ def place_etf(problem: PlacementProblem) -> PlacementResult:
     rank = _upward_rank(problem)
     missing = [len(ps) for ps in problem.preds]
     ready = {v for v in range(len(problem.tasks)) if missing[v] == 0}
-    fwd = lambda v, d: problem.tasks[v].fwd_s[d]
+
+    def fwd(v: int, d: int) -> float:
+        return problem.tasks[v].fwd_s[d]
+
     while ready:
         cands = [(st.est(v, d), -rank[v], d, v) for v in ready for d in st.allowed(v) if st.fits(v, d)]
         if not cands:
@@ -168,7 +172,10 @@ def place_greedy(problem: PlacementProblem) -> PlacementResult:
     t0 = time.perf_counter()
     st = _Placer(problem)
     rank = _upward_rank(problem)
-    step = lambda v, d: problem.tasks[v].fwd_s[d] + problem.tasks[v].bwd_s[d]
+
+    def step(v: int, d: int) -> float:
+        return problem.tasks[v].fwd_s[d] + problem.tasks[v].bwd_s[d]
+
     # decreasing upward rank is a topological order (a predecessor's rank exceeds its successor's)
     for v in sorted(range(len(problem.tasks)), key=lambda v: (-rank[v], v)):
         cands = [(st.est(v, d) + step(v, d), d) for d in st.allowed(v) if st.fits(v, d)]

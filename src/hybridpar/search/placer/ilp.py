@@ -1,11 +1,12 @@
 """DLPlacer's ILP (Pal et al., IEEE Micro 2019) as a CP-SAT model with optional interval variables.
 
-Variables: x[t,d] (task t on device d; tasks with one tie share these literals); start of each task's forward and backward; for every task u
-with consumers and every ordered device pair (a, b), a literal p[u,a,b] (u on a and some consumer on b)
-that makes present one optional forward transfer on links[a][b] and one gradient transfer on
-links[b][a]. Constraints: one device per task; per-device memory (tasks + receive buffers);
-NoOverlap per device (forward and backward intervals) and per link (transfers); precedence with the
-transfer delays, exactly the rules of schedule.build_ops. Objective: the step's makespan.
+Variables: x[t,d] (task t on device d; tasks with one tie share these literals); start of each task's
+forward and backward; for every task u with consumers and every ordered device pair (a, b), a literal
+p[u,a,b] (u on a and some consumer on b) that makes present one optional forward transfer on
+links[a][b] and one gradient transfer on links[b][a]. Constraints: one device per task; per-device
+memory (tasks + receive buffers); NoOverlap per device (forward and backward intervals) and per link
+(transfers); precedence with the transfer delays, exactly the rules of schedule.build_ops. Objective:
+the step's makespan.
 
 CP-SAT needs integers: times are in units of `time_unit_s` (default: the one-device step / 50,000,
 i.e. 0.002% resolution); durations are rounded to the nearest unit. The returned schedule is the
@@ -39,7 +40,10 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     t0 = time.perf_counter()
     problem.check_capacity()
     unit = time_unit_s or default_time_unit(problem)
-    q = lambda s: round(s / unit)
+
+    def q(s: float) -> int:
+        return round(s / unit)
+
     n, m = len(problem.tasks), problem.num_devices
     P, S = problem.preds, problem.succs
     fdur = [[q(t.fwd_s[d]) for d in range(m)] for t in problem.tasks]
