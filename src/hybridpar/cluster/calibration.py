@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridpar.errors import UserError
+from hybridpar.files import atomic_write
 
 CALIBRATION_VERSION = 1
 ENV_VAR = "HYBRIDPAR_CALIBRATION"
@@ -158,15 +158,6 @@ def load_calibration(path: str | os.PathLike | None = None, *, required: bool = 
 
 
 def save_calibration(cal: Calibration, path: str | os.PathLike | None = None) -> Path:
-    """Write atomically: a temporary file in the same folder, then rename over the target."""
+    """Write atomically (hybridpar.files.atomic_write); returns the path written."""
     p = Path(path).expanduser() if path is not None else default_calibration_path()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".json", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(cal.model_dump_json(indent=2))
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return p
+    return atomic_write(p, cal.model_dump_json(indent=2))

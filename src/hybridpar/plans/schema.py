@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hybridpar.errors import UserError
+from hybridpar.files import atomic_write
 from hybridpar.jsonfile import read_json
 
 SCHEMA_VERSION = 1
@@ -106,16 +105,7 @@ class Plan(_Frozen):
 
     def save(self, path: str | os.PathLike) -> None:
         """Atomic write: a kill never leaves a half-written plan."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, self.to_json())
 
 
 def _first_error(err: ValidationError) -> str:

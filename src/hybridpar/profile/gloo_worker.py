@@ -25,6 +25,8 @@ import os
 import time
 from datetime import timedelta
 
+from hybridpar.files import atomic_write
+
 KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall")
 
 
@@ -137,11 +139,8 @@ def main() -> None:
     if args.rank == 0:
         rows = worst.tolist()
         per = len(sizes)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump({"world": args.world, "sizes": sizes,
-                       "samples": {key: rows[i * per:(i + 1) * per] for i, key in enumerate(keys)}}, fh)
-        os.replace(tmp, args.out)
+        samples = {key: rows[i * per:(i + 1) * per] for i, key in enumerate(keys)}
+        atomic_write(args.out, json.dumps({"world": args.world, "sizes": sizes, "samples": samples}))
     dist.destroy_process_group()
 
 

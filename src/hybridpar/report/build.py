@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from hybridpar.errors import UserError
 from hybridpar.plans import Plan
 from hybridpar.report import extras, figures
 from hybridpar.report.layers import layer_rows, zoo_split_layers
@@ -132,32 +128,3 @@ def build_report(plan: Plan, measured: Measured | None = None, projection: dict 
     page = render(f"hybridpar report: {plan.model} on {plan.world_size} ranks",
                   f"cluster {plan.cluster}, global batch {plan.batch}", sections)
     return Report(page, tuple(s.id for s in sections), tuple(notes))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Temp file in the same directory, fsync, rename: a kill leaves either the old file or the new one."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as err:
-        raise UserError(f"cannot write {path}: {err.strerror}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is for sharing
-        os.replace(tmp, path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {err.strerror}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

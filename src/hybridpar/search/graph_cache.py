@@ -8,12 +8,13 @@ at batch 1; the planner scales it to the global batch. Location: $HYBRIDPAR_CACH
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
-import tempfile
 from pathlib import Path
 
+from hybridpar.files import atomic_write
 from hybridpar.graph.types import Graph
 
 _GRAPH_PKG = Path(__file__).resolve().parent.parent / "graph"
@@ -63,11 +64,5 @@ def traced_graph(spec: str, input_shape: tuple[int, ...] | None) -> tuple[Graph,
 
 
 def _store(path: Path, obj: object) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home only costs a re-trace next time
+    with contextlib.suppress(OSError):  # a read-only home only costs a re-trace next time
+        atomic_write(path, lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL))

@@ -7,6 +7,7 @@ fast after the first run and a changed cost model never reuses stale numbers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from hybridpar.errors import InfeasibleError, UserError
+from hybridpar.files import atomic_write
 from hybridpar.graph.types import DTYPE_BYTES, Graph
 from hybridpar.search.projection import CFStep, MPStep, Profile
 
@@ -27,9 +29,7 @@ _FINGERPRINT_DIRS = ("cost", "cluster", "graph", "search")
 
 @cache
 def code_fingerprint() -> str:
-    import hybridpar
-
-    root = Path(hybridpar.__file__).parent
+    root = Path(__file__).resolve().parent.parent  # the hybridpar package (never import it: it is the face)
     h = hashlib.sha1()
     for sub in _FINGERPRINT_DIRS:
         for p in sorted((root / sub).rglob("*")):
@@ -65,13 +65,9 @@ class DiskCache:
                 pass
         val = self._mem[k] = make()
         if self.enabled:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(val))
-                tmp.replace(path)  # atomic: concurrent sweeps never read half a file
-            except OSError:
-                pass  # a read-only home only costs speed
+            # atomic: concurrent sweeps never read half a file; a read-only home only costs speed
+            with contextlib.suppress(OSError):
+                atomic_write(path, json.dumps(val))
         return val
 
 

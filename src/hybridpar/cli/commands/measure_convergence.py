@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
 from hybridpar.cli.output import console, err_console, print_json, table
 from hybridpar.errors import UserError
+from hybridpar.files import atomic_write
 
 
 def parse_int_list(text: str, option: str) -> list[int]:
@@ -61,7 +61,7 @@ def register(app: click.Group) -> None:
         result = measurement_json(m)
         if out:
             try:
-                Path(out).write_text(json.dumps(result, indent=2))
+                atomic_write(out, json.dumps(result, indent=2))
             except OSError as err:
                 raise UserError(f"cannot write {out!r}: {err.strerror}") from None
         if json_:

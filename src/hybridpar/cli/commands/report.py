@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from hybridpar.cli.output import console, err_console, human_bytes, print_json
+from hybridpar.errors import UserError
 
 
 def register(app: click.Group) -> None:
@@ -25,8 +26,9 @@ def register(app: click.Group) -> None:
         """Write an HTML report: layout per layer, predicted time/memory, projection, Gantt, measured."""
         from rich.progress import Progress
 
+        from hybridpar.files import atomic_write
         from hybridpar.plans import load_plan
-        from hybridpar.report import build_report, load_measured, write_atomic
+        from hybridpar.report import build_report, load_measured
         from hybridpar.report.extras import load_projection
 
         # Read and validate every input before writing anything.
@@ -40,7 +42,10 @@ def register(app: click.Group) -> None:
                 task = bar.add_task("report", total=6)
                 report = build_report(plan, measured, projection, on_section=lambda t: bar.update(
                     task, advance=1, description=f"report: {t}"))
-        write_atomic(out_path, report.html)
+        try:
+            atomic_write(out_path, report.html)
+        except OSError as err:
+            raise UserError(f"cannot write {out_path}: {err.strerror}") from None
         size = Path(out_path).stat().st_size
         if json_:
             print_json({"out": str(out_path), "bytes": size, "sections": list(report.sections),
