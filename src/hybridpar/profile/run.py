@@ -116,21 +116,5 @@ def _previous(path: Path) -> Calibration | None:
         return None  # an unreadable old file is simply replaced
 
 
-def parse_int_list(text: str, what: str) -> tuple[int, ...]:
-    """'2,4' -> (2, 4); sizes may use K/M suffixes (binary)."""
-    out = []
-    for tok in str(text).split(","):
-        tok = tok.strip().upper()
-        mult = 1
-        if tok.endswith(("K", "M")):
-            mult = 1024 if tok[-1] == "K" else 1 << 20
-            tok = tok[:-1]
-        try:
-            out.append(int(tok) * mult)
-        except ValueError:
-            raise UserError(f"{what} {text!r}: expected comma-separated integers") from None
-    return tuple(out)
-
-
 def sizes_default() -> Sequence[int]:
     return DEFAULT_SIZES

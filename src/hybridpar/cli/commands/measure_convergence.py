@@ -7,18 +7,9 @@ import json
 import click
 
 from hybridpar.cli.output import console, err_console, print_json, table
+from hybridpar.cli.parsing import parse_int_list
 from hybridpar.errors import UserError
 from hybridpar.files import atomic_write
-
-
-def parse_int_list(text: str, option: str) -> list[int]:
-    try:
-        vals = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise UserError(f"{option} {text!r}: expected comma-separated positive integers, e.g. 16,64,256") from None
-    if not vals or any(v < 1 for v in vals):
-        raise UserError(f"{option} {text!r}: expected comma-separated positive integers, e.g. 16,64,256")
-    return vals
 
 
 def register(app: click.Group) -> None:

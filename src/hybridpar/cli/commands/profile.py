@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from hybridpar.cli.output import console, err_console, print_json, table
+from hybridpar.cli.parsing import parse_int_list
 
 
 def register(app: click.Group) -> None:
@@ -26,11 +27,11 @@ def register(app: click.Group) -> None:
     def profile_cmd(out, ranks, model, batch, input_shape, splits, sizes, repeats, warmup, no_merge, json_):
         """Measure op times, matmul peak and gloo collectives (per kind and group size) on this machine."""
         from hybridpar.graph.models import parse_shape
-        from hybridpar.profile.run import ProfileOptions, op_specs, parse_int_list, run_profile, sizes_default
+        from hybridpar.profile.run import ProfileOptions, op_specs, run_profile, sizes_default
 
         opts = ProfileOptions(
             ranks=parse_int_list(ranks, "--ranks"),
-            sizes=parse_int_list(sizes, "--sizes") if sizes else tuple(sizes_default()),
+            sizes=parse_int_list(sizes, "--sizes", binary_suffixes=True) if sizes else tuple(sizes_default()),
             model=model or None, batch=batch, input_shape=parse_shape(input_shape),
             splits=parse_int_list(splits, "--splits"), warmup=warmup, repeats=repeats, merge=not no_merge)
         opts.validate()

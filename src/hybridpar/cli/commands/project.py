@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from hybridpar.cli.commands.measure_convergence import parse_int_list
 from hybridpar.cli.output import console, err_console, human_time, print_json, table
+from hybridpar.cli.parsing import parse_int_list
 from hybridpar.errors import UserError
 
 DEFAULT_GPUS = ",".join(str(2**i) for i in range(13))  # 1 .. 4096

@@ -24,6 +24,7 @@ from hybridpar.errors import InfeasibleError
 from hybridpar.search.placer.problem import PlacementProblem, fmt_bytes
 from hybridpar.search.placer.result import PlacementResult
 from hybridpar.search.placer.schedule import build_ops, list_schedule, replay
+from hybridpar.toposort import topological_order
 
 
 def default_time_unit(problem: PlacementProblem) -> float:
@@ -233,21 +234,4 @@ def _replayed(problem, assignment, solver, sf, sb, tf, tb, pres, elapsed, status
 def _topological_by(ops, key: Sequence[tuple[int, int]]) -> list[int]:
     """Ops sorted by solver start; zero-length ops can tie with their successors, so repair to a
     topological order while keeping the solver's sequence otherwise."""
-    import heapq
-
-    missing = [len(op.preds) for op in ops]
-    succ: list[list[int]] = [[] for _ in ops]
-    for i, op in enumerate(ops):
-        for p in op.preds:
-            succ[p].append(i)
-    heap = [key[i] for i in range(len(ops)) if missing[i] == 0]
-    heapq.heapify(heap)
-    order = []
-    while heap:
-        _, i = heapq.heappop(heap)
-        order.append(i)
-        for s in succ[i]:
-            missing[s] -= 1
-            if missing[s] == 0:
-                heapq.heappush(heap, key[s])
-    return order
+    return topological_order([op.preds for op in ops], key=key.__getitem__)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from hybridpar.errors import InfeasibleError, UserError
+from hybridpar.toposort import topological_order
 
 
 @dataclass(frozen=True)
@@ -207,24 +208,12 @@ def _one_tie(ties: set[str]) -> str:
 
 
 def _toposort(tasks: list[Task]) -> list[Task]:
-    by_name = {t.name: t for t in tasks}
-    indeg = {t.name: len(t.inputs) for t in tasks}
-    succ: dict[str, list[str]] = {t.name: [] for t in tasks}
-    for t in tasks:
-        for i in t.inputs:
-            succ[i].append(t.name)
-    ready = [t.name for t in tasks if indeg[t.name] == 0]
-    out: list[Task] = []
-    while ready:
-        n = ready.pop(0)
-        out.append(by_name[n])
-        for s in succ[n]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                ready.append(s)
-    if len(out) != len(tasks):
-        raise ValueError("contraction creates a cycle")
-    return out
+    index = {t.name: k for k, t in enumerate(tasks)}
+    try:
+        order = topological_order([[index[i] for i in t.inputs] for t in tasks])
+    except ValueError:
+        raise ValueError("contraction creates a cycle") from None
+    return [tasks[k] for k in order]
 
 
 def _replace_tasks(problem: PlacementProblem, tasks: list[Task]) -> PlacementProblem:
