@@ -37,12 +37,42 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 from hybridpar.cluster.model import Cluster
 
+if TYPE_CHECKING:
+    from hybridpar.plans import LayerLayout
+
 Algo = Literal["auto", "ring", "tree", "hierarchical"]
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One collective a rank issues per training step: the one description the analytic twin of the
+    runtime (`cost.layout_comm`), the planner and the profiler share.
+
+    `bytes_` is one rank's full buffer (for allgather the gathered result, for reduce-scatter the
+    input). `group` names which ranks take part ("filter" | "channel" | "sample" | "shard" |
+    "replica" | "world"), `group_size` how many. Placed on a cluster, `groups` holds the concrete
+    concurrent rank groups (not part of equality) and `layout` the layer layout that, with `group`,
+    names them (a cheap cache key)."""
+
+    kind: str  # "allreduce" | "allgather" | "reduce_scatter" | "alltoall"
+    group_size: int
+    bytes_: int
+    group: str
+    phase: str = "fwd"  # "fwd" | "bwd" | "grad" (weight-gradient sync, may overlap backward) | "loss"
+    groups: tuple[tuple[int, ...], ...] = field(default=(), compare=False, hash=False, repr=False)
+    layout: LayerLayout | None = None
+
+    @classmethod
+    def placed(cls, kind: str, phase: str, bytes_: int, groups: tuple[tuple[int, ...], ...], group: str,
+               layout: LayerLayout) -> CommOp:
+        """A collective on concrete rank groups (the planner's view)."""
+        return cls(kind, len(groups[0]), bytes_, group, phase, groups, layout)
+
 _Flow = tuple[int, int, float]  # (src, dst, bytes per unit of n)
 
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import ceil, prod
 
+from hybridpar.cost.collectives import CommOp
 from hybridpar.graph.types import DTYPE_BYTES, Node
 from hybridpar.plans import LayerLayout
 from hybridpar.search.decomposition import (
@@ -39,22 +40,6 @@ WEIGHT_OPS = ("conv2d", "linear")
 JOIN_OPS = ("add", "mul", "concat")
 # Bytes of optimizer state per parameter byte beyond weight + gradient (SGD momentum: one buffer).
 OPTIMIZER_STATE_COPIES = 1
-
-
-@dataclass(frozen=True)
-class CommOp:
-    """One collective a layer issues per step: kind, phase, group and the full buffer of one rank."""
-
-    kind: str  # "allgather" | "reduce_scatter" | "allreduce" | "alltoall"
-    phase: str  # "fwd" | "bwd" | "grad" (weight-gradient sync, may overlap backward)
-    bytes_: int
-    groups: tuple[tuple[int, ...], ...] = field(compare=False, hash=False, repr=False)
-    group_kind: str = ""  # names the group structure with `layout`, a cheap cache key
-    layout: LayerLayout | None = None
-
-    @property
-    def group_size(self) -> int:
-        return len(self.groups[0])
 
 
 @dataclass(frozen=True)
@@ -108,7 +93,7 @@ class CostContext:
                        variant=variant)
 
     def comm_time(self, op: CommOp) -> float:
-        key = (op.group_kind, op.layout) if op.group_kind else op.groups
+        key = (op.group, op.layout) if op.group else op.groups
         return self._time(op.kind, op.bytes_, key, op.groups)
 
     def _time_uncached(self, kind: str, bytes_: int, key, groups: tuple[tuple[int, ...], ...]) -> float:
@@ -186,7 +171,7 @@ def layout_collectives(node: Node, followers: Sequence[Node], layout: LayerLayou
                                     dtype_bytes=ctx.elem):
             groups, key = _groups_of(op.group, layout)
             phase = "fwd" if op.phase == "loss" else op.phase
-            ops.append(CommOp(op.kind, phase, op.bytes_, groups, op.group, key))
+            ops.append(CommOp.placed(op.kind, phase, op.bytes_, groups, op.group, key))
     return ops
 
 
@@ -219,7 +204,7 @@ def _summarise(ops: Sequence[CommOp], ctx: CostContext) -> tuple[float, float, f
 
 def grad_allreduce(bytes_: int, key: LayerLayout) -> CommOp:
     """The segmented allreduce of `bytes_` of gradients among ranks holding the same shards."""
-    return CommOp("allreduce", "grad", bytes_, shard_groups(key), "replica", key)
+    return CommOp.placed("allreduce", "grad", bytes_, shard_groups(key), "replica", key)
 
 
 def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout, ctx: CostContext, *,
@@ -256,7 +241,8 @@ def redistribution(tensor_numel: int, src: Distribution, dst: Distribution, ctx:
     if src == dst:
         return None
     per_rank = tensor_numel // ctx.ranks * ctx.elem
-    return CommOp("alltoall", "fwd", per_rank, (tuple(range(ctx.ranks)),), "world", LayerLayout(sample=ctx.ranks))
+    return CommOp.placed("alltoall", "fwd", per_rank, (tuple(range(ctx.ranks)),), "world",
+                         LayerLayout(sample=ctx.ranks))
 
 
 def redistribution_time(tensor_numel: int, src: Distribution, dst: Distribution, ctx: CostContext) -> float:

@@ -20,6 +20,7 @@ from functools import lru_cache
 import numpy as np
 
 from hybridpar.cluster import Cluster, load_cluster
+from hybridpar.cost.collectives import CommOp
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import LayerLayout, Plan, Prediction, parse_strategy
@@ -34,7 +35,6 @@ from hybridpar.search.decomposition import (
     shard_groups,
 )
 from hybridpar.search.layer_cost import (
-    CommOp,
     CostContext,
     LayerCost,
     channels_of,
@@ -243,10 +243,10 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
     if last.channel > 1:
         per_sample = out_node.out_numel // max(out_node.out_shape[0], 1) if out_node.out_shape else 1
         gathered = ctx.batch // last.sample * per_sample * ctx.elem
-        ops.append(CommOp("allgather", "fwd", gathered, filter_groups(grid), "filter", grid))
+        ops.append(CommOp.placed("allgather", "fwd", gathered, filter_groups(grid), "filter", grid))
     if last.sample > 1:
         key = LayerLayout(sample=last.sample, channel=last.channel)
-        ops.append(CommOp("allreduce", "fwd", ctx.elem, shard_groups(key), "shard", key))
+        ops.append(CommOp.placed("allreduce", "fwd", ctx.elem, shard_groups(key), "shard", key))
     return ops
 
 
