@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridpar.errors import UserError
-from hybridpar.search.planner import plan_model
+from hybridpar.search.layers.planner import plan_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("resnet50", "resnet50_w2", "resnet50_w4", "resnet50_w8")

@@ -30,7 +30,7 @@ GPUS = [2**i for i in range(13)]
 def sweep(placer_time_limit: float) -> tuple[dict, float]:
     from hybridpar.convergence.builtin import builtin_curve
     from hybridpar.search.projection import default_batch_per_gpu, project
-    from hybridpar.search.projection_costs import CostModelBackend
+    from hybridpar.search.projection.costs import CostModelBackend
 
     t0 = time.perf_counter()
     out = {}

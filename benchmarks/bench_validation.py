@@ -161,7 +161,7 @@ def predict(model: str, ranks: int, batch: int, extra: list[str]) -> dict:
 def _evaluate(plan_file: str, stretch: float | None) -> dict:
     """The prediction of the plan file's own per-layer layouts (at the measured stretch, if given)."""
     from hybridpar.plans import load_plan
-    from hybridpar.search.planner import evaluate_plan
+    from hybridpar.search.layers.planner import evaluate_plan
 
     pred = evaluate_plan(load_plan(plan_file), time_share=stretch)
     return {"predicted": pred.model_dump()}

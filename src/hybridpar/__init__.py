@@ -31,8 +31,8 @@ def plan(model, cluster="localhost", gpus: int = 1, batch: int = 32, *, example_
 
     `model`: a zoo name, `path/to/file.py:factory`, a traced Graph, or an `nn.Module` with
     `example_inputs`. `cluster`: a preset name, a cluster file, or a `Cluster`. `options` are those
-    of :func:`hybridpar.search.planner.plan_model` (strategy, memory_limit, dtype, ...)."""
-    from hybridpar.search.planner import plan_model
+    of :func:`hybridpar.search.layers.planner.plan_model` (strategy, memory_limit, dtype, ...)."""
+    from hybridpar.search.layers.planner import plan_model
 
     return plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, **options)
 

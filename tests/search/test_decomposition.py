@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridpar.plans import LayerLayout
-from hybridpar.search.decomposition import (
+from hybridpar.search.layers.decomposition import (
     Distribution,
     all_layouts,
     channel_groups,

@@ -14,9 +14,9 @@ from hybridpar.cost.compute import op_time
 from hybridpar.cost.memory import training_memory
 from hybridpar.graph.models import load_model
 from hybridpar.plans import load_plan
-from hybridpar.search.hybrid_step import hybrid_step_time
 from hybridpar.search.placer import place_model
 from hybridpar.search.placer.api import build_problem
+from hybridpar.search.placer.hybrid_step import hybrid_step_time
 
 PRESET = Path(__file__).resolve().parents[2] / "src/hybridpar/cluster/presets/dgx1-v100.yaml"
 

@@ -8,7 +8,7 @@ import pytest
 
 from hybridpar.cli.main import main
 from hybridpar.plans import load_plan
-from hybridpar.search.planner import plan_model
+from hybridpar.search.layers.planner import plan_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -95,7 +95,7 @@ def test_predicted_bytes_equal_the_runtimes_analytic_bytes(strategy):
     """Per kind, the bytes the prediction prices are those hybridpar.runtime issues (layout_comm, its twin)."""
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
     from hybridpar.plans import parse_strategy
-    from hybridpar.search.planner import _scaled, _traced
+    from hybridpar.search.layers.planner import _scaled, _traced
 
     res = plan_model("small_resnet", "localhost", 4, 16, strategy=strategy)
     graph = _scaled(_traced("small_resnet", None)[0], 16)
@@ -104,7 +104,7 @@ def test_predicted_bytes_equal_the_runtimes_analytic_bytes(strategy):
 
 
 def test_evaluate_plan_reproduces_the_plans_prediction_and_scales_with_time_share():
-    from hybridpar.search.planner import evaluate_plan
+    from hybridpar.search.layers.planner import evaluate_plan
 
     res = plan_model("small_resnet", "localhost", 4, 16, strategy="sample=2,filter=2")
     assert evaluate_plan(res.plan).step_time_s == pytest.approx(res.prediction.step_time_s)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridpar.search.layout_ilp import solve, solve_ilp
-from hybridpar.search.sp_dp import ChoiceProblem, NotSeriesParallel, solve_exhaustive, solve_sp
+from hybridpar.search.layers.layout_ilp import solve, solve_ilp
+from hybridpar.search.layers.sp_dp import ChoiceProblem, NotSeriesParallel, solve_exhaustive, solve_sp
 
 
 def _problem(n_opts: list[int], edges: list[tuple[int, int]], seed: int, inf_frac: float = 0.1) -> ChoiceProblem:

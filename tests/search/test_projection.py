@@ -8,8 +8,8 @@ import pytest
 from hybridpar.convergence.builtin import WorkloadCurve
 from hybridpar.convergence.curve import McCandlishCurve
 from hybridpar.errors import InfeasibleError
-from hybridpar.search.joint import choose, terms_of
 from hybridpar.search.projection import MPStep, Profile, overlapped_end, project
+from hybridpar.search.projection.joint import choose, terms_of
 
 GPUS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 

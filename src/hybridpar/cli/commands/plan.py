@@ -106,7 +106,7 @@ def register(app: click.Group) -> None:
                  time_share, out, json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
         from hybridpar.graph.models import parse_shape
-        from hybridpar.search.planner import plan_model
+        from hybridpar.search.layers.planner import plan_model
 
         limit = parse_bytes(memory_limit)
         shape = parse_shape(input_shape)

@@ -48,7 +48,7 @@ def register(app: click.Group) -> None:
         from hybridpar.convergence.builtin import builtin_curve, load_curve
         from hybridpar.search.placer import SOLVERS
         from hybridpar.search.projection import band_sensitivity, default_batch_per_gpu, project
-        from hybridpar.search.projection_costs import CostModelBackend
+        from hybridpar.search.projection.costs import CostModelBackend
 
         counts = parse_int_list(gpus, "--gpus")
         mps = parse_int_list(mp_text, "--mp")
@@ -76,7 +76,7 @@ def register(app: click.Group) -> None:
             sens = band_sensitivity(costs, curve, counts, b, **kw)
             joint = None
             if budget is not None:
-                from hybridpar.search.joint import choose
+                from hybridpar.search.projection.joint import choose
 
                 joint = choose(costs, curve, budget, batch_options=options, mp_degrees=mps, progress=step)
         proj = replace(proj, notes=(*proj.notes, *costs.notes))

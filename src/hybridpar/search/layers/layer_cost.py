@@ -28,7 +28,7 @@ from math import ceil, prod
 from hybridpar.cost.collectives import CommOp
 from hybridpar.graph.types import DTYPE_BYTES, Node
 from hybridpar.plans import LayerLayout
-from hybridpar.search.decomposition import (
+from hybridpar.search.layers.decomposition import (
     Distribution,
     Groups,
     channel_groups,

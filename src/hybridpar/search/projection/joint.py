@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hybridpar.convergence.builtin import WorkloadCurve
 from hybridpar.errors import InfeasibleError, UserError
-from hybridpar.search.projection import MP_DEGREES, Point, StepCosts, project
+from hybridpar.search.projection.model import MP_DEGREES, Point, StepCosts, project
 
 BATCH_OPTIONS = (16, 32, 64, 128, 256)
 

@@ -21,7 +21,7 @@ import torch
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.files import atomic_write
 from hybridpar.graph.types import DTYPE_BYTES, Graph
-from hybridpar.search.projection import CFStep, MPStep, Profile
+from hybridpar.search.projection.model import CFStep, MPStep, Profile
 
 # Packages whose code decides the numbers cached here.
 _FINGERPRINT_DIRS = ("cost", "cluster", "graph", "search")
@@ -29,7 +29,7 @@ _FINGERPRINT_DIRS = ("cost", "cluster", "graph", "search")
 
 @cache
 def code_fingerprint() -> str:
-    root = Path(__file__).resolve().parent.parent  # the hybridpar package (never import it: it is the face)
+    root = Path(__file__).resolve().parents[2]  # the hybridpar package (never import it: it is the face)
     h = hashlib.sha1()
     for sub in _FINGERPRINT_DIRS:
         for p in sorted((root / sub).rglob("*")):
@@ -193,7 +193,7 @@ class CostModelBackend:
         return CFStep(d["step_s"], d["exposed_comm_s"], d["memory_bytes"], d["method"])
 
     def _cf(self, gpus: int, groups: int, batch_global: int) -> dict | None:
-        from hybridpar.search.planner import plan_model
+        from hybridpar.search.layers.planner import plan_model
 
         # The planner searches per-layer sample/channel/filter layouts at the smaller global batch of
         # `groups` workers (it may well keep some layers sample-parallel).

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from math import prod
 
 from hybridpar.graph.types import Graph, Node
-from hybridpar.search.layer_cost import JOIN_OPS, WEIGHT_OPS
+from hybridpar.search.layers.layer_cost import JOIN_OPS, WEIGHT_OPS
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from hybridpar.cost.collectives import CommOp
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import LayerLayout, Plan, Prediction, parse_strategy
-from hybridpar.search.decomposition import (
+from hybridpar.search.layers.decomposition import (
     Distribution,
     Pruned,
     all_layouts,
@@ -34,7 +34,7 @@ from hybridpar.search.decomposition import (
     layout_problem,
     shard_groups,
 )
-from hybridpar.search.layer_cost import (
+from hybridpar.search.layers.layer_cost import (
     CostContext,
     LayerCost,
     channels_of,
@@ -43,9 +43,9 @@ from hybridpar.search.layer_cost import (
     redistribution_time,
     weight_layer_cost,
 )
-from hybridpar.search.layer_graph import LayerGraph, Vertex, build_layer_graph
-from hybridpar.search.layout_ilp import solve
-from hybridpar.search.sp_dp import INF, ChoiceProblem
+from hybridpar.search.layers.layer_graph import LayerGraph, Vertex, build_layer_graph
+from hybridpar.search.layers.layout_ilp import solve
+from hybridpar.search.layers.sp_dp import INF, ChoiceProblem
 
 GRAD_WEIGHTS = (1.0, 0.5, 0.0)
 

@@ -12,7 +12,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from hybridpar.search.sp_dp import ChoiceProblem, Solution
+from hybridpar.search.layers.sp_dp import ChoiceProblem, Solution
 
 _BIG = 1e30  # stands for inf in costs the solver sees (such variables are also fixed to 0)
 
@@ -90,7 +90,7 @@ def solve_ilp(problem: ChoiceProblem, memory_limit: float | None = None,
 
 def solve(problem: ChoiceProblem, memory_limit: float | None = None) -> Solution:
     """Exact DP when the graph is series-parallel and the memory limit is not binding, else the ILP."""
-    from hybridpar.search.sp_dp import NotSeriesParallel, solve_sp
+    from hybridpar.search.layers.sp_dp import NotSeriesParallel, solve_sp
 
     try:
         sol = solve_sp(problem)
