@@ -56,3 +56,16 @@ def test_plan_takes_a_module_and_a_cluster_object():
     assert by_name.plan.cluster == result.plan.cluster
     with pytest.raises(UserError, match="example_inputs"):
         hybridpar.plan(net, "localhost", gpus=2, batch=8)
+
+
+def test_place_takes_a_module_and_a_cluster_object():
+    import torch
+    from torch import nn
+
+    from hybridpar.cluster import load_cluster
+
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    out = hybridpar.place(net, load_cluster("dgx1-v100", 2), devices=2, solver="etf", batch=8,
+                          example_inputs=torch.randn(8, 64))
+    assert out.plan.mp == 2 and set(out.plan.placement.values()) <= {0, 1}
+    assert out.plan.cluster == "dgx1-v100" and out.result.step_time_s > 0
