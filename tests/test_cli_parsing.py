@@ -17,3 +17,18 @@ def test_bad_lists_are_one_line_naming_the_option(text, kw):
     with pytest.raises(UserError, match=r"^--opt .*positive integers") as err:
         parse_int_list(text, "--opt", **kw)
     assert "\n" not in str(err.value)
+
+
+def test_the_library_speaks_its_own_words_and_the_cli_names_the_flag(capsys):
+    import hybridpar
+    from hybridpar.cli.main import main
+
+    with pytest.raises(UserError, match=r"^gpus must be >= 1") as err:
+        hybridpar.plan("small_cnn", "localhost", gpus=0, batch=8)
+    assert err.value.param == "gpus"
+    with pytest.raises(UserError, match=r"^time_limit_s must be > 0"):
+        hybridpar.place("small_cnn", "dgx1-v100", devices=2, time_limit_s=0)
+    assert main(["plan", "--model", "small_cnn", "--cluster", "localhost", "--gpus", "0", "--batch", "8"]) == 2
+    assert main(["place", "--model", "small_cnn", "--devices", "2", "--time-limit", "0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["hybridpar: error: --gpus must be >= 1, got 0", "hybridpar: error: --time-limit must be > 0, got 0.0"]

@@ -31,6 +31,18 @@ def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
 
 
+# Library argument names whose flag is not the name with dashes.
+_FLAG_OF = {"time_limit_s": "--time-limit"}
+
+
+def in_flags(err: UserError) -> str:
+    """The library's message with the argument it is about (`err.param`) named as its flag."""
+    msg = str(err)
+    if err.param and msg.startswith(err.param):
+        return _FLAG_OF.get(err.param, "--" + err.param.replace("_", "-")) + msg[len(err.param):]
+    return msg
+
+
 def main(argv: list[str] | None = None) -> int:
     app = build_app()
     try:
@@ -38,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(rv, int) and rv:
             return _exit(rv, argv)
     except UserError as err:
-        print(f"hybridpar: error: {_one_line(err)}", file=sys.stderr)
+        print(f"hybridpar: error: {_one_line(in_flags(err))}", file=sys.stderr)
         return _exit(2, argv)
     except click.exceptions.UsageError as err:
         print(f"hybridpar: error: {_one_line(err.format_message())}", file=sys.stderr)

@@ -152,14 +152,14 @@ def check_request(model: str, data: str, target: float, batches: Sequence[int], 
     if data not in DATASETS:
         raise UserError(f"unknown data set {data!r}; known: {', '.join(DATASETS)}")
     if not 0.0 < target < 1.0:
-        raise UserError(f"--target must be an accuracy in (0, 1), got {target}")
+        raise UserError(f"target must be an accuracy in (0, 1), got {target}", param="target")
     if seeds < 1:
-        raise UserError(f"--seeds must be >= 1, got {seeds}")
+        raise UserError(f"seeds must be >= 1, got {seeds}", param="seeds")
     if not batches or len(set(batches)) != len(batches):
-        raise UserError("--batches must list distinct batch sizes")
+        raise UserError("batches must list distinct batch sizes", param="batches")
     n = len(digits_split()[0])
     if max(batches) > n or min(batches) < 1:
-        raise UserError(f"--batches must be between 1 and the {n} training samples of {data}")
+        raise UserError(f"batches must be between 1 and the {n} training samples of {data}", param="batches")
     build_model(model, 0)
 
 

@@ -39,15 +39,18 @@ class ProfileOptions:
 
     def validate(self) -> None:
         if not self.ranks or any(r < 2 or r > 64 for r in self.ranks):
-            raise UserError(f"--ranks: each rank count must be in 2..64, got {list(self.ranks)}")
+            raise UserError(f"ranks: each rank count must be in 2..64, got {list(self.ranks)}", param="ranks")
         if not self.sizes or any(s < 4 for s in self.sizes) or len(set(self.sizes)) < 2:
-            raise UserError("--sizes: need at least two different sizes of >= 4 bytes to fit alpha and beta")
+            raise UserError("sizes: need at least two different sizes of >= 4 bytes to fit alpha and beta",
+                            param="sizes")
         if self.batch < 1:
-            raise UserError(f"--batch must be >= 1, got {self.batch}")
-        if self.repeats < 1 or self.warmup < 0:
-            raise UserError("--repeats must be >= 1 and --warmup >= 0")
+            raise UserError(f"batch must be >= 1, got {self.batch}", param="batch")
+        if self.repeats < 1:
+            raise UserError(f"repeats must be >= 1, got {self.repeats}", param="repeats")
+        if self.warmup < 0:
+            raise UserError(f"warmup must be >= 0, got {self.warmup}", param="warmup")
         if any(k < 1 for k in self.splits):
-            raise UserError(f"--splits must be positive integers, got {list(self.splits)}")
+            raise UserError(f"splits must be positive integers, got {list(self.splits)}", param="splits")
 
 
 def op_specs(opts: ProfileOptions) -> list:

@@ -331,16 +331,16 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: f
            dtype: str, input_shape: tuple[int, ...] | None, calibration,
            time_share: float | None = None) -> _Setup:
     if gpus < 1:
-        raise UserError(f"--gpus must be >= 1, got {gpus}")
+        raise UserError(f"gpus must be >= 1, got {gpus}", param="gpus")
     if batch < 1:
-        raise UserError(f"--batch must be >= 1, got {batch}")
+        raise UserError(f"batch must be >= 1, got {batch}", param="batch")
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=gpus)
     if time_share is not None:  # measured slowdown of each rank's compute when all ranks run at once
         if time_share <= 0:
-            raise UserError(f"--time-share must be positive, got {time_share}")
+            raise UserError(f"time_share must be positive, got {time_share}", param="time_share")
         cl = cl.model_copy(update={"device": cl.device.model_copy(update={"time_share": float(time_share)})})
     if cl.num_devices < gpus:
-        raise UserError(f"cluster {cl.name!r} has {cl.num_devices} devices, fewer than --gpus {gpus}")
+        raise UserError(f"gpus {gpus}: cluster {cl.name!r} has only {cl.num_devices} devices", param="gpus")
     graph, shape, name = _traced(model, tuple(input_shape) if input_shape else None)
     lg = build_layer_graph(_scaled(graph, batch))
     if not any(v.is_weight for v in lg.vertices):
@@ -436,7 +436,8 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
     if strategy is not None:
         strat = parse_strategy(strategy, gpus)
         if strat.mp != 1:
-            raise UserError("plan --strategy evaluates channel/filter/sample layouts; mp>1 is `hybridpar place`")
+            raise UserError("strategy: the per-layer planner evaluates channel/filter/sample layouts; "
+                            "mp>1 is for the placer (`hybridpar place`)", param="strategy")
         reason = layout_problem(strat.layout, batch, 1 << 30, 1 << 30)
         if reason:
             raise UserError(f"strategy {strategy!r}: {reason}")

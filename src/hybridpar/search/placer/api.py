@@ -114,19 +114,19 @@ def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2,
     """The placement problem of a model; `time_chunks` K splits recurrent nodes into K tied time
     chunks (None: the default for the graph, 0: off). The returned coarse graph has one node per task."""
     if devices < 1:
-        raise UserError(f"--devices must be >= 1, got {devices}")
+        raise UserError(f"devices must be >= 1, got {devices}", param="devices")
     if coarsen is not None and coarsen < 2:
-        raise UserError(f"--coarsen must be >= 2 nodes, got {coarsen}")
+        raise UserError(f"coarsen must be >= 2 nodes, got {coarsen}", param="coarsen")
     batch = DEFAULT_BATCH if batch is None else batch
     if batch < 1:
-        raise UserError(f"--batch must be >= 1, got {batch}")
+        raise UserError(f"batch must be >= 1, got {batch}", param="batch")
     if time_chunks is not None and time_chunks < 0:
-        raise UserError(f"--time-chunks must be >= 0 (0 = off), got {time_chunks}")
+        raise UserError(f"time_chunks must be >= 0 (0 = off), got {time_chunks}", param="time_chunks")
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, devices)
     if devices > cl.gpus_per_node:
         # model parallelism sends activations at every cut: keep the group on one node's links
-        raise UserError(f"--devices {devices}: an MP group must fit in one node of {cl.name!r} "
-                        f"({cl.gpus_per_node} devices)")
+        raise UserError(f"devices {devices}: an MP group must fit in one node of {cl.name!r} "
+                        f"({cl.gpus_per_node} devices)", param="devices")
     fine, name = model_graph(model, batch, input_shape)
     chunks = default_time_chunks(fine) if time_chunks is None else time_chunks
     coarse = _coarse(fine, coarsen or DEFAULT_COARSEN, chunks if chunks >= 2 else 0)
@@ -148,7 +148,7 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     if time_limit_s <= 0:
-        raise UserError(f"--time-limit must be > 0, got {time_limit_s}")
+        raise UserError(f"time_limit_s must be > 0, got {time_limit_s}", param="time_limit_s")
     prob, coarse, fine, cl, name = build_problem(model, cluster, devices, batch=batch, coarsen=coarsen,
                                                  input_shape=input_shape, dtype=dtype,
                                                  mem_capacity_bytes=mem_capacity_bytes, time_chunks=time_chunks)

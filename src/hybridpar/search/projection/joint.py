@@ -63,9 +63,9 @@ def choose(costs: StepCosts, curve: WorkloadCurve, budget: int, *, batch_options
            mp_degrees: Sequence[int] = MP_DEGREES, progress: Callable[[str], None] | None = None) -> JointChoice:
     """Search per-worker batch x strategy on exactly `budget` GPUs; only options that fit in memory."""
     if budget < 1:
-        raise UserError(f"--budget must be >= 1 GPU, got {budget}")
+        raise UserError(f"budget must be >= 1 GPU, got {budget}", param="budget")
     if not batch_options or any(b < 1 for b in batch_options):
-        raise UserError("--batch-options must list positive batch sizes")
+        raise UserError("batch_options must list positive batch sizes", param="batch_options")
     cands: list[Point] = []
     for b in sorted(set(batch_options)):
         if progress:

@@ -240,9 +240,9 @@ def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_p
             bucket_bytes: int | None = None, progress: Callable[[str], None] | None = None) -> Projection:
     """Project every strategy at every GPU count; speedups are over one GPU at batch_per_gpu."""
     if batch_per_gpu < 1:
-        raise UserError(f"--batch-per-gpu must be >= 1, got {batch_per_gpu}")
+        raise UserError(f"batch_per_gpu must be >= 1, got {batch_per_gpu}", param="batch_per_gpu")
     if not gpus or any(g < 1 for g in gpus):
-        raise UserError("--gpus must list positive GPU counts")
+        raise UserError("gpus must list positive GPU counts", param="gpus")
     bucket = int(bucket_bytes or projection_data()["ddp_bucket_bytes"]["value"])
     spe = float(curve.samples_per_epoch or 1.0)
     prof = costs.profile(batch_per_gpu)
