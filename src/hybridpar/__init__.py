@@ -11,7 +11,7 @@ import sys
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "place", "plan"]
+__all__ = ["__version__", "full_state_dict", "no_sync", "parallelize", "place", "plan"]
 
 
 def _model_arg(model, example_inputs):
@@ -45,3 +45,34 @@ def place(model, cluster="dgx1-v100", devices: int = 2, *, example_inputs=None, 
     from hybridpar.search.placer import place_model
 
     return place_model(_model_arg(model, example_inputs), cluster, devices, **options)
+
+
+def parallelize(module, plan_or_strategy, **options):
+    """Run `module` on the current torch.distributed world with a Plan, a plan.json path or a strategy
+    string ("sample=2,channel=2"), with one process's semantics: every rank passes the same global
+    batch and gets the whole outputs; any loss, any torch.optim optimizer. In place; returns it.
+    Options: inputs="global"|"sample_shard", bn_stats="global"|"local"
+    (see hybridpar.runtime.parallel_model.parallelize)."""
+    import os
+
+    from hybridpar.runtime.parallel_model import parallelize as _parallelize
+
+    if isinstance(plan_or_strategy, (str, os.PathLike)) and str(plan_or_strategy).endswith(".json"):
+        from hybridpar.plans import load_plan
+
+        plan_or_strategy = load_plan(plan_or_strategy)
+    return _parallelize(module, plan_or_strategy, **options)
+
+
+def full_state_dict(module):
+    """The undistributed state_dict of a parallelized module, on every rank (collective)."""
+    from hybridpar.runtime.parallel_model import full_state_dict as _full
+
+    return _full(module)
+
+
+def no_sync(module):
+    """Context manager: backward passes inside accumulate gradients without synchronising them."""
+    from hybridpar.runtime.parallel_model import no_sync as _no_sync
+
+    return _no_sync(module)

@@ -21,7 +21,7 @@ boundary tensors split into G channel pieces (uneven: the first pieces one large
                     that other ranks hold, forward and backward.
   redistribution    a conv whose layout has another (S, G) than the plan's default: alltoall of its
                     input into its layout and of its output back, and the inverse in backward; bytes
-                    are what this rank sends to other ranks (hybridpar.runtime.shard.moved_elements).
+                    are what this rank sends to other ranks (hybridpar.layout.moved_elements).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from math import prod
 
 from hybridpar.graph.types import Graph, Node
-from hybridpar.plans.schema import LayerLayout, Plan
-from hybridpar.runtime.shard import (
+from hybridpar.layout import (
     GridPos,
     Split,
     moved_channels,
@@ -39,6 +38,7 @@ from hybridpar.runtime.shard import (
     piece_sizes,
     received_channels,
 )
+from hybridpar.plans.schema import LayerLayout, Plan
 
 FP32 = 4
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from hybridpar.errors import UserError
 from hybridpar.files import atomic_write
 from hybridpar.jsonfile import read_json
+from hybridpar.layout import LayerLayout  # the one layout vocabulary; re-exported here
 
 SCHEMA_VERSION = 1
 
@@ -17,38 +18,6 @@ SCHEMA_VERSION = 1
 class _Frozen(BaseModel):
     # No inf/NaN: JSON cannot carry them, so such a plan would not survive its own save/load.
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-class LayerLayout(_Frozen):
-    """How one layer is split over its DP worker's ranks.
-
-    sample: sample (batch) parallel degree; channel: input channels / in_features split (stationary-x,
-    row-parallel FC); filter: output filters / out_features split (stationary-y, column-parallel FC).
-    channel and filter together are stationary-w. sample*channel*filter == ranks of one DP worker group.
-    """
-
-    sample: int = Field(1, ge=1)
-    channel: int = Field(1, ge=1)
-    filter: int = Field(1, ge=1)
-
-    @property
-    def size(self) -> int:
-        return self.sample * self.channel * self.filter
-
-    @property
-    def algorithm(self) -> str:
-        if self.channel > 1 and self.filter > 1:
-            return "stationary-w"
-        if self.channel > 1:
-            return "stationary-x"
-        if self.filter > 1:
-            return "stationary-y"
-        return "sample"
-
-    def to_strategy(self) -> str:
-        parts = [f"{k}={v}" for k, v in (("sample", self.sample), ("channel", self.channel),
-                                          ("filter", self.filter)) if v > 1]
-        return ",".join(parts) or "sample=1"
 
 
 class Prediction(_Frozen):

@@ -15,10 +15,9 @@ from math import prod
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hybridpar.layout import held, needed
+from hybridpar.layout import inter as _inter
 from hybridpar.runtime.collectives import all_to_all_flat
-from hybridpar.runtime.conv import exchange_sizes
-from hybridpar.runtime.shard import held, needed
-from hybridpar.runtime.shard import inter as _inter
 
 _CATS = {torch.cat, torch.concat, torch.concatenate}
 
@@ -106,39 +105,78 @@ class _ChannelCat(torch.autograd.Function):
 
 
 class ChannelCatMode(TorchFunctionMode):
-    """Active during a parallelized model's forward: torch.cat along dim 1 of channel-split
-    tensors becomes the distributed concatenation. The k-th concatenation of a forward learns its
-    inputs' channel counts once (a setup exchange) and reuses them."""
+    """Active during a parallelized model's forward: torch.cat along dim 1 of DTensors that are
+    channel-split at the layer boundary becomes the distributed concatenation (one all-to-all of
+    exactly the channels that change hands) instead of DTensor's gather-everything rule."""
 
-    def __init__(self, grid):
+    def __init__(self, grid, meshes):
         super().__init__()
-        self.grid = grid
+        self.grid, self.meshes = grid, meshes
         self.calls = 0
-        self.sizes: dict[int, list[int]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _CATS and self.grid.g_size > 1:
+            from torch.distributed.tensor import DTensor
+
+            from hybridpar.runtime.dtensors import boundary_placements
+
             tensors = args[0] if args else kwargs.get("tensors")
             dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
-            if (isinstance(tensors, (list, tuple)) and len(tensors) > 1 and tensors[0].dim() >= 2
-                    and dim % tensors[0].dim() == 1):
+            places = boundary_placements(self.meshes)
+            if (isinstance(tensors, (list, tuple)) and len(tensors) > 1
+                    and all(isinstance(t, DTensor) and tuple(t.placements) == tuple(places) for t in tensors)
+                    and tensors[0].dim() >= 2 and dim % tensors[0].dim() == 1):
                 return self._cat(list(tensors))
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as err:
+            # DTensor refuses some ops on its placements ("Cannot flatten unevenly sharded tensor",
+            # no strategy for this sharding) before computing anything: serve them on inputs
+            # gathered on channel_filter, then on whole inputs. What still fails is the op's own error.
+            if not _is_sharding_refusal(err):
+                raise
+            for level in ("channel_filter", "all"):
+                try:
+                    return func(*_gathered(args, level), **_gathered(kwargs, level))
+                except (RuntimeError, NotImplementedError) as again:
+                    if not _is_sharding_refusal(again):
+                        raise
+            raise
 
-    def _cat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def _cat(self, tensors) -> torch.Tensor:
+        from hybridpar.runtime.dtensors import boundary_placements, from_local
+
         k = self.calls
         self.calls += 1
         group, log = self.grid.sample_group, self.grid.comm_log
-        if k not in self.sizes:
-            self.sizes[k] = [sum(exchange_sizes(t.shape[1], group, log, f"cat{k}:handshake", t.device))
-                             for t in tensors]
-        return _ChannelCat.apply(self.sizes[k], group, log, f"cat{k}", *tensors)
+        sizes = [t.shape[1] for t in tensors]  # global shapes: no handshake needed
+        local = _ChannelCat.apply(sizes, group, log, f"cat{k}", *[t.to_local() for t in tensors])
+        shape = list(tensors[0].shape)
+        shape[1] = sum(sizes)
+        return from_local(local, self.meshes, boundary_placements(self.meshes), shape)
 
 
-def install(module: torch.nn.Module, grid) -> None:
+def _is_sharding_refusal(err: BaseException) -> bool:
+    text = str(err)
+    return ("unevenly sharded" in text or "sharding strategy" in text or "Sharding propagation failed" in text
+            or "redistribute the tensor" in text)
+
+
+def _gathered(tree, level: str):
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.utils._pytree import tree_map_only
+
+    def one(t: DTensor) -> DTensor:
+        places = [Replicate()] * len(t.placements) if level == "all" else \
+            [*t.placements[:-1], Replicate()]
+        return t.redistribute(t.device_mesh, places) if tuple(places) != tuple(t.placements) else t
+    return tree_map_only(DTensor, one, tree)
+
+
+def install(module: torch.nn.Module, grid, meshes) -> None:
     """Run `module`'s forward under ChannelCatMode (forward pre-hook enters it, forward hook leaves)."""
-    mode = ChannelCatMode(grid)
+    mode = ChannelCatMode(grid, meshes)
 
     def enter(_m, _inputs):
         mode.calls = 0

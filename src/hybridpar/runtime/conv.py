@@ -1,6 +1,6 @@
 """Distributed convolution (Dryden et al., SC19) as an autograd Function with explicit collectives.
 
-One function covers the three algorithms on a P_C x P_F grid (see hybridpar.runtime.shard.GridPos):
+One function covers the three algorithms on a P_C x P_F grid (see hybridpar.layout.GridPos):
   forward:  x_g  = allgather(x_loc) in the filter group       (stationary-y / -w; no-op when P_F = 1)
             y_p  = conv(x_g, w_loc)                            (partial sums over this rank's channels)
             y    = reduce_scatter(y_p) in the channel group    (stationary-x / -w; no-op when P_C = 1)
@@ -13,17 +13,18 @@ A Linear layer is the same computation with a 1x1 kernel (channel = row-, filter
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.runtime.collectives import all_gather_dim, concat, reduce_scatter_dim
+from hybridpar.layout import GridPos, Split, ranges
+from hybridpar.runtime.collectives import all_gather_dim, reduce_scatter_dim
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.grid import Group
 from hybridpar.runtime.redistribute import redistribute
-from hybridpar.runtime.shard import GridPos, Split, ranges
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,20 @@ class DistConv2d(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.geo, self.comm, self.boundary = geo, comm, boundary
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    meshes = None  # hybridpar.runtime.dtensors.Meshes, set by parallelize: DTensor in, DTensor out
+
+    def forward(self, x):
+        if self.meshes is None:  # local pieces in and out (layer-level use without global semantics)
+            return self._local_forward(x)
+        from hybridpar.runtime.dtensors import boundary_placements, from_local, to_local
+
+        places = boundary_placements(self.meshes)
+        n, _, h, w = x.shape
+        y = self._local_forward(to_local(x, self.meshes, places))
+        oh, ow = self.geo.out_hw(h, w, *self.weight.shape[2:])
+        return from_local(y, self.meshes, places, (n, sum(self.comm.out_sizes), oh, ow))
+
+    def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.boundary is not None:
             outer, own = self.boundary
             n = x.shape[0] * outer.sample
@@ -145,48 +159,50 @@ class DistConv2d(nn.Module):
 
 
 class DistLinear(nn.Module):
-    """A Linear on [N, in] as a 1x1 distributed convolution. Its input features are split like the
-    producer's channels (flatten of [N, C_g, H, W] gives C_g*H*W features), which each rank sees only
-    locally, so the pieces are exchanged once on the first call (a setup exchange) and the weight's
-    columns are cut then; until then the weight holds this rank's rows with all columns."""
+    """A Linear on [..., in] as a 1x1 distributed convolution over the flattened leading dims. Its
+    input features are split like a producer's channels (G pieces of in_features), its outputs into
+    G pieces of out_features; with global semantics (`meshes` set) the features are the last dim of
+    the DTensor and every leading dim but the sample dim is whole on each rank."""
+
+    meshes = None
 
     def __init__(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None, pos: GridPos,
-                 filter_group: Group, channel_group: Group, sample_group: Group, log: CommLog, name: str):
+                 filter_group: Group, channel_group: Group, log: CommLog, name: str):
         super().__init__()
-        from hybridpar.runtime.shard import piece_sizes
+        from hybridpar.layout import piece_sizes
 
         self.out_sizes = tuple(piece_sizes(full_weight.shape[0], pos.size))
-        self.pos, self.fg, self.cg, self.sg, self.log, self.name = (pos, filter_group, channel_group,
-                                                                    sample_group, log, name)
-        self.comm: ConvComm | None = None
-        self.weight = nn.Parameter(weight_block(full_weight, pos, None, self.out_sizes).clone())
+        self.in_sizes = tuple(piece_sizes(full_weight.shape[1], pos.size))
+        self.pos, self.name = pos, name
+        self.comm = ConvComm(pos, self.in_sizes, self.out_sizes, filter_group, channel_group, log, name)
+        self.weight = nn.Parameter(weight_block(full_weight, pos, self.in_sizes, self.out_sizes))
         self.bias = None
         if full_bias is not None:
             self.bias = nn.Parameter(full_bias[piece_slice(self.out_sizes, pos.g)].clone())
 
-    @property
-    def in_sizes(self) -> tuple[int, ...] | None:
-        return self.comm.in_sizes if self.comm else None
-
-    def set_in_sizes(self, in_sizes) -> None:
-        in_sizes = tuple(in_sizes)
-        cols = [r for r in ranges(in_sizes, self.pos.in_piece_ids())]
-        with torch.no_grad():
-            self.weight.data = concat([self.weight.data[:, o:o + n] for o, n in cols], 1)
-        self.comm = ConvComm(self.pos, in_sizes, self.out_sizes, self.fg, self.cg, self.log, self.name)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            from hybridpar.errors import UserError
-
-            raise UserError(f"{self.name}: channel/filter-parallel Linear needs a 2-D input, got {x.dim()}-D")
-        if self.comm is None:
-            self.set_in_sizes(exchange_sizes(x.shape[1], self.sg, self.log, f"{self.name}:handshake", x.device))
+    def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
         w4 = self.weight.view(*self.weight.shape, 1, 1)
-        y = DistConvFunction.apply(x[:, :, None, None], w4, ConvGeometry(), self.comm)[:, :, 0, 0]
+        m = math.prod(lead)  # explicit: a rank's feature piece may be empty
+        y = DistConvFunction.apply(x.reshape(m, x.shape[-1], 1, 1), w4, ConvGeometry(), self.comm)
+        y = y.reshape(*lead, y.shape[1])
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def forward(self, x):
+        if self.meshes is None:
+            return self._local_forward(x)
+        from hybridpar.runtime.dtensors import boundary_placements, from_local, to_local
+
+        if x.dim() < 2:
+            from hybridpar.errors import UserError
+
+            raise UserError(f"{self.name}: a channel/filter-parallel Linear needs a batched input, got "
+                            f"{x.dim()}-D")
+        places = boundary_placements(self.meshes, x.dim() - 1)
+        y = self._local_forward(to_local(x, self.meshes, places))
+        return from_local(y, self.meshes, places, (*x.shape[:-1], sum(self.out_sizes)))
 
 
 def piece_slice(sizes, k: int) -> slice:

@@ -40,7 +40,7 @@ class GradNoiseProbe:
 
     def _on_grad(self, p: nn.Parameter) -> None:
         # fires after every accumulation (micro-batches too); the last one is the pre-sync gradient
-        self._local[id(p)] = p.grad.detach().double().pow(2).sum()
+        self._local[id(p)] = _local(p.grad).detach().double().pow(2).sum()
 
     def after_step(self) -> float | None:
         """Update the estimate with this step's gradients; returns the smoothed B_noise (samples), or
@@ -53,7 +53,7 @@ class GradNoiseProbe:
             if id(p) in self._local:
                 sums[0] += self._local[id(p)].to(device)
             if p.grad is not None:
-                sums[1] += p.grad.detach().double().pow(2).sum()
+                sums[1] += _local(p.grad).detach().double().pow(2).sum()
         self._local.clear()
         dist.all_reduce(sums)
         self.engine.comm_log.record("gns", dist.get_world_size(), GNS_BYTES, "gns")
@@ -68,6 +68,13 @@ class GradNoiseProbe:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient's local piece (a replicated parameter's share before its sync)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _device_of(params: list[nn.Parameter]) -> torch.device:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from hybridpar.errors import UserError
+from hybridpar.layout import GridPos
 from hybridpar.runtime.comm_log import CommLog
-from hybridpar.runtime.shard import GridPos
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ SyncBatchNorm)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,50 +30,53 @@ class NormComm:
 
 class GlobalBatchNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, comm: NormComm, shift: torch.Tensor):
-        count = x.shape[0] * x.shape[2] * x.shape[3] * comm.replica_group.size  # equal local batches
+    def forward(ctx, x, weight, bias, eps: float, comm: NormComm, shift: torch.Tensor, count: int):
+        dims = (0, *range(2, x.dim()))  # every dim but the channels (BatchNorm1d/2d/3d)
+        view = (1, -1, *([1] * (x.dim() - 2)))
         # One allreduce of the shifted sum and sum of squares. The shift (the running mean, equal on
         # all replicas) keeps E[(x-K)^2] - E[x-K]^2 from cancelling once training has started.
-        xs = x - shift.view(1, -1, 1, 1)
-        both = torch.cat([xs.sum((0, 2, 3)), (xs * xs).sum((0, 2, 3))])
+        xs = x - shift.view(view)
+        both = torch.cat([xs.sum(dims), (xs * xs).sum(dims)])
         all_reduce_(both, comm.replica_group, comm.log, f"{comm.name}:fwd")
         s1, s2 = both.split(x.shape[1])
         mean_s = s1 / count
         var = (s2 / count - mean_s * mean_s).clamp_min(0)
         mean = mean_s + shift
-        xc = x - mean.view(1, -1, 1, 1)
+        xc = x - mean.view(view)
         invstd = torch.rsqrt(var + eps)
-        xhat = xc * invstd.view(1, -1, 1, 1)
-        y = xhat if weight is None else xhat * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+        xhat = xc * invstd.view(view)
+        y = xhat if weight is None else xhat * weight.view(view) + bias.view(view)
         ctx.save_for_backward(xhat, invstd, weight)
-        ctx.count, ctx.comm = count, comm
+        ctx.count, ctx.comm, ctx.dims, ctx.view = count, comm, dims, view
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
         xhat, invstd, weight = ctx.saved_tensors
-        comm = ctx.comm
-        sum_dy = dy.sum((0, 2, 3))
-        sum_dy_xhat = (dy * xhat).sum((0, 2, 3))
+        comm, dims, view = ctx.comm, ctx.dims, ctx.view
+        sum_dy = dy.sum(dims)
+        sum_dy_xhat = (dy * xhat).sum(dims)
         dx = None
         if ctx.needs_input_grad[0]:
             both = torch.cat([sum_dy, sum_dy_xhat])
             all_reduce_(both, comm.replica_group, comm.log, f"{comm.name}:bwd")
             g_dy, g_dy_xhat = both.split(sum_dy.numel())
             scale = invstd if weight is None else weight * invstd
-            dx = (dy - (g_dy.view(1, -1, 1, 1) + xhat * g_dy_xhat.view(1, -1, 1, 1)) / ctx.count) \
-                * scale.view(1, -1, 1, 1)
+            dx = (dy - (g_dy.view(view) + xhat * g_dy_xhat.view(view)) / ctx.count) * scale.view(view)
         # Parameter gradients stay local: the segmented allreduce sums them over sample groups.
         dw = sum_dy_xhat if weight is not None else None
         db = sum_dy if weight is not None else None
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
-class DistBatchNorm2d(nn.Module):
-    """BatchNorm2d over this rank's channel piece (parameters and running stats sliced)."""
+class DistBatchNorm(nn.Module):
+    """BatchNorm1d/2d/3d over this rank's channel piece (parameters and running stats sliced), with
+    statistics over the whole global batch (or, stats="local", over this rank's samples)."""
 
-    def __init__(self, bn: nn.BatchNorm2d, sl: slice, comm: NormComm, stats: str = "global"):
+    meshes = None  # hybridpar.runtime.dtensors.Meshes when the model runs with global semantics
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, sl: slice, comm: NormComm, stats: str = "global"):
         super().__init__()
         if stats not in ("global", "local"):
             raise ValueError(f"stats must be 'global' or 'local', got {stats!r}")
@@ -87,7 +91,18 @@ class DistBatchNorm2d(nn.Module):
         else:
             self.running_mean = self.running_var = self.num_batches_tracked = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
+        if self.meshes is None:
+            return self._local_forward(x, x.shape[0] * self.comm.replica_group.size)
+        from hybridpar.runtime.dtensors import boundary_placements, from_local, to_local
+
+        places = boundary_placements(self.meshes)
+        y = self._local_forward(to_local(x, self.meshes, places), x.shape[0])
+        return from_local(y, self.meshes, places, x.shape)
+
+    def _local_forward(self, x: torch.Tensor, global_n: int) -> torch.Tensor:
+        if x.dim() < 2:
+            raise ValueError(f"{self.comm.name}: batch norm needs [N, C, ...] input, got {x.dim()}-D")
         use_batch = self.training or not self.track_running_stats
         if not use_batch:
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False,
@@ -97,10 +112,10 @@ class DistBatchNorm2d(nn.Module):
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True,
                                 momentum, self.eps)
         shift = self.running_mean.detach().clone() if self.track_running_stats else x.new_zeros(x.shape[1])
-        y, mean, var = GlobalBatchNormFunction.apply(x, self.weight, self.bias, self.eps, self.comm, shift)
+        count = global_n * math.prod(x.shape[2:])  # samples x positions per channel, whole batch
+        y, mean, var = GlobalBatchNormFunction.apply(x, self.weight, self.bias, self.eps, self.comm, shift, count)
         if self.track_running_stats:
-            self._update_running(mean.detach(), var.detach(),
-                                 x.shape[0] * x.shape[2] * x.shape[3] * self.comm.replica_group.size)
+            self._update_running(mean.detach(), var.detach(), count)
         return y
 
     def _momentum(self) -> float:
@@ -115,3 +130,6 @@ class DistBatchNorm2d(nn.Module):
         m = self._momentum()
         self.running_mean.mul_(1 - m).add_(mean, alpha=m)
         self.running_var.mul_(1 - m).add_(var * count / max(count - 1, 1), alpha=m)
+
+
+DistBatchNorm2d = DistBatchNorm  # the name earlier releases used

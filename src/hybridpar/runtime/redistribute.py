@@ -10,9 +10,9 @@ from math import prod
 import torch
 import torch.distributed as dist
 
+from hybridpar.layout import Split, overlap
 from hybridpar.runtime.collectives import all_to_all_flat
 from hybridpar.runtime.comm_log import CommLog
-from hybridpar.runtime.shard import Split, overlap
 
 
 def redistribute(x: torch.Tensor, n: int, c: int, src: Split, dst: Split, log: CommLog, tag: str) -> torch.Tensor:

@@ -38,26 +38,37 @@ def place(full: torch.Tensor, shard: torch.Tensor, info: ShardInfo) -> None:
 
 
 def gather_full_state(local_state: dict[str, torch.Tensor], shards: dict[str, ShardInfo],
-                      log=None) -> dict[str, torch.Tensor] | None:
-    """Collective over the world: rank 0 gets the undistributed state_dict (others None).
-    Only sample group 0 holds distinct shards, but every rank takes part in the gather."""
-    payload = {k: (v.detach().cpu(), shards.get(k)) for k, v in local_state.items()}
+                      log=None, *, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
+    """Collective over the world: the undistributed state_dict on rank 0 (others None), or on every
+    rank with `everywhere`. DTensor entries are made whole by DTensor; local shards of our parallel
+    layers are gathered and placed; everything else is this rank's own copy (replicated)."""
+    from torch.distributed.tensor import DTensor
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    got = [None] * world if rank == 0 else None
-    dist.gather_object(payload, got, dst=0)
+    whole = {k: v.full_tensor().detach().cpu() for k, v in local_state.items() if isinstance(v, DTensor)}
+    payload = {k: (v.detach().cpu(), shards[k]) for k, v in local_state.items() if k in shards}
+    if everywhere:
+        got = [None] * world
+        dist.all_gather_object(got, payload)
+    else:
+        got = [None] * world if rank == 0 else None
+        dist.gather_object(payload, got, dst=0)
     if log is not None:
         log.record("gather", world, sum(t.numel() * t.element_size() for t, _ in payload.values()),
                    "full_state_dict", setup=True)
-    if rank != 0:
+    if got is None:
         return None
     out: dict[str, torch.Tensor] = {}
-    for name, (t0, info) in got[0].items():
-        if info is None:
-            out[name] = t0.clone()
-            continue
-        full = torch.zeros(info.full_shape, dtype=t0.dtype)
-        for p in got:
-            t, i = p[name]
-            place(full, t, i)
-        out[name] = full
+    for name, v in local_state.items():
+        if name in whole:
+            out[name] = whole[name]
+        elif name in payload:
+            info = payload[name][1]
+            full = torch.zeros(info.full_shape, dtype=v.dtype)
+            for p in got:
+                t, i = p[name]
+                place(full, t, i)
+            out[name] = full
+        else:
+            out[name] = v.detach().cpu().clone()
     return out

@@ -1,5 +1,6 @@
-"""How a dimension of n elements is split over p ranks (torch.tensor_split's convention: the first
-n % p pieces get one extra element), and which pieces a rank of a P_C x P_F grid holds.
+"""How a dimension of n elements is split over p ranks, and which pieces a rank of a P_C x P_F grid
+holds. The convention is DTensor's (torch.chunk): pieces of ceil(n/p), the last ones smaller or
+empty, so a rank's local piece is exactly its DTensor shard.
 
 Pure Python: shared by the runtime and the analytic cost model (hybridpar.cost.layout_comm)."""
 
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 
 
 def piece_sizes(n: int, p: int) -> list[int]:
-    """Sizes of the p pieces of n elements; uneven counts give the first pieces one more element."""
-    base, extra = divmod(n, p)
-    return [base + (1 if i < extra else 0) for i in range(p)]
+    """Sizes of the p pieces of n elements, as torch.chunk / DTensor's Shard cut them: ceil(n/p) each,
+    the last ones smaller or empty (10 over 4 is 3, 3, 3, 1; 3 over 4 is 1, 1, 1, 0)."""
+    full = -(-n // p) if p else 0
+    return [max(0, min(full, n - k * full)) for k in range(p)]
 
 
 def piece_offsets(n: int, p: int) -> list[int]:

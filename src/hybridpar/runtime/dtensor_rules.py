@@ -1,0 +1,92 @@
+"""Our rules for ops DTensor gets wrong or does not serve, so that user code between parallel layers
+computes what it computes in one process.
+
+- Convolutions that are not one of our layers (grouped/depthwise convs, Conv2d subclasses with their
+  own forward, F.conv2d in user code): DTensor 2.13 sends `aten.convolution` to its width-sharded
+  halo handler (`_tp_conv.py`), which is wrong for channel-split inputs and ignores register_sharding.
+  We install our own handler in DTensor's custom-op table (the extension point torch's own loss- and
+  context-parallel use): input gathered on channels and split on samples, weight whole, output split
+  on samples; the weight gradient is Partial over samples and summed by GradSync. Correct for every
+  convolution, at the price of running it replicated over channel_filter.
+- Ops with no sharding strategy at all (e.g. `avg_pool3d_backward`, which LocalResponseNorm's
+  backward needs): run them on whole (replicated) inputs, through `register_sharding`. Every such op
+  is listed by the dry run (hybridpar.runtime.dry_run) so that the planner can price it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+aten = torch.ops.aten
+
+# Ops known to lack a DTensor strategy that users' models need; the dry run may add more.
+REPLICATED_OPS = (aten.avg_pool3d_backward.default, aten.avg_pool2d_backward.default,
+                  aten.max_pool2d_with_indices_backward.default)
+
+_installed: set = set()
+
+
+def _meshed(t, placements, mesh):
+    return t.redistribute(mesh, placements).to_local()
+
+
+def _wrap(t: torch.Tensor, mesh, placements, n_global: int) -> DTensor:
+    from hybridpar.runtime.dtensors import contiguous_stride
+
+    shape = (n_global, *t.shape[1:]) if placements[0] == Shard(0) else tuple(t.shape)
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=contiguous_stride(shape))
+
+
+def _conv(op_call, args, kwargs):
+    x, w, b, *rest = args
+    mesh = x.device_mesh
+    rows = [Shard(0), *([Replicate()] * (mesh.ndim - 1))]
+    whole = [Replicate()] * mesh.ndim
+    xl = _meshed(x, rows, mesh)
+    wl = _meshed(w, whole, mesh)
+    bl = _meshed(b, whole, mesh) if isinstance(b, DTensor) else b
+    y = op_call(xl, wl, bl, *rest, **kwargs)
+    return _wrap(y, mesh, rows, x.shape[0])
+
+
+def _conv_backward(op_call, args, kwargs):
+    dy, x, w, *rest = args
+    mesh = x.device_mesh
+    rows = [Shard(0), *([Replicate()] * (mesh.ndim - 1))]
+    whole = [Replicate()] * mesh.ndim
+    dxl, dwl, dbl = op_call(_meshed(dy, rows, mesh), _meshed(x, rows, mesh), _meshed(w, whole, mesh),
+                            *rest, **kwargs)
+    partial = [Partial(), *([Replicate()] * (mesh.ndim - 1))]  # this rank's samples' share
+    return (None if dxl is None else _wrap(dxl, mesh, rows, x.shape[0]),
+            None if dwl is None else _wrap(dwl, mesh, partial, 0),
+            None if dbl is None else _wrap(dbl, mesh, partial, 0))
+
+
+def install_conv_rule() -> None:
+    table = DTensor._op_dispatcher._custom_op_handlers
+    table[aten.convolution.default] = _conv
+    table[aten.convolution_backward.default] = _conv_backward
+
+
+def serve_replicated(ops) -> None:
+    """Give each op (an OpOverload) a strategy that runs it on whole inputs, output whole."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    for op in ops:
+        if op in _installed:
+            continue
+
+        def rule(*args, _op=op, **kwargs):
+            ins = [Replicate() if hasattr(a, "shape") and hasattr(a, "ndim") else None for a in args]
+            outs = [Replicate() for r in _op._schema.returns if "Tensor" in str(r.type)]
+            return [(outs, ins)]
+
+        register_sharding(op)(rule)
+        _installed.add(op)
+
+
+def install(extra_ops=()) -> None:
+    install_conv_rule()
+    serve_replicated((*REPLICATED_OPS, *extra_ops))

@@ -1,0 +1,144 @@
+"""Global semantics: the DeviceMesh of a layout, and the boundary between DTensors (what user code
+between layers sees: whole tensors, global shapes) and local pieces (what our distributed layer
+algorithms compute on).
+
+The mesh is named (sample, channel, filter) as in hybridpar.layout; activations live on its
+(sample, channel_filter) view, channel and filter flattened, because every layout with the same
+G = P_C*P_F chains without a move (their boundary pieces are the same G channel pieces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils._pytree import tree_map_only
+
+from hybridpar.layout import LayerLayout, piece_offsets, piece_sizes
+
+ACT_DIMS = ("sample", "channel_filter")
+
+
+@dataclass
+class Meshes:
+    """The world's mesh for one layout and its activation view."""
+
+    full: object  # DeviceMesh (sample, channel, filter)
+    act: object  # DeviceMesh (sample, channel_filter)
+
+    @property
+    def sample(self) -> int:
+        return self.act.size(0)
+
+    @property
+    def g_size(self) -> int:
+        return self.act.size(1)
+
+
+def build_meshes(layout: LayerLayout, device_type: str) -> Meshes:
+    """Collective: every rank calls it (DeviceMesh creates process groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    full = init_device_mesh(device_type, (layout.sample, layout.channel, layout.filter),
+                            mesh_dim_names=("sample", "channel", "filter"))
+    full["channel", "filter"]._flatten("channel_filter")  # DeviceMesh's own way to name a joint dim
+    return Meshes(full, full[ACT_DIMS])
+
+
+def boundary_placements(meshes: Meshes, dim: int = 1) -> list:
+    """An activation between layers: samples over `sample`, channels (`dim`) over channel_filter."""
+    return [Shard(0), Shard(dim) if meshes.g_size > 1 else Replicate()]
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def to_local(x, meshes: Meshes, placements: list) -> torch.Tensor:
+    """This rank's piece of `x` under `placements` (redistributing first when x is laid out otherwise).
+    The gradient of the piece is the piece of the gradient: same placements."""
+    if not isinstance(x, DTensor):
+        raise TypeError(f"expected a DTensor at a parallel layer's input, got {type(x).__name__}")
+    if tuple(x.placements) != tuple(placements):
+        x = x.redistribute(meshes.act, placements)
+    return x.to_local(grad_placements=placements)
+
+
+def from_local(t: torch.Tensor, meshes: Meshes, placements: list, global_shape) -> DTensor:
+    """Wrap this rank's piece `t` as the DTensor of `global_shape` (pieces may be uneven), settled."""
+    shape = tuple(global_shape)
+    return settle(DTensor.from_local(t, meshes.act, placements, run_check=False, shape=torch.Size(shape),
+                                     stride=contiguous_stride(shape)), meshes)
+
+
+def settle(t: DTensor, meshes: Meshes) -> DTensor:
+    """A parallel layer's output as user code may see it: where a channel piece would be empty on
+    some rank (fewer channels than ranks, or torch.chunk's short tail), gather channels instead,
+    since ops such as pooling reject 0-channel inputs and one rank's error would hang the others."""
+    places = list(t.placements)
+    for d, pl in enumerate(places):
+        if isinstance(pl, Shard) and piece_sizes(t.shape[pl.dim], meshes.act.size(d))[-1] == 0:
+            places[d] = Replicate()
+    return t if places == list(t.placements) else t.redistribute(meshes.act, places)
+
+
+def global_shape_of(local: torch.Tensor, meshes: Meshes, channel_dim: int, channels: int) -> tuple[int, ...]:
+    shape = list(local.shape)
+    shape[0] *= meshes.sample
+    shape[channel_dim] = channels
+    return tuple(shape)
+
+
+def local_rows(n: int, meshes: Meshes) -> slice:
+    """This rank's samples of a global batch of n (the sample degree divides n, checked up front)."""
+    s = meshes.act.get_local_rank("sample")
+    per = n // meshes.sample
+    return slice(s * per, (s + 1) * per)
+
+
+def channel_piece(n: int, meshes: Meshes) -> tuple[int, int]:
+    g = meshes.act.get_local_rank("channel_filter")
+    return piece_offsets(n, meshes.g_size)[g], piece_sizes(n, meshes.g_size)[g]
+
+
+def distribute_input(x, meshes: Meshes, *, sample_shard: bool):
+    """A user input (the global batch, same on every rank; or, with sample_shard, this rank's samples)
+    as a DTensor split on samples and whole on channel_filter: no communication at all."""
+    def one(t: torch.Tensor):
+        if t.dim() == 0:
+            return DTensor.from_local(t, meshes.act, [Replicate(), Replicate()], run_check=False)
+        if sample_shard:
+            shape = (t.shape[0] * meshes.sample, *t.shape[1:])
+            local = t
+        else:
+            shape, local = tuple(t.shape), t[local_rows(t.shape[0], meshes)]
+        return from_local(local, meshes, [Shard(0), Replicate()], shape)
+    return tree_map_only(torch.Tensor, lambda t: t if isinstance(t, DTensor) else one(t), x)
+
+
+def gather_output(out, meshes: Meshes, *, sample_shard: bool):
+    """The model's outputs as ordinary tensors: whole (same on every rank), or this rank's samples."""
+    def one(t: DTensor):
+        if sample_shard and t.dim() > 0 and t.placements[0] == Shard(0):
+            return t.redistribute(meshes.act, [Shard(0), Replicate()]).to_local()
+        return t.full_tensor()
+    return tree_map_only(DTensor, one, out)
+
+
+def replicate_param(p: torch.Tensor, meshes: Meshes) -> DTensor:
+    return DTensor.from_local(p.detach(), meshes.act, [Replicate(), Replicate()], run_check=False)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return prod(t.shape) * t.element_size()
+
+
+__all__ = ["ACT_DIMS", "Meshes", "Partial", "Replicate", "Shard", "boundary_placements", "build_meshes",
+           "channel_piece", "distribute_input", "from_local", "gather_output", "global_shape_of",
+           "local_rows", "replicate_param", "to_local"]

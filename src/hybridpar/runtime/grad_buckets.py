@@ -1,0 +1,149 @@
+"""Gradient synchronisation during backward, as DDP does it: every parameter's gradient joins a bucket
+the moment autograd has accumulated it; a full bucket's allreduce is launched asynchronously while
+backward goes on; a callback at the end of backward waits and writes the sums back. So the user's
+`loss.backward(); optimizer.step()` sees synchronised gradients with no call of ours in between.
+
+Written here rather than taken from DistributedDataParallel because the groups differ per parameter:
+a weight shard of a channel/filter layer is summed only over the ranks holding the same shard (the
+segmented allreduce of Dryden et al.), a replicated parameter whose DTensor gradient is Partial over
+the channel_filter dimension is summed there too, and DDP supports one group per module.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
+
+from hybridpar.runtime.collectives import all_reduce_
+from hybridpar.runtime.comm_log import CommLog
+
+BUCKET_BYTES = 4 << 20  # small buckets overlap more on CPU; DDP's 25 MiB suits fast GPU links
+
+
+@dataclass
+class _Bucket:
+    group: object  # runtime.grid.Group
+    params: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    nbytes: int = 0
+
+
+class GradSync:
+    """Hooks on every trainable parameter of a parallelized module.
+
+    `groups(p)` names, for a plain (local-shard) parameter, the Group its gradient is summed over
+    (None: nothing to do); DTensor parameters are summed over the groups of the mesh dimensions on
+    which their gradient is Partial (`mesh_groups[dim_name]`), then laid out like the parameter.
+    `average`: divide by the number of sample groups (DDP's convention, for per-rank losses)."""
+
+    def __init__(self, params, group_of, mesh_groups: dict, log: CommLog, *, average_over: int = 1,
+                 bucket_bytes: int = BUCKET_BYTES):
+        self.params = [p for p in params if p.requires_grad]
+        self.group_of, self.mesh_groups, self.log = group_of, mesh_groups, log
+        self.average_over, self.bucket_bytes = average_over, bucket_bytes
+        self.enabled = True
+        self._open: dict[int, _Bucket] = {}
+        self._inflight: list[tuple[object, _Bucket, torch.Tensor]] = []
+        self._seen: set[int] = set()
+        self._queued = False
+        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+        self.launch_times: list[float] = []  # perf_counter() at each bucket launch (tests, benchmarks)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (micro-batches); the next backward outside syncs the sum."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    # -- during backward -------------------------------------------------------------------------
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._seen.add(id(p))
+        if isinstance(p, DTensor):
+            return  # few and small (norm weights, scales): reduced by placement at the end
+        group = self.group_of(p)
+        if group is None or group.size == 1:
+            return
+        b = self._open.setdefault(id(group), _Bucket(group))
+        b.params.append(p)
+        b.grads.append(p.grad)
+        b.nbytes += p.grad.numel() * p.grad.element_size()
+        if b.nbytes >= self.bucket_bytes:
+            self._launch(self._open.pop(id(group)))
+
+    def _launch(self, b: _Bucket) -> None:
+        import time
+
+        flat = _flatten_dense_tensors(b.grads)
+        self.launch_times.append(time.perf_counter())
+        work = all_reduce_(flat, b.group, self.log, "grad_sync", async_op=True)
+        self._inflight.append((work, b, flat))
+
+    def _finish(self) -> None:
+        self._queued = False
+        # Parameters autograd never reached (unused in this forward) still take part, as zeros, so
+        # every rank issues the same collectives (and the bytes match the cost model's).
+        for p in self.params:
+            if id(p) in self._seen or isinstance(p, DTensor):
+                continue
+            group = self.group_of(p)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if group is not None and group.size > 1:
+                b = self._open.setdefault(id(group), _Bucket(group))
+                b.params.append(p)
+                b.grads.append(p.grad)
+        for key in list(self._open):
+            self._launch(self._open.pop(key))
+        for work, b, flat in self._inflight:
+            if work is not None:
+                work.wait()
+            if self.average_over > 1:
+                flat.div_(self.average_over)
+            for g, synced in zip(b.grads, _unflatten_dense_tensors(flat, b.grads)):
+                g.copy_(synced)
+        self._inflight.clear()
+        self._reduce_dtensor_grads()
+        self._seen.clear()
+
+    def _reduce_dtensor_grads(self) -> None:
+        from torch.distributed.tensor import Replicate
+
+        for p in self.params:
+            if not isinstance(p, DTensor):
+                continue
+            g = p.grad
+            if g is None:
+                p.grad = torch.zeros_like(p)
+                continue
+            if not isinstance(g, DTensor):
+                continue
+            local = g.to_local()
+            names = g.device_mesh.mesh_dim_names
+            places = list(g.placements)
+            for d, pl in enumerate(places):
+                if pl.is_partial():
+                    all_reduce_(local, self.mesh_groups[names[d]], self.log, "grad_sync")
+                    places[d] = Replicate()
+            if self.average_over > 1:
+                local.div_(self.average_over)
+            out = DTensor.from_local(local, g.device_mesh, places, run_check=False, shape=g.shape,
+                                     stride=g.stride())
+            if tuple(places) != tuple(p.placements):
+                out = out.redistribute(p.device_mesh, p.placements)
+            p.grad = out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

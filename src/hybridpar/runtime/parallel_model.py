@@ -1,0 +1,321 @@
+"""`parallelize(module, layout)`: the model runs with the semantics of one process on any layout.
+
+Parallel layers are swapped in place by module name (as torchtitan's parallelize_* functions apply
+their parallel styles): Conv2d (stationary-x/y/w), Linear (row/column), BatchNorm1d/2d/3d (global
+statistics). Between them, activations are DTensors over the layout's mesh (samples on `sample`,
+channels on `channel_filter`), so the user's own code sees global shapes and every op it calls
+computes what it computes in one process (DTensor's propagation redistributes where an op needs it;
+hybridpar.runtime.dtensor_rules serves what DTensor does not). Parameters the user's code touches
+between layers (norm weights, scales, embeddings) are replicated DTensors. The root module takes the
+global batch as ordinary tensors and returns ordinary tensors, the same on every rank; gradients are
+synchronised during backward (hybridpar.runtime.grad_buckets), so any loss and any torch.optim
+optimizer over `module.parameters()` train as in one process.
+
+Sample-only layouts (no channel/filter split) run without DTensor, as DDP does: each rank pushes its
+samples through the model (batch norm with global statistics), and outputs are gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from hybridpar.errors import UserError
+from hybridpar.layout import piece_sizes, ranges
+from hybridpar.plans import LayerLayout, Plan, parse_strategy
+from hybridpar.runtime.comm_log import CommLog
+
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+INPUT_MODES = ("global", "sample_shard")
+
+
+@dataclass(frozen=True)
+class Layouts:
+    default: LayerLayout
+    per_module: dict[str, LayerLayout] = field(default_factory=dict)
+
+    def of(self, name: str) -> LayerLayout:
+        return self.per_module.get(name, self.default)
+
+    @property
+    def all(self) -> list[LayerLayout]:
+        return [self.default, *self.per_module.values()]
+
+
+def as_layouts(spec: Plan | LayerLayout | str, world_size: int | None = None) -> Layouts:
+    if isinstance(spec, Plan):
+        if spec.mp > 1:
+            raise UserError("plan has mp > 1: use hybridpar.runtime.engine.make_engine (MP engine)")
+        return Layouts(spec.default_layout, dict(spec.layers))
+    if isinstance(spec, LayerLayout):
+        return Layouts(spec)
+    if isinstance(spec, str):
+        strat = parse_strategy(spec, world_size)
+        if strat.mp > 1:
+            raise UserError(f"strategy {spec!r} has mp > 1: not a channel/filter/sample layout")
+        return Layouts(strat.layout)
+    raise TypeError(f"expected a Plan, LayerLayout or strategy string, got {type(spec).__name__}")
+
+
+def grid_shape(layouts: Layouts) -> tuple[int, int]:
+    """(S, G) of the default layout: the boundary layout of every activation."""
+    d = layouts.default
+    return d.sample, d.channel * d.filter
+
+
+def grid_keys(layouts: Layouts) -> list[tuple[int, int]]:
+    """Every (S, G) the layouts use, in one order all ranks share."""
+    return sorted({(lay.sample, lay.channel * lay.filter) for lay in layouts.all})
+
+
+def check_parallelizable(module: nn.Module, layouts: Layouts, batch: int | None = None) -> None:
+    """Everything that would make parallelize fail, raised as a UserError before any process starts."""
+    s, g = grid_shape(layouts)
+    if batch is not None and batch % s:
+        raise UserError(f"global batch {batch} is not divisible by the sample degree {s}")
+    for name, lay in layouts.per_module.items():
+        try:
+            sub = module.get_submodule(name)
+        except AttributeError:
+            raise UserError(f"plan names module {name!r}, which the model does not have") from None
+        if (lay.sample, lay.g_size) != (s, g) and not splits_as_conv(sub):
+            raise UserError(f"{name}: only convolutions may use a layout with another sample/channel grid "
+                            f"than the default ({lay.to_strategy()} vs {layouts.default.to_strategy()})")
+        if (lay.sample, lay.g_size) != (s, g) and g == 1:
+            raise UserError(f"{name}: a channel/filter layout inside a sample-only model is not supported; "
+                            "give the model a channel/filter default layout")
+        if batch is not None and batch % lay.sample:
+            raise UserError(f"global batch {batch} is not divisible by the sample degree {lay.sample} of {name}")
+    for name, m in module.named_modules():
+        if name in layouts.per_module and type(m) is nn.Conv2d and not splits_as_conv(m):
+            raise UserError(f"{name}: grouped/depthwise convolution (groups={m.groups}) or padding_mode="
+                            f"{m.padding_mode!r} cannot take its own channel/filter layout; it runs "
+                            "replicated over channel_filter in the default layout")
+
+
+def splits_as_conv(m: nn.Module) -> bool:
+    """A Conv2d our distributed convolution computes exactly (plain type: a subclass may override
+    forward, e.g. weight standardisation, and runs through DTensor's rules instead)."""
+    return type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros"
+
+
+@dataclass
+class ParallelState:
+    """What parallelize did: the grids, and where each local tensor sits in the undistributed one."""
+
+    grid: object  # the default layout's grid (boundary layout of activations)
+    layouts: Layouts
+    bn_stats: str
+    grids: dict = field(default_factory=dict)  # (S, G) -> ProcessGrid
+    shard_fns: dict[str, object] = field(default_factory=dict)  # module name -> () -> {attr: ShardInfo}
+    param_grid: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(param) -> (S, G), if not default
+    meshes: object | None = None  # hybridpar.runtime.dtensors.Meshes when activations are DTensors
+    inputs: str = "global"
+    grad_sync: object | None = None  # hybridpar.runtime.grad_buckets.GradSync
+
+    def group_of(self, p):
+        """The group a local (non-DTensor) parameter's gradient is summed over."""
+        return self.grids[self.param_grid.get(id(p), (self.grid.sample, self.grid.g_size))].replica_group
+
+    def shards(self) -> dict:
+        out = {}
+        for mname, fn in self.shard_fns.items():
+            for attr, info in fn().items():
+                out[f"{mname}.{attr}" if mname else attr] = info
+        return out
+
+
+def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: str = "global", grid=None,
+                grids: dict | None = None, bn_stats: str = "global", comm_log: CommLog | None = None,
+                extra_ops=()) -> nn.Module:
+    """Make `module` run `spec` (a Plan, a LayerLayout or a strategy string such as "sample=2,channel=2")
+    on the current torch.distributed world, in place; returns the module, with `.hybridpar` set to a
+    ParallelState. Collective: every rank calls it with the same arguments.
+
+    inputs="global": every rank passes the same global batch and gets the whole outputs; gradients
+    are summed over sample groups (the loss is the global batch's). inputs="sample_shard": each rank
+    passes only its sample group's samples (batch / sample degree) and gets those samples' outputs;
+    gradients are averaged over sample groups, as DDP does, so use a per-rank mean loss."""
+    import torch.distributed as dist
+
+    from hybridpar.runtime.grad_buckets import GradSync
+    from hybridpar.runtime.grid import build_grid
+
+    if inputs not in INPUT_MODES:
+        raise UserError(f"inputs must be one of {', '.join(INPUT_MODES)}, got {inputs!r}")
+    layouts = as_layouts(spec, dist.get_world_size())
+    check_parallelizable(module, layouts)
+    grids = dict(grids or {})
+    if grid is not None:
+        grids[(grid.sample, grid.g_size)] = grid
+    default_key = grid_shape(layouts)
+    for key in grid_keys(layouts):  # same order on every rank: group creation is collective
+        if key not in grids:
+            facts = {(lay.channel, lay.filter) for lay in layouts.all if (lay.sample, lay.g_size) == key}
+            log = comm_log or next((g.comm_log for g in grids.values()), None)
+            grids[key] = build_grid(*key, facts, log)
+    state = ParallelState(grids[default_key], layouts, bn_stats, grids, inputs=inputs)
+    if default_key[1] > 1:
+        from hybridpar.runtime import dtensor_rules
+        from hybridpar.runtime.dtensors import build_meshes
+
+        dtensor_rules.install(extra_ops)
+        state.meshes = build_meshes(layouts.default, _device_type(module))
+    for name, m in list(module.named_modules()):
+        new = _replacement(name, m, layouts.of(name), state, bn_stats)
+        if new is not None:
+            if state.meshes is not None:
+                new.meshes = state.meshes
+            _set_submodule(module, name, new)
+    if state.meshes is not None:
+        _replicate_the_rest(module, state.meshes)
+        from hybridpar.runtime.channel_ops import install
+
+        install(module, state.grid, state.meshes)  # torch.cat along channels in the model's forward
+    _install_io(module, state)
+    module.hybridpar = state
+    mesh_groups = {"sample": state.grid.replica_group, "channel_filter": state.grid.sample_group}
+    state.grad_sync = GradSync(module.parameters(), state.group_of, mesh_groups, state.grid.comm_log,
+                               average_over=state.grid.sample if inputs == "sample_shard" else 1)
+    return module
+
+
+def full_state_dict(module: nn.Module) -> dict:
+    """The undistributed model's state_dict (names and shapes of the module before parallelize), on
+    every rank. Collective."""
+    from hybridpar.runtime.state import gather_full_state
+
+    state = getattr(module, "hybridpar", None)
+    if state is None:
+        raise UserError("full_state_dict: the module was not parallelized with hybridpar.parallelize")
+    return gather_full_state(module.state_dict(), state.shards(), state.grid.comm_log, everywhere=True)
+
+
+def _device_type(module: nn.Module) -> str:
+    p = next(module.parameters(), None)
+    return p.device.type if p is not None else "cpu"
+
+
+def _replicate_the_rest(module: nn.Module, meshes) -> None:
+    """Parameters and buffers outside our parallel layers become replicated DTensors, so the user's
+    code between layers (norms, scales, embeddings, position tables) can mix them with activations."""
+    from torch.distributed.tensor import DTensor
+
+    from hybridpar.runtime.dtensors import replicate_param
+
+    ours = _parallel_layer_types()
+    for m in module.modules():
+        if isinstance(m, ours):
+            continue
+        for pname, p in list(m.named_parameters(recurse=False)):
+            if p is not None and not isinstance(p, DTensor):
+                setattr(m, pname, nn.Parameter(replicate_param(p, meshes), requires_grad=p.requires_grad))
+        for bname, b in list(m.named_buffers(recurse=False)):
+            if b is not None and not isinstance(b, DTensor):
+                m._buffers[bname] = replicate_param(b, meshes)
+
+
+def _parallel_layer_types():
+    from hybridpar.runtime.conv import DistConv2d, DistLinear
+    from hybridpar.runtime.norm import DistBatchNorm
+
+    return (DistConv2d, DistLinear, DistBatchNorm)
+
+
+def _install_io(module: nn.Module, state: ParallelState) -> None:
+    """The root takes ordinary tensors and returns ordinary tensors (see parallelize's doc)."""
+    sample_shard = state.inputs == "sample_shard"
+    if state.meshes is not None:
+        from hybridpar.runtime.dtensors import distribute_input, gather_output
+
+        def pre(_m, args, kwargs):
+            return distribute_input(args, state.meshes, sample_shard=sample_shard), \
+                distribute_input(kwargs, state.meshes, sample_shard=sample_shard)
+
+        def post(_m, _args, _kwargs, out):
+            return gather_output(out, state.meshes, sample_shard=sample_shard)
+    else:
+        from hybridpar.runtime.sample_io import gather_samples, split_samples
+
+        grid = state.grid
+
+        def pre(_m, args, kwargs):
+            if sample_shard or grid.sample == 1:
+                return None
+            return split_samples(args, grid), split_samples(kwargs, grid)
+
+        def post(_m, _args, _kwargs, out):
+            if sample_shard or grid.sample == 1:
+                return None
+            return gather_samples(out, grid)
+
+    module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    module.register_forward_hook(post, with_kwargs=True)
+
+
+def no_sync(module: nn.Module):
+    """Context manager: backward passes inside accumulate gradients without synchronising them."""
+    return module.hybridpar.grad_sync.no_sync()
+
+
+def _replacement(name, m, lay: LayerLayout, state: ParallelState, bn_stats):
+    from hybridpar.layout import Split
+    from hybridpar.runtime.conv import ConvComm, DistConv2d, DistLinear, conv_geometry, weight_block
+    from hybridpar.runtime.norm import DistBatchNorm, NormComm
+    from hybridpar.runtime.state import ShardInfo
+
+    outer = state.grid
+    if isinstance(m, BATCH_NORMS):  # follows the boundary layout
+        if outer.g_size == 1 and outer.sample == 1:
+            return None
+        sizes = piece_sizes(m.num_features, outer.g_size)
+        rng = tuple(ranges(sizes, [outer.g]))
+        off, n = rng[0]
+        new = DistBatchNorm(m, slice(off, off + n), NormComm(outer.replica_group, outer.comm_log, name),
+                              bn_stats)
+        vec = {"weight", "bias", "running_mean", "running_var"}
+        state.shard_fns[name] = lambda: {a: ShardInfo((m.num_features,), (rng,)) for a in vec
+                                         if getattr(new, a, None) is not None}
+        return new
+    if not (splits_as_conv(m) or type(m) is nn.Linear):
+        return None
+    key = (lay.sample, lay.channel * lay.filter)
+    grid = state.grids[key]
+    off_default = grid is not outer
+    if grid.g_size == 1 and not off_default:
+        return None
+    G = grid.g_size
+    pos = grid.pos(lay.channel, lay.filter)
+    fg, cg = grid.filter_group(lay.channel, lay.filter), grid.channel_group(lay.channel, lay.filter)
+    w, b = m.weight.detach(), (m.bias.detach() if m.bias is not None else None)
+    w_shape, b_shape = tuple(w.shape), (tuple(b.shape) if b is not None else None)
+    out_sizes = piece_sizes(w.shape[0], G)
+    rows = tuple(ranges(out_sizes, pos.out_piece_ids()))
+    bias_rng = tuple(ranges(out_sizes, [pos.g]))
+    if isinstance(m, nn.Conv2d):
+        in_sizes = piece_sizes(w.shape[1], G)
+        comm = ConvComm(pos, tuple(in_sizes), tuple(out_sizes), fg, cg, grid.comm_log, name)
+        wb = weight_block(w, pos, in_sizes, out_sizes)
+        bb = b[bias_rng[0][0]:bias_rng[0][0] + bias_rng[0][1]].clone() if b is not None else None
+        boundary = (Split(outer.sample, outer.g_size), Split(grid.sample, G)) if off_default else None
+        new = DistConv2d(wb, bb, conv_geometry(m), comm, boundary)
+        cols = tuple(ranges(in_sizes, pos.in_piece_ids()))
+        state.shard_fns[name] = lambda: {"weight": ShardInfo(w_shape, (rows, cols)),
+                                         **({"bias": ShardInfo(b_shape, (bias_rng,))} if b_shape else {})}
+        if off_default:
+            state.param_grid.update({id(p): key for p in new.parameters()})
+        return new
+    if off_default:
+        raise UserError(f"{name}: a Linear layer must use the default layout")
+    new = DistLinear(w, b, pos, fg, cg, grid.comm_log, name)
+    cols = tuple(ranges(new.in_sizes, pos.in_piece_ids()))
+    state.shard_fns[name] = lambda: {"weight": ShardInfo(w_shape, (rows, cols)),
+                                     **({"bias": ShardInfo(b_shape, (bias_rng,))} if b_shape else {})}
+    return new
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, leaf, new)
