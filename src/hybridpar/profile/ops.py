@@ -11,6 +11,7 @@ group) and as the runtime's global-statistics function without its two allreduce
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -147,7 +148,8 @@ def _global_bn(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) 
     from hybridpar.runtime.norm import GlobalBatchNormFunction, NormComm
 
     comm = NormComm(Group((0,), None, 0), CommLog(), "profile")
-    return GlobalBatchNormFunction.apply(x, w, b, 1e-5, comm, x.new_zeros(x.shape[1]))[0]
+    return GlobalBatchNormFunction.apply(x, w, b, 1e-5, comm, x.new_zeros(x.shape[1]),
+                                        x.shape[0] * math.prod(x.shape[2:]))[0]
 
 
 def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:

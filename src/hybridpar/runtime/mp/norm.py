@@ -10,7 +10,7 @@ from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.grid import Group
 from hybridpar.runtime.mp.layout import HybridLayout
 from hybridpar.runtime.mp.partition import Partition
-from hybridpar.runtime.norm import DistBatchNorm2d, NormComm
+from hybridpar.runtime.norm import DistBatchNorm, NormComm
 
 
 def sync_batch_norms(module: nn.Module, part: Partition, layout: HybridLayout, pg, log: CommLog) -> int:
@@ -25,7 +25,7 @@ def sync_batch_norms(module: nn.Module, part: Partition, layout: HybridLayout, p
         bn = part.gm.get_submodule(target)
         if not isinstance(bn, nn.BatchNorm2d):
             continue
-        dist_bn = DistBatchNorm2d(bn, slice(None), NormComm(group, log, target), stats="global")
+        dist_bn = DistBatchNorm(bn, slice(None), NormComm(group, log, target), stats="global")
         parent, _, leaf = target.rpartition(".")
         for root in (module, part.gm):
             setattr(root.get_submodule(parent) if parent else root, leaf, dist_bn)
