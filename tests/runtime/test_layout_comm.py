@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -56,9 +58,11 @@ def test_first_layer_has_no_input_gradient_exchange():
     assert ops  # the rest of the model communicates too
 
 
-def test_sample_only_is_gradients_bn_and_loss():
+def test_sample_only_is_gradients_bn_and_output():
     g = _graph()
     totals = bytes_by_kind(model_collectives(g, LayerLayout(sample=4)))
     params = sum(n.params for n in g.nodes) * 4
-    assert set(totals) == {"allreduce"}
-    assert totals["allreduce"] == params + 8 * 4 * 2 + 2 * 8 * 4 + 4  # grads, BN fwd, BN bwd, loss
+    last = [n for n in g.nodes if n.op not in ("input", "output")][-1]
+    assert set(totals) == {"allreduce", "allgather"}
+    assert totals["allreduce"] == params + 8 * 4 * 2 + 2 * 8 * 4  # grads, BN fwd, BN bwd
+    assert totals["allgather"] == math.prod(last.out_shape) * 4  # the whole output on every rank

@@ -6,16 +6,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridpar.layout import GridPos, piece_offsets, piece_sizes, ranges
 from hybridpar.runtime.conv import ConvGeometry, weight_block
-from hybridpar.runtime.shard import GridPos, piece_offsets, piece_sizes, ranges
 from hybridpar.runtime.state import ShardInfo, place
 
 
+@settings(deadline=None)  # the first call imports torch.distributed.tensor
 @given(n=st.integers(0, 100), p=st.integers(1, 16))
-def test_piece_sizes_match_tensor_split(n, p):
+def test_piece_sizes_are_dtensor_shards(n, p):
+    """A rank's piece is exactly its DTensor Shard: the runtime wraps local pieces as DTensors."""
+    from torch.distributed.tensor import Shard
+
     sizes = piece_sizes(n, p)
-    assert sizes == [t.numel() for t in torch.tensor_split(torch.arange(n), p)]
-    assert piece_offsets(n, p) == [sum(sizes[:k]) for k in range(p)]
+    offs = piece_offsets(n, p)
+    for k in range(p):
+        size, off = Shard.local_shard_size_and_offset(n, p, k)
+        assert sizes[k] == size
+        assert size == 0 or offs[k] == off
+    assert offs == [sum(sizes[:k]) for k in range(p)]
 
 
 @settings(max_examples=40)

@@ -7,7 +7,7 @@ reduce_scatter = the input. Price a list with the collective time functions, e.g
 `allgather_time(op.bytes_, ranks, cluster)` for `op.kind == "allgather"`.
 
 Per layer with layout (sample S, channel P_C, filter P_F), G = P_C*P_F, n = batch/S samples per rank,
-boundary tensors split into G channel pieces (uneven: the first pieces one larger):
+boundary tensors split into G channel pieces (uneven: torch.chunk's, as DTensor's Shard):
   conv2d / linear   fwd: allgather x in the filter group (P_F > 1); reduce_scatter y in the channel
                     group (P_C > 1). bwd: allgather dy in the channel group; reduce_scatter dx in the
                     filter group (only if the input needs a gradient). grad: allreduce of the weight
@@ -15,8 +15,9 @@ boundary tensors split into G channel pieces (uneven: the first pieces one large
   batchnorm         (global statistics, S > 1) fwd: 1 allreduce of 2 C_g floats (shifted sum and sum
                     of squares); bwd: 1 allreduce of 2 C_g floats; grad: allreduce of the 2 C_g affine
                     parameters. "local" statistics: only the grad allreduce.
-  model output      allgather of the channel-split output over the G ranks of a sample group.
-  loss              allreduce of the scalar loss over the S sample groups (reporting).
+  model output      made whole on every rank (the loss is computed the same everywhere): allgather of
+                    the channel-split output over the G ranks of a sample group, then of the
+                    sample-split output over the S sample groups.
   concat            (channels, G > 1) all-to-all in the sample group of the concatenation's parts
                     that other ranks hold, forward and backward.
   redistribution    a conv whose layout has another (S, G) than the plan's default: alltoall of its
@@ -70,6 +71,8 @@ def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, 
     G = c * f
     x, y = node.in_shapes[0], node.out_shape
     n = x[0] // S
+    if node.op == "linear":  # features on the last dim; every other dim but the samples is whole
+        x, y = (x[0], x[-1], prod(x[1:-1])), (y[0], y[-1], prod(y[1:-1]))
     in_sp, out_sp = (prod(x[2:]) if len(x) > 2 else 1), (prod(y[2:]) if len(y) > 2 else 1)
     ops: list[CommOp] = []
     weight = dict(node.param_shapes)
@@ -88,7 +91,7 @@ def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, 
             ops.append(CommOp("allgather", c, n * rows * out_sp * b, "channel", "bwd"))
         if f > 1 and input_grad:
             ops.append(CommOp("reduce_scatter", f, n * cols * in_sp * b, "filter", "bwd"))
-        k_sp = prod(w_shape[2:]) if w_shape and len(w_shape) > 2 else 1
+        k_sp = prod(w_shape[2:]) if w_shape and len(w_shape) > 2 and node.op == "conv2d" else 1
         shard = rows * cols * k_sp + (out_sizes[pos.g] if bias_shape else 0)
         # a linear's columns are feature pieces already (cols counts features), so k_sp is 1 there
     else:
@@ -119,23 +122,6 @@ def _layout_for(spec: Plan | LayerLayout, node: Node) -> LayerLayout:
     return spec
 
 
-def _linear_in_pieces(graph: Graph, node: Node, G: int) -> list[int]:
-    """Feature pieces of a linear's input: the nearest 4-D ancestor's channel pieces x H*W (what
-    flatten of a channel-split [N, C_g, H, W] gives each rank)."""
-    cur = node
-    while cur.inputs:
-        prev = graph.node(cur.inputs[0])
-        if len(prev.out_shape) == 4:
-            _, C, H, W = prev.out_shape
-            if C * H * W == node.in_shapes[0][-1]:
-                return [p * H * W for p in piece_sizes(C, G)]
-            break
-        if len(prev.out_shape) != 2:
-            break
-        cur = prev
-    return piece_sizes(node.in_shapes[0][-1], G)
-
-
 def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int = 0, rank: int | None = None,
                       bn_stats: str = "global", dtype_bytes: int = FP32) -> list[tuple[str, CommOp]]:
     """(node name, op) for every collective of one training step of `graph` (global batch =
@@ -160,7 +146,7 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
         if node.op != "conv2d" or own == outer:
             lay, own = (default, outer) if node.op == "batchnorm" else (lay, outer)
         input_grad = any(needs_grad.get(i, False) for i in node.inputs)
-        pieces = _linear_in_pieces(graph, node, G) if node.op == "linear" and G > 1 else None
+        pieces = None  # a linear's input features are split as its DTensor input is: G chunks
         if own != outer:
             out += [(node.name, op) for op in _redistributions(node, outer, own, rank, world, input_grad,
                                                               dtype_bytes)]
@@ -170,12 +156,12 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
                                     in_pieces=pieces, bn_stats=bn_stats, dtype_bytes=dtype_bytes):
             out.append((node.name, op))
     outputs = [n for n in graph.nodes if n.op not in ("input", "output") and not succ.get(n.name)]
-    for node in outputs:
+    for node in outputs:  # made whole on every rank: channels in the sample group, then samples
+        whole = prod(node.out_shape) * dtype_bytes
         if G > 1:
-            rows = prod(node.out_shape[1:]) * (node.out_shape[0] // S)
-            out.append((node.name, CommOp("allgather", G, rows * dtype_bytes, "sample", "fwd")))
-    if S > 1:
-        out.append(("loss", CommOp("allreduce", S, FP32, "replica", "loss")))
+            out.append((node.name, CommOp("allgather", G, whole // S, "sample", "fwd")))
+        if S > 1:
+            out.append((node.name, CommOp("allgather", S, whole, "replica", "fwd")))
     return out
 
 

@@ -9,6 +9,7 @@ G = P_C*P_F chains without a move (their boundary pieces are the same G channel 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from math import prod
 
@@ -37,14 +38,26 @@ class Meshes:
         return self.act.size(1)
 
 
+_MESHES: dict[tuple, Meshes] = {}
+
+
 def build_meshes(layout: LayerLayout, device_type: str) -> Meshes:
-    """Collective: every rank calls it (DeviceMesh creates process groups)."""
+    """Collective: every rank calls it (DeviceMesh creates process groups). One per layout and world:
+    later models on the same layout reuse it (process groups are costly to create)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    key = (layout.sample, layout.channel, layout.filter, device_type, id(dist.group.WORLD))
+    if key in _MESHES:
+        return _MESHES[key]
 
     full = init_device_mesh(device_type, (layout.sample, layout.channel, layout.filter),
                             mesh_dim_names=("sample", "channel", "filter"))
     full["channel", "filter"]._flatten("channel_filter")  # DeviceMesh's own way to name a joint dim
-    return Meshes(full, full[ACT_DIMS])
+    with warnings.catch_warnings():  # "slicing a flattened dim ... will be deprecated": still the way in 2.13
+        warnings.simplefilter("ignore", UserWarning)
+        _MESHES[key] = Meshes(full, full[ACT_DIMS])
+    return _MESHES[key]
 
 
 def boundary_placements(meshes: Meshes, dim: int = 1) -> list:
@@ -122,11 +135,47 @@ def distribute_input(x, meshes: Meshes, *, sample_shard: bool):
     return tree_map_only(torch.Tensor, lambda t: t if isinstance(t, DTensor) else one(t), x)
 
 
-def gather_output(out, meshes: Meshes, *, sample_shard: bool):
+class _GatherWhole(torch.autograd.Function):
+    """A boundary-laid-out output made whole on every rank with our logged collectives: channels in
+    the sample group, then samples over the sample groups. Every rank then computes the same loss, so
+    the backward is this rank's slice of the gradient, with no communication."""
+
+    @staticmethod
+    def forward(ctx, local, grid, cdim: int, channels: int, n: int):
+        from hybridpar.runtime.collectives import all_gather_dim
+
+        ctx.cdim, ctx.channels, ctx.n, ctx.grid = cdim, channels, n, grid
+        t = local
+        if cdim >= 0:
+            t = all_gather_dim(t.contiguous(), cdim, grid.sample_group, piece_sizes(channels, grid.g_size),
+                               grid.comm_log, "output:fwd")
+        if grid.sample > 1:
+            t = all_gather_dim(t.contiguous(), 0, grid.replica_group, piece_sizes(n, grid.sample),
+                               grid.comm_log, "output:fwd")
+        return t
+
+    @staticmethod
+    def backward(ctx, d):
+        grid = ctx.grid
+        if grid.sample > 1:
+            d = d.narrow(0, piece_offsets(ctx.n, grid.sample)[grid.s], piece_sizes(ctx.n, grid.sample)[grid.s])
+        if ctx.cdim >= 0:
+            d = d.narrow(ctx.cdim, piece_offsets(ctx.channels, grid.g_size)[grid.g],
+                         piece_sizes(ctx.channels, grid.g_size)[grid.g])
+        return d.contiguous(), None, None, None, None
+
+
+def gather_output(out, meshes: Meshes, grid, *, sample_shard: bool):
     """The model's outputs as ordinary tensors: whole (same on every rank), or this rank's samples."""
     def one(t: DTensor):
         if sample_shard and t.dim() > 0 and t.placements[0] == Shard(0):
             return t.redistribute(meshes.act, [Shard(0), Replicate()]).to_local()
+        p0, p1 = t.placements
+        if t.dim() > 0 and p0 in (Shard(0), Replicate()) and (isinstance(p1, Shard) or p1 == Replicate()) \
+                and (p0 == Shard(0) or grid.sample == 1):
+            cdim = p1.dim if isinstance(p1, Shard) else -1
+            local = t.to_local(grad_placements=t.placements)
+            return _GatherWhole.apply(local, grid, cdim, t.shape[cdim] if cdim >= 0 else 0, t.shape[0])
         return t.full_tensor()
     return tree_map_only(DTensor, one, out)
 

@@ -84,8 +84,15 @@ class ChannelFilterEngine:
         Returns the global-batch mean loss (same on every rank)."""
         self.comm_log.mark_step()
         self.module.train()
-        loss = task_loss(self.module(x), y)
-        loss.backward()
+        if self.state.meshes is None:
+            loss = task_loss(self.module(x), y)
+            loss.backward()
+            return float(loss.detach())
+        from hybridpar.runtime.dtensor_log import recording
+
+        with recording(self.comm_log):  # DTensor's own redistributions, logged beside ours
+            loss = task_loss(self.module(x), y)
+            loss.backward()
         return float(loss.detach())
 
     def sync_gradients(self) -> None:

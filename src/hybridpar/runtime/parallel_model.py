@@ -194,7 +194,8 @@ def full_state_dict(module: nn.Module) -> dict:
 
 def _device_type(module: nn.Module) -> str:
     p = next(module.parameters(), None)
-    return p.device.type if p is not None else "cpu"
+    # meta: the dry run's shape-only pass (hybridpar.runtime.dry_run) on a CPU mesh
+    return p.device.type if p is not None and p.device.type != "meta" else "cpu"
 
 
 def _replicate_the_rest(module: nn.Module, meshes) -> None:
@@ -234,7 +235,7 @@ def _install_io(module: nn.Module, state: ParallelState) -> None:
                 distribute_input(kwargs, state.meshes, sample_shard=sample_shard)
 
         def post(_m, _args, _kwargs, out):
-            return gather_output(out, state.meshes, sample_shard=sample_shard)
+            return gather_output(out, state.meshes, state.grid, sample_shard=sample_shard)
     else:
         from hybridpar.runtime.sample_io import gather_samples, split_samples
 

@@ -1,0 +1,130 @@
+"""The dry run: the parallelized model's forward and backward on meta tensors, on a fake process
+group of the layout's world size, in this process, before any rank starts.
+
+It finds every op the layout cannot serve (raised as a UserError naming the op and the module, so
+`hybridpar train` exits 2 with one line and spawns nothing) and records every collective one step
+issues on rank 0 of the layout: our layers' (as CommLog does at run time) and DTensor's own
+redistributions between them, with the module each ran in, for the planner to price.
+It needs a process with no process group yet (the launcher, the planner, a test's parent process).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybridpar.errors import UserError
+
+
+@dataclass(frozen=True)
+class DryRun:
+    strategy: str
+    world_size: int
+    our_bytes: dict[str, int]  # per kind, our layers' collectives (rank 0)
+    dtensor: list[dict] = field(default_factory=list)  # DTensor's: module, kind, group_size, bytes
+    output_shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+    @property
+    def dtensor_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.dtensor:
+            if r["group_size"] > 1:
+                out[r["kind"]] = out.get(r["kind"], 0) + r["bytes"]
+        return dict(sorted(out.items()))
+
+    @property
+    def total_bytes(self) -> dict[str, int]:
+        out = dict(self.our_bytes)
+        for k, v in self.dtensor_bytes.items():
+            out[k] = out.get(k, 0) + v
+        return dict(sorted(out.items()))
+
+
+def _meta(tree):
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to("meta"), tree)
+
+
+def default_loss(out, y):
+    import torch.nn.functional as F
+
+    if out.dim() > 2 and y.dim() == out.dim() - 1:
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return F.cross_entropy(out, y)
+
+
+def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size: int,
+            loss_fn=default_loss, train: bool = True) -> DryRun:
+    """Run `module` (not modified: a meta copy is used) under `spec` (strategy string, LayerLayout or
+    Plan) on `world_size` fake ranks. `example_inputs`: a tensor or tuple, the global batch.
+    `targets`: labels for `loss_fn`; without them the backward starts from the sum of the outputs."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybridpar.runtime import dtensors
+    from hybridpar.runtime.dtensor_log import recording
+    from hybridpar.runtime.parallel_model import parallelize
+
+    if dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without a process group (run it before launching ranks)")
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    model = copy.deepcopy(module).to("meta")
+    model.train(train)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        parallelize(model, spec)
+        log = model.hybridpar.grid.comm_log
+        log.mark_step()
+        with recording(log) as rec:
+            try:
+                out = model(*_meta(inputs))
+                outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+                if targets is not None:
+                    loss = loss_fn(outs[0], _meta(targets))
+                else:
+                    loss = sum(o.float().sum() for o in outs if o.is_floating_point())
+                loss.backward()
+            except UserError:
+                raise
+            except Exception as err:  # noqa: BLE001 - every failure becomes one line naming op and module
+                raise UserError(_refusal(err, module_path(rec.tracker.parents), spec)) from None
+        records = [{**r, "module": module_path({r["module"]})} for r in rec.records]
+        ours = log.step_bytes_by_kind()
+        for r in records:  # the recorder logged DTensor's collectives too: keep ours apart
+            if r["group_size"] > 1:
+                ours[r["kind"]] -= r["bytes"]
+        return DryRun(_strategy_text(spec), world_size, {k: v for k, v in ours.items() if v},
+                      records, [tuple(o.shape) for o in outs])
+    finally:
+        dtensors._MESHES.clear()
+        dist.destroy_process_group()
+
+
+def _strategy_text(spec) -> str:
+    if isinstance(spec, str):
+        return spec
+    lay = getattr(spec, "default_layout", spec)
+    return lay.to_strategy()
+
+
+def module_path(parents) -> str:
+    """ModuleTracker's innermost module ("Net.layer1.conv" -> "layer1.conv"; the root -> "<model>")."""
+    names = [p for p in parents if p != "Global"]
+    if not names:
+        return "<model>"
+    inner = max(names, key=lambda n: n.count("."))
+    return inner.partition(".")[2] or "<model>"
+
+
+def _refusal(err: BaseException, where: str, spec) -> str:
+    import re
+
+    text = " ".join(str(err).split())
+    m = re.search(r"aten\.[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)?", text)
+    what = f"op {m.group(0)}" if m else type(err).__name__
+    return (f"{_strategy_text(spec)}: {what} in module '{where or '<model>'}' cannot run with this layout "
+            f"({text[:160]}); use a sample-only layout for this model")
