@@ -49,16 +49,30 @@ def train(root: str, strategy: str, world: int, steps: int, every: int, resume: 
         opt.zero_grad(set_to_none=True)
         if every and (step + 1) % every == 0:
             crash = os.environ.get(CRASH_ENV)
-            if crash and dist.get_rank() == 0:
+            if crash == "enospc" and dist.get_rank() == dist.get_world_size() - 1:
+                _disk_full()
+            elif crash and crash != "enospc" and dist.get_rank() == 0:
                 _arm_crash(crash)
-            ckpt.save_checkpoint(root, step + 1, engine, opt, meta={"model": "small_cnn"})
+            try:
+                ckpt.save_checkpoint(root, step + 1, engine, opt, meta={"model": "small_cnn"})
+            except ckpt.CheckpointWriteError as err:  # raised on every rank together
+                return {"error": str(err), "losses": losses, "start": start}
     return {"state": engine.full_state_dict(), "losses": losses, "start": start}
+
+
+def _disk_full() -> None:
+    """This rank's next file write fails as on a full disk (after writing part of the file)."""
+    import errno
+
+    def save(obj, f, *a, **k):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ckpt.torch.save = save
 
 
 def _arm_crash(point: str) -> None:
     """Make rank 0 die (os._exit, like SIGKILL) at `point` of the next save_checkpoint."""
-    import torch.distributed as dist
-
     def die(*_a, **_k):
         os._exit(9)
 
@@ -70,13 +84,13 @@ def _arm_crash(point: str) -> None:
         real = ckpt._prune
         ckpt._prune = lambda *a: (real(*a), os._exit(9))
     elif point == "mid-shard":
-        real_barrier = dist.barrier
+        real_agree = ckpt._agree
         calls = {"n": 0}
 
-        def barrier(*a, **k):
+        def agree(*a, **k):
             calls["n"] += 1
-            if calls["n"] == 2:  # the shards are being written: rank 0 dies before the second barrier
+            if calls["n"] == 2:  # the shards are being written: rank 0 dies before the ranks agree on them
                 os._exit(9)
-            return real_barrier(*a, **k)
+            return real_agree(*a, **k)
 
-        ckpt.dist.barrier = barrier
+        ckpt._agree = agree

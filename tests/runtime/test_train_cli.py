@@ -19,7 +19,7 @@ from hybridpar.cli.main import main
      "synthetic, digits"),
     (["--model", "small_cnn", "--strategy", "channel=2", "--nproc", "2", "--batch", "0"], ">= 1"),
     (["--model", "small_cnn", "--strategy", "channel=2", "--nproc", "2", "--synthetic-size", "4"],
-     "fewer than --batch"),
+     "fewer than batch"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, needle):
     assert main(["train", *args]) == 2
@@ -35,11 +35,17 @@ def test_init_from_mismatch_rejected(tmp_path, capsys):
     assert "does not match the model" in capsys.readouterr().err
 
 
-def test_depthwise_conv_rejected_for_channel_split(tmp_path, capsys):
+def test_depthwise_conv_rejected_for_its_own_channel_layout(tmp_path, capsys):
+    """A grouped/depthwise conv runs replicated inside a channel layout; a plan that gives it a layout of
+    its own is refused before any rank starts."""
+    from hybridpar.plans import LayerLayout, Plan
+
     f = tmp_path / "m.py"
     f.write_text("from torch import nn\n"
                  "def net():\n    return nn.Sequential(nn.Conv2d(4, 4, 3, groups=4), nn.Flatten(), nn.LazyLinear(2))\n")
-    rc = main(["train", "--model", f"{f}:net", "--input-shape", "4,8,8", "--strategy", "channel=2", "--nproc", "2"])
+    Plan(model=f"{f}:net", input_shape=[4, 8, 8], world_size=2, dp=2, batch=8,
+         default_layout=LayerLayout(channel=2), layers={"0": LayerLayout(channel=2)}).save(tmp_path / "p.json")
+    rc = main(["train", "--plan", str(tmp_path / "p.json")])
     assert rc == 2
     assert "depthwise" in capsys.readouterr().err
 

@@ -15,6 +15,12 @@ reassembles the full tensors from all rank files and cuts out the new engine's p
 resume with a different layout or rank count. With the same layout the pieces are the same bytes:
 a resumed run is bitwise equal to an uninterrupted one.
 
+Ownership: a checkpoint directory belongs to one run. The manifest carries the run's identity (model,
+data, seed, batch, optimizer settings: everything but the layout and the step count) and its digest
+`run_id`; `check_checkpoint_dir` refuses a directory holding another run's checkpoints (unless told to
+overwrite them), pruning keeps only this run's newest good checkpoints, and `lock_directory` takes an
+advisory lock (flock on `D/.hybridpar.lock`) so that two runs cannot write into one directory.
+
 Why not torch.distributed.checkpoint: it describes shards through DTensor/ShardedTensor placements;
 this runtime's shards are plain tensors cut into uneven and (for stationary-w) strided pieces that
 those placements cannot express.
@@ -22,13 +28,14 @@ those placements cannot express.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -42,6 +49,11 @@ from hybridpar.runtime.state import ShardInfo, place
 FORMAT = "hybridpar-checkpoint"
 VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+LOCK_FILE = ".hybridpar.lock"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,27 @@ class CheckpointInfo:
     step: int  # completed optimizer steps
     world_size: int
     manifest: dict
+
+
+# -- whose checkpoints ------------------------------------------------------------------------------
+
+def run_id(identity: dict) -> str:
+    """Digest of a run's identity (a JSON-able dict): equal for the same run under any layout."""
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _owner_mismatch(manifest: dict, identity: dict) -> str | None:
+    """None when `manifest` belongs to the run `identity` describes, else the first difference."""
+    theirs = manifest.get("identity")
+    if not isinstance(theirs, dict):  # an older manifest: compare the keys it has
+        theirs = {k: manifest[k] for k in ("model", "seed", "batch", "data", "shuffle") if k in manifest}
+    elif manifest.get("run_id") == run_id(identity):
+        return None
+    for key in sorted(set(theirs) | set(identity)):
+        if key in theirs and theirs.get(key) != identity.get(key):
+            return f"{key}={theirs.get(key)!r}, this run has {key}={identity.get(key)!r}"
+    return None if "run_id" not in manifest else "another run identity"
 
 
 # -- what a rank holds ------------------------------------------------------------------------------
@@ -110,18 +143,24 @@ def _rank_file(rank: int) -> str:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch.optim.Optimizer, *,
-                    meta: dict | None = None, keep: int = 2) -> Path:
-    """Collective: every rank writes its shards; returns the committed directory. Keeps the newest
-    `keep` checkpoints (0 = all)."""
+                    meta: dict | None = None, keep: int = 2, overwrite: bool = False) -> Path:
+    """Collective: every rank writes its shards; returns the committed directory. Keeps this run's
+    newest `keep` checkpoints (0 = all; the run is `meta["run_id"]` when given) and removes other
+    runs' checkpoints only when `overwrite`. A failed write (disk full, ...) raises
+    CheckpointWriteError on every rank and leaves the previous checkpoints as they were."""
     root = Path(root)
     rank, world = dist.get_rank(), dist.get_world_size()
     name = f"step-{step:08d}"
     tmp, final = root / f".tmp-{name}", root / name
+    failure = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt killed mid-write
-        tmp.mkdir()
-    dist.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt killed mid-write
+            tmp.mkdir()
+        except OSError as err:
+            failure = _write_failure(err, tmp)
+    _agree(failure, tmp)
     tensors, shards = local_tensors(engine)
     payload = {
         "step": step, "rank": rank, "world_size": world,
@@ -131,37 +170,83 @@ def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch
         "rng": torch.get_rng_state(),
     }
     path = tmp / _rank_file(rank)
-    with path.open("wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    dist.barrier()  # every shard is on disk before the manifest names them
-    if rank == 0:
-        files = [{"rank": r, "file": _rank_file(r), "bytes": (tmp / _rank_file(r)).stat().st_size,
-                  "sha256": _sha256(tmp / _rank_file(r))} for r in range(world)]
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
-                    "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-                    "files": files, **(meta or {})}
-        with (tmp / "manifest.json").open("w") as f:
-            json.dump(manifest, f, indent=2)
+    try:
+        with path.open("wb") as f:
+            torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # same step saved again (a restarted run): replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        _prune(root, keep)
-    dist.barrier()  # when this returns, the checkpoint is committed for every rank
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        failure = _write_failure(err, path)
+    _agree(failure, tmp)  # every shard is on disk before the manifest names them
+    if rank == 0:
+        try:
+            files = [{"rank": r, "file": _rank_file(r), "bytes": (tmp / _rank_file(r)).stat().st_size,
+                      "sha256": _sha256(tmp / _rank_file(r))} for r in range(world)]
+            manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+                        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+                        "files": files, **(meta or {})}
+            with (tmp / "manifest.json").open("w") as f:
+                json.dump(manifest, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+        except OSError as err:
+            failure = _write_failure(err, tmp / "manifest.json")
+        if failure is None:
+            if final.exists():  # same step saved again (a restarted run): replace it whole
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            _prune(root, keep, step, (meta or {}).get("run_id"), overwrite)
+    _agree(failure, tmp)  # when this returns, the checkpoint is committed for every rank
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    if keep <= 0:
-        return
-    done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def _write_failure(err: BaseException, path: Path) -> str:
+    text = str(err)
+    full = isinstance(err, OSError) and err.errno == errno.ENOSPC or "No space left" in text
+    why = "no space left on the device" if full else (err.strerror if isinstance(err, OSError) and err.strerror
+                                                       else text.splitlines()[0][:200] if text else type(err).__name__)
+    return f"{path}: {why}"
+
+
+def _agree(failure: str | None, tmp: Path) -> None:
+    """A barrier that also tells every rank whether any rank failed to write; all raise together."""
+    failed = [None] * dist.get_world_size()
+    dist.all_gather_object(failed, failure)
+    bad = [f for f in failed if f]
+    if bad:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"could not write checkpoint {tmp.name.removeprefix('.tmp-')} ({bad[0]}); "
+                                   "the previous checkpoints are intact")
+
+
+def _prune(root: Path, keep: int, step: int, owner: str | None, overwrite: bool = False) -> None:
+    """After committing `step`: keep it and this run's newest good checkpoints before it (`keep` in
+    all); remove this run's other checkpoints (older ones and any later ones, a timeline this run
+    has left by resuming from before them), damaged ones, half-written `.tmp-*` directories, and
+    other runs' checkpoints only when `overwrite`."""
+    kept = 0
+    for path in sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True):
+        n = int(path.name[5:])
+        try:
+            m = read_manifest(path, verify_hashes=False)
+        except UserError:
+            if n != step:
+                shutil.rmtree(path, ignore_errors=True)
+            continue
+        mine = owner is None or m.get("run_id") == owner
+        if not mine:
+            if overwrite:
+                shutil.rmtree(path, ignore_errors=True)
+            continue
+        if n <= step and (keep <= 0 or kept < keep):
+            kept += 1
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+    for path in root.glob(".tmp-step-*"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # -- finding and checking ---------------------------------------------------------------------------
@@ -194,35 +279,91 @@ def _candidates(root: Path) -> Iterator[Path]:
         yield from sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()), reverse=True)
 
 
-def latest_checkpoint(root: str | os.PathLike, *, verify_hashes: bool = True) -> CheckpointInfo | None:
-    """The newest complete checkpoint under `root` (incomplete or corrupt ones are skipped), or None."""
+def latest_checkpoint(root: str | os.PathLike, *, verify_hashes: bool = True,
+                      skipped: list[tuple[str, str]] | None = None, owner: str | None = None
+                      ) -> CheckpointInfo | None:
+    """The newest complete checkpoint under `root` (of run `owner`, when given), or None. Incomplete
+    or corrupt ones are skipped; `skipped` (a list, when given) receives (directory name, why)."""
     for path in _candidates(Path(root)):
         try:
             m = read_manifest(path, verify_hashes=verify_hashes)
-        except UserError:
+        except UserError as err:
+            if skipped is not None:
+                skipped.append((path.name, str(err).split(": ", 1)[-1]))
+            continue
+        if owner is not None and m.get("run_id") != owner:
             continue
         return CheckpointInfo(path, int(m["step"]), int(m["world_size"]), m)
     return None
 
 
-def check_resumable(root: str | os.PathLike, cfg, resume: bool) -> CheckpointInfo | None:
-    """Validate --checkpoint-dir (and, with --resume, its newest checkpoint against the run) before any
-    process starts. Data order is a function of (seed, step, batch, data), so those must match."""
+def checkpoint_info(path: str | os.PathLike, *, verify_hashes: bool = False) -> CheckpointInfo:
+    """The checkpoint in directory `path` (UserError if incomplete)."""
+    path = Path(path)
+    m = read_manifest(path, verify_hashes=verify_hashes)
+    return CheckpointInfo(path, int(m["step"]), int(m["world_size"]), m)
+
+
+@dataclass(frozen=True)
+class DirCheck:
+    """What `check_checkpoint_dir` found: the checkpoint to resume from (None: start at step 0) and
+    one line per thing worth telling the user (checkpoints skipped and why, where the run starts)."""
+    resume_from: CheckpointInfo | None
+    notes: list[str] = field(default_factory=list)
+
+
+RESUME_MODES = ("no", "yes", "if-any")
+
+
+def check_checkpoint_dir(root: str | os.PathLike, identity: dict, resume: str = "no", *,
+                         overwrite: bool = False) -> DirCheck:
+    """Validate a checkpoint directory for the run `identity` before any process starts.
+
+    resume="no": the directory must hold no checkpoints of this run or another (overwrite: they
+    are replaced as this run saves). resume="yes": continue from this run's newest good checkpoint,
+    start at step 0 when there is none, and refuse when every checkpoint there is damaged;
+    "if-any": start at step 0 then too. Another run's checkpoints are refused unless `overwrite`."""
+    if resume not in RESUME_MODES:
+        raise UserError(f"resume must be one of {', '.join(RESUME_MODES)}, got {resume!r}", param="resume")
     root = Path(root)
     if root.exists() and not root.is_dir():
-        raise UserError(f"--checkpoint-dir {root}: exists and is not a directory")
+        raise UserError(f"checkpoint_dir {root}: exists and is not a directory", param="checkpoint_dir")
     if not os.access(root if root.exists() else _existing_parent(root), os.W_OK):
-        raise UserError(f"--checkpoint-dir {root}: not writable")
-    info = latest_checkpoint(root) if resume else None
-    if info is None:
-        return None
-    m = info.manifest
-    for key, now in (("model", cfg.model), ("seed", cfg.seed), ("batch", cfg.batch), ("data", cfg.data),
-                     ("shuffle", cfg.shuffle)):
-        if key in m and m[key] != now:
-            raise UserError(f"--resume: checkpoint {info.path.name} was made with {key}={m[key]!r}, "
-                            f"this run has {key}={now!r}")
-    return info
+        raise UserError(f"checkpoint_dir {root}: not writable", param="checkpoint_dir")
+    me = run_id(identity)
+    mine, damaged = [], []
+    for path in _candidates(root):
+        try:
+            m = read_manifest(path, verify_hashes=False)
+        except UserError as err:
+            damaged.append((path.name, str(err).split(": ", 1)[-1]))
+            continue
+        why = _owner_mismatch(m, identity)
+        if why is not None and not overwrite:
+            raise UserError(f"checkpoint_dir {root} holds another run's checkpoints ({path.name} was made with "
+                            f"{why}); use another directory, or overwrite them", param="checkpoint_dir")
+        if why is None:
+            mine.append(path)
+    if resume == "no":
+        if mine and not overwrite:
+            raise UserError(f"checkpoint_dir {root} already holds this run's checkpoints (newest "
+                            f"{mine[0].name}); resume from them, or overwrite them", param="checkpoint_dir")
+        return DirCheck(None, [f"overwriting the checkpoints in {root}"] if overwrite and (mine or damaged) else [])
+    notes = [f"skipping checkpoint {name}: {why}" for name, why in damaged]
+    for path in mine:
+        try:
+            m = read_manifest(path, verify_hashes=True)
+        except UserError as err:
+            notes.append(f"skipping checkpoint {path.name}: {str(err).split(': ', 1)[-1]}")
+            continue
+        if m.get("run_id") not in (None, me):  # an older manifest of the same run: adopt it
+            continue
+        info = CheckpointInfo(path, int(m["step"]), int(m["world_size"]), m)
+        return DirCheck(info, [*sorted(notes), f"resuming from step {info.step} ({path})"])
+    if notes and resume == "yes":
+        raise UserError(f"resume: every checkpoint in {root} is damaged ({'; '.join(sorted(notes))}); "
+                        "resume if-any to start at step 0 anyway", param="resume")
+    return DirCheck(None, [*sorted(notes), f"no checkpoint of this run in {root}: starting at step 0"])
 
 
 def _existing_parent(path: Path) -> Path:
@@ -230,6 +371,45 @@ def _existing_parent(path: Path) -> Path:
         if p.exists():
             return p
     return Path(".")
+
+
+# -- one writer per directory ---------------------------------------------------------------------
+
+_LOCKS: dict[str, int] = {}  # path -> open descriptor holding the flock, for this process's lifetime
+
+
+def lock_directory(root: str | os.PathLike) -> None:
+    """Take the advisory lock of checkpoint directory `root` for the rest of this process (created if
+    missing). UserError when another live process holds it. The kernel drops the lock when the
+    holder exits, however it exits."""
+    import fcntl
+
+    root = Path(root)
+    key = str(root.resolve())
+    if key in _LOCKS:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as err:
+        raise UserError(f"checkpoint_dir {root}: cannot create its lock file ({err.strerror})",
+                        param="checkpoint_dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"checkpoint_dir {root} is in use by another run (pid {holder}); two runs cannot "
+                        "share a checkpoint directory", param="checkpoint_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _LOCKS[key] = fd
+
+
+def unlock_directory(root: str | os.PathLike) -> None:
+    fd = _LOCKS.pop(str(Path(root).resolve()), None)
+    if fd is not None:
+        os.close(fd)
 
 
 # -- loading ----------------------------------------------------------------------------------------

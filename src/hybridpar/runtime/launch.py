@@ -2,14 +2,21 @@
 
 `spawn(fn, nproc, *args)` runs fn(*args) in nproc fresh processes, each with torch.distributed
 initialised (gloo, one intra-op thread), and returns rank 0's return value. `init()` joins a
-torchrun world (NCCL when CUDA is present, else gloo)."""
+torchrun world (NCCL when CUDA is present, else gloo).
+
+Stopping: SIGINT or SIGTERM to the spawning process stops every rank (SIGTERM, then SIGKILL after
+STOP_GRACE_S) and re-raises KeyboardInterrupt; a rank whose parent dies however it dies (even
+SIGKILL) gets SIGTERM from the kernel (Linux). Checkpoints are atomic, so the last complete one
+survives any of these."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -56,7 +63,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STOP_GRACE_S = 10.0  # how long stopped ranks get to exit on SIGTERM before SIGKILL
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent exits (Linux prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+
+
 def _entry(rank: int, world: int, port: int, out_path: str, fn, args) -> None:
+    _die_with_parent()
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -85,10 +110,48 @@ def spawn(fn, nproc: int, *args, poll=None):
 
     with tempfile.TemporaryDirectory(prefix="hybridpar-") as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        ctx = mp.spawn(_entry, args=(nproc, free_port(), out, fn, args), nprocs=nproc, join=False)
-        while not ctx.join(timeout=0.1):
-            if poll is not None:
-                poll()
+        previous = _on_sigterm_interrupt()
+        try:
+            ctx = mp.spawn(_entry, args=(nproc, free_port(), out, fn, args), nprocs=nproc, join=False)
+            try:
+                while not ctx.join(timeout=0.1):
+                    if poll is not None:
+                        poll()
+            except BaseException:  # interrupted, or a rank failed: no rank outlives this call
+                _stop(ctx.processes)
+                raise
+        finally:
+            _restore_sigterm(previous)
         if poll is not None:
             poll()
         return torch.load(out, weights_only=False)
+
+
+def _on_sigterm_interrupt():
+    """SIGTERM to this process raises KeyboardInterrupt (as SIGINT does) while ranks run."""
+    def handler(_sig, _frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        return None
+
+
+def _restore_sigterm(previous) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(processes) -> None:
+    """SIGTERM every live rank, then SIGKILL those still alive after STOP_GRACE_S."""
+    live = [p for p in processes if p.is_alive()]
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in live:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in live:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)

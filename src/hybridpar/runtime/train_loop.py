@@ -5,21 +5,27 @@ SGD, and trains; rank 0 sends one StepInfo per step on `queue` (when given) and 
 the hook point for checkpointing or other per-step work (the online gradient noise scale is built in:
 TrainConfig.gns, hybridpar.runtime.grad_noise):
     callback(info: StepInfo, engine, optimizer) -> None
-registered with `register_step_callback` (importable callables, so they survive process spawn)."""
+listed in TrainConfig.callbacks ("module:function", imported in every rank, so they survive spawn).
+
+Never train on NaN: every step checks the loss and this rank's gradients for NaN/Inf (one tiny
+allreduce, so every rank agrees); the first bad step stops the run before the optimizer applies it,
+with TrainResult.error naming the step and TrainResult.exit_code NONFINITE_EXIT (3). Nothing is
+written then: no checkpoint, no `save`, and the weights are checked finite again before every
+checkpoint and before `save`, so the last good checkpoint is never replaced by a bad state."""
 
 from __future__ import annotations
 
-import os
-import tempfile
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from hybridpar.plans import Plan
+
+NONFINITE_EXIT = 3  # exit status of `hybridpar train` when a step's loss or gradients are NaN/Inf
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,10 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end when checkpoint_dir is set)
     keep_checkpoints: int = 2
-    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir, if any
+    resume: bool = False  # continue from this run's newest complete checkpoint in checkpoint_dir, if any
+    resume_from: str | None = None  # the checkpoint directory to continue from (run_config resolves it)
+    overwrite: bool = False  # other runs' checkpoints in checkpoint_dir may be removed
+    identity: dict = field(default_factory=dict)  # what makes a run this run (run_config.run_identity)
     deterministic: bool = False
     micro_batches: int = 1  # GPipe micro-batches per replica (MP plans only)
     gns: bool = False  # online gradient noise scale (hybridpar.runtime.grad_noise), one tiny allreduce/step
@@ -75,6 +84,9 @@ class TrainResult:
     world_size: int
     gns_per_epoch: list[float | None] = field(default_factory=list)  # smoothed B_noise at each epoch's end
     gns_note: str | None = None  # why there is no estimate ("n/a: needs >1 sample group"), else None
+    start_step: int = 0  # the first step this run took (> 0 when resumed)
+    error: str | None = None  # why the run stopped early (every rank agrees), else None
+    exit_code: int = 0  # NONFINITE_EXIT for a non-finite step, 1 for other stops, else 0
 
 
 def total_steps(cfg: TrainConfig, n_samples: int) -> int:
@@ -116,7 +128,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
 
         enable_determinism(cfg.seed, dist.get_rank())
     loaded = build_module(cfg)
-    info = ckpt.latest_checkpoint(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
+    info = _resume_point(cfg)
     resumed = ckpt.load_checkpoint(info, loaded.module) if info else None  # weights, before sharding
     shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
     spec = data_spec(loaded)
@@ -141,15 +153,22 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     rank = dist.get_rank()
     infos: list[StepInfo] = []
     last = total_steps(cfg, len(ds))
+    error, code = None, 0
+    last_saved = start or None  # the newest good checkpoint: the one resumed from, then each one written
     for step in range(start, last):
         faults.maybe_inject_failure(step)
         idx = batch_indices(len(ds), cfg.batch, step, shuffle=cfg.shuffle, seed=cfg.seed)
-        x_loc, y_loc = engine.local_batch(ds.x[idx].to(device), ds.y[idx].to(device))
+        x, y = ds.take(idx) if hasattr(ds, "take") else (ds.x[idx], ds.y[idx])
+        x_loc, y_loc = engine.local_batch(_to(x, device), y.to(device))
         t0 = time.perf_counter()
         try:
             loss = engine.train_step(x_loc, y_loc)
         except RuntimeError as err:  # a dead or unreachable peer: say so, never hang (timeouts in launch)
             raise (faults.peer_loss_error(err, step) if faults.is_peer_loss(err) else err) from err
+        bad = _nonfinite_step(loss, engine.parameters(), device)
+        if bad:
+            error, code = _stop_message(cfg, step, bad, loss, last_saved), NONFINITE_EXIT
+            break
         b_noise = probe.after_step() if probe is not None else None  # synced grads, before the update
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -158,8 +177,16 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
             gns_epochs.append(b_noise)  # a partial last epoch reports where it stopped
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
                                    or step + 1 == last):
-            ckpt.save_checkpoint(cfg.checkpoint_dir, step + 1, engine, opt, meta=checkpoint_meta(cfg),
-                                 keep=cfg.keep_checkpoints)
+            if not _all_finite(engine.parameters(), device):
+                error, code = _stop_message(cfg, step, "weights", loss, last_saved), NONFINITE_EXIT
+                break
+            try:
+                ckpt.save_checkpoint(cfg.checkpoint_dir, step + 1, engine, opt, meta=checkpoint_meta(cfg),
+                                     keep=cfg.keep_checkpoints, overwrite=cfg.overwrite)
+                last_saved = step + 1
+            except ckpt.CheckpointWriteError as err:  # every rank raises it together: stop cleanly
+                error, code = str(err), 1
+                break
         info = StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind(),
                         engine.comm_log.step_seconds_by_kind(), b_noise)
         infos.append(info)
@@ -171,33 +198,140 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     if rank == 0 and hasattr(queue, "join_thread"):  # a multiprocessing queue (spawn): every StepInfo
         queue.close()                                  # reaches the parent before this rank exits
         queue.join_thread()
-    state = engine.full_state_dict()
-    if rank == 0 and cfg.save and state is not None:
-        _atomic_save(state, cfg.save)
+    saved = None
+    if error is None and cfg.save:
+        if not _all_finite(engine.parameters(), device):
+            error, code = _stop_message(cfg, last - 1, "weights", infos[-1].loss if infos else math.nan,
+                                         last_saved), \
+                NONFINITE_EXIT
+        else:
+            state = engine.full_state_dict()
+            if rank == 0 and state is not None:
+                _save_weights(state, cfg.save)
+            saved = cfg.save
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (engine.param_bytes(), engine.param_bytes_by_type()))
     note = probe.reason if probe is not None else None
     if probe is not None:
         probe.close()
     return TrainResult(infos, [p[0] for p in per_rank], [p[1] for p in per_rank],
-                       infos[-1].loss if infos else float("nan"), cfg.save, dist.get_world_size(),
-                       gns_epochs, note)
+                       infos[-1].loss if infos else float("nan"), saved, dist.get_world_size(),
+                       gns_epochs, note, start, error, code)
+
+
+def _resume_point(cfg: TrainConfig):
+    """The checkpoint this run continues from: the one run_config chose, or (Python API callers that
+    set only `resume`) this run's newest complete one."""
+    from hybridpar.runtime import checkpoint as ckpt
+
+    if cfg.resume_from:
+        return ckpt.checkpoint_info(cfg.resume_from)
+    if cfg.resume and cfg.checkpoint_dir:
+        return ckpt.latest_checkpoint(cfg.checkpoint_dir, owner=checkpoint_meta(cfg).get("run_id"))
+    return None
+
+
+def _to(x, device):
+    if torch.is_tensor(x):
+        return x.to(device)
+    from hybridpar.runtime.data import to_device
+
+    return to_device(x, device)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _agree_max(value: float, device) -> float:
+    """The largest of every rank's `value` (a one-element allreduce)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _nonfinite_step(loss: float, params, device) -> str | None:
+    """"loss" or "gradients" when this step is not finite on some rank, else None. Cheap: one sum per
+    gradient on this rank (NaN or Inf anywhere makes it non-finite) and one scalar allreduce."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    local_ok = all(bool(torch.isfinite(g.float().sum())) for g in grads) if grads else True
+    flag = _agree_max((0.0 if math.isfinite(loss) else 2.0) + (0.0 if local_ok else 1.0), device)
+    return None if flag == 0 else ("loss" if flag >= 2 else "gradients")
+
+
+def _all_finite(params, device) -> bool:
+    ok = all(bool(torch.isfinite(_local(p.detach()).float().sum())) for p in params)
+    return _agree_max(0.0 if ok else 1.0, device) == 0
+
+
+def _stop_message(cfg: TrainConfig, step: int, what: str, loss: float, last_saved: int | None) -> str:
+    where = {"loss": f"the loss is {loss}", "gradients": f"the gradients are not finite (loss {loss:.4g})",
+             "weights": "the weights are not finite"}[what]
+    keep = "nothing was saved"
+    if cfg.checkpoint_dir:
+        keep += (f"; the last good checkpoint, step {last_saved}, is intact in {cfg.checkpoint_dir}"
+                 if last_saved else f"; no checkpoint was written to {cfg.checkpoint_dir}")
+    return f"step {step}: {where}; training stopped ({keep}); lower lr or check the data"
 
 
 def checkpoint_meta(cfg: TrainConfig) -> dict:
-    """What a resume checks: data order is a function of (seed, step, batch, data)."""
-    return {"model": cfg.model, "seed": cfg.seed, "batch": cfg.batch, "data": cfg.data, "shuffle": cfg.shuffle,
+    """What a resume checks: data order is a function of (seed, step, batch, data); the run's identity
+    (run_config.run_identity) and its digest decide whose checkpoints a directory holds."""
+    from hybridpar.runtime.checkpoint import run_id
+
+    meta = {"model": cfg.model, "seed": cfg.seed, "batch": cfg.batch, "data": cfg.data, "shuffle": cfg.shuffle,
             "plan": cfg.plan.model_dump(mode="json")}
+    if cfg.identity:
+        meta.update(identity=cfg.identity, run_id=run_id(cfg.identity))
+    return meta
 
 
-def _atomic_save(obj, path: str) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    os.close(fd)
+def _save_weights(state: dict, path: str) -> None:
+    """`--save`: the undistributed state_dict, written atomically with the umask's mode."""
+    from hybridpar.files import atomic_write
+
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+class TrainingFailed(RuntimeError):
+    """A rank died or raised; the message is one line (the rank's last words)."""
+
+
+def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> TrainResult | None:
+    """Run `cfg` on its ranks: spawned local gloo processes, or, under a launcher (torchrun), this
+    process as one rank of the launcher's world. `on_step(step_info_dict)` is called on rank 0 (here)
+    after every step. Returns rank 0's TrainResult (each rank's own in a launched world: they agree
+    on `error`); TrainingFailed when a spawned rank dies or raises."""
+    from hybridpar.runtime import launch
+
+    if launch.under_launcher():
+        launch.init()
+        rank = dist.get_rank()
+
+        class _Forward:
+            def put(self, info):
+                on_step(info)
+
+        result = run_rank(cfg, _Forward() if rank == 0 and on_step is not None else None)
+        dist.destroy_process_group()
+        return result
+
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    queue = mp.get_context("spawn").Queue()
+
+    def poll():
+        while not queue.empty():
+            info = queue.get()
+            if on_step is not None:
+                on_step(info)
+
     try:
-        torch.save(obj, tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return launch.spawn(run_rank, cfg.plan.world_size, cfg, queue, poll=poll)
+    except ProcessException as err:  # a rank died or raised: one line, no hang
+        lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+        hint = f" (continue with resume from {cfg.checkpoint_dir})" if cfg.checkpoint_dir else ""
+        raise TrainingFailed(f"training failed: {lines[-1] if lines else err}{hint}") from None

@@ -1,0 +1,425 @@
+"""From a Plan (or a strategy) plus training options to a validated run, before any rank starts.
+
+`run_config(**options)` is what `hybridpar train` calls with its flags (and what a Python caller may
+call with the same names): it loads the plan and the model, fills what the caller left out from the
+plan (batch, rank count, input shape, model), checks every option and refuses bad ones with a
+UserError worded in the library's terms (`param` names the option), dry-runs the model on one sample,
+estimates the run's memory against this machine's, checks that every output path can be written and
+resolves the checkpoint directory (whose run it is, where a resume starts). It returns a RunSetup:
+the TrainConfig every rank runs, the rank count to start, and the notes worth telling the user.
+
+Batch and rank count: a plan fixes both. Left out, they are the plan's; given and different, the run
+is refused. Without a rank count and without a launcher, the plan's ranks are started as local
+processes only when this machine has a core for each (more only when asked for explicitly).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from hybridpar.errors import UserError
+from hybridpar.plans import Plan
+from hybridpar.runtime.train_loop import TrainConfig, total_steps
+
+PROCESS_BYTES = 300 * 2**20  # what one rank costs before any tensor: interpreter, torch, gloo buffers
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    config: TrainConfig
+    world_size: int  # ranks to start (or that the launcher started)
+    start_step: int = 0  # > 0 when resuming
+    total_steps: int = 0
+    notes: list[str] = field(default_factory=list)  # one line each: resume decisions, skipped checkpoints
+    memory_per_rank: int = 0  # estimated bytes of one rank's process
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """Resuming a run that already reached its last step."""
+        return self.start_step >= self.total_steps
+
+
+def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] | None = None,
+               strategy: str | None = None, plan: str | os.PathLike | Plan | None = None,
+               nproc: int | None = None, data: str = "synthetic", batch: int | None = None,
+               steps: int | None = None, epochs: int | None = None, lr: float = 0.1, momentum: float = 0.0,
+               weight_decay: float = 0.0, seed: int = 0, shuffle: bool = True, init_from: str | None = None,
+               save: str | None = None, bn_stats: str = "global", synthetic_size: int = 1024,
+               micro_batches: int = 1, gns: bool = False, checkpoint_dir: str | None = None,
+               checkpoint_every: int = 0, resume: str | bool = "no", overwrite: bool = False,
+               deterministic: bool = False, launcher_world: int | None = None,
+               local_ranks: int | None = None) -> RunSetup:
+    """Validate a training run and return its RunSetup (UserError, with `param` set, on bad input).
+
+    `plan`: a Plan or the path of a plan.json; exactly one of `plan` and `strategy`. `launcher_world`:
+    the world a launcher (torchrun) already started (None: this call's ranks are spawned locally);
+    `local_ranks`: how many of those share this machine (default: all of them). `resume`: "no",
+    "yes" (continue from this run's newest good checkpoint; refuse when every checkpoint is damaged)
+    or "if-any" (start at step 0 then); True/False mean "yes"/"no"."""
+    resume = {True: "yes", False: "no", None: "no"}.get(resume, resume)  # type: ignore[arg-type]
+    _check_counts(batch=batch, steps=steps, epochs=epochs, nproc=nproc, synthetic_size=synthetic_size,
+                  micro_batches=micro_batches)
+    _check_numbers(lr=lr, momentum=momentum, weight_decay=weight_decay, seed=seed,
+                   checkpoint_every=checkpoint_every)
+    if (strategy is None) == (plan is None):
+        raise UserError("give exactly one of strategy or plan", param="strategy")
+    if steps is not None and epochs is not None:
+        raise UserError("steps and epochs: give one, not both", param="steps")
+    if (checkpoint_every or resume != "no" or overwrite) and not checkpoint_dir:
+        raise UserError("checkpoint_every, resume and overwrite need checkpoint_dir", param="checkpoint_dir")
+    if bn_stats not in ("global", "local"):
+        raise UserError(f"bn_stats must be global or local, got {bn_stats!r}", param="bn_stats")
+    _check_output_path(save, "save")
+
+    the_plan, world, batch, model, input_shape = _plan_and_world(
+        model=model, input_shape=input_shape, strategy=strategy, plan=plan, nproc=nproc, batch=batch,
+        launcher_world=launcher_world)
+    shape = _parse_shape(input_shape)
+    if shape is not None:
+        _check_sample_size(shape, batch)
+    loaded = _load(model, shape)
+    shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
+    _check_sample_size(shape, batch)
+    spec, act_bytes = _dry_run(loaded)
+    _check_layout(loaded.module, the_plan, batch, micro_batches)
+    n, sample_bytes = _data_size(data, shape, spec, synthetic_size, seed, loaded)
+    if n < batch:
+        raise UserError(f"data {data} has {n} samples, fewer than batch {batch}", param="data")
+    if init_from is not None:
+        _check_init(loaded.module, init_from)
+
+    cfg = TrainConfig(model=model, plan=the_plan, data=data, batch=batch,
+                      steps=(10 if steps is None and epochs is None else steps) if epochs is None else None,
+                      epochs=epochs, lr=lr, momentum=momentum, weight_decay=weight_decay, seed=seed,
+                      shuffle=shuffle, init_from=init_from, save=save, input_shape=shape, bn_stats=bn_stats,
+                      synthetic_size=synthetic_size, micro_batches=micro_batches, gns=gns,
+                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume != "no",
+                      overwrite=overwrite, deterministic=deterministic)
+    cfg = replace(cfg, identity=run_identity(cfg))
+    last = total_steps(cfg, n)
+    if last < 1:
+        raise UserError("nothing to train: 0 steps", param="steps")
+
+    per_rank = estimate_rank_memory(loaded.module, the_plan, batch, n * sample_bytes, act_bytes,
+                                    optimizer_slots=1 if momentum else 0,
+                                    input_bytes=batch * sample_bytes)
+    _check_memory(per_rank, local_ranks or world, launched=launcher_world is not None)
+
+    notes: list[str] = []
+    start = 0
+    if checkpoint_dir:
+        from hybridpar.runtime.checkpoint import check_checkpoint_dir
+
+        found = check_checkpoint_dir(checkpoint_dir, cfg.identity, resume, overwrite=overwrite)
+        notes = list(found.notes)
+        if found.resume_from is not None:
+            cfg = replace(cfg, resume_from=str(found.resume_from.path))
+            start = found.resume_from.step
+    return RunSetup(cfg, world, start, last, notes, per_rank)
+
+
+def run_identity(cfg: TrainConfig) -> dict:
+    """What makes two runs the same run, whatever their layout or rank count: the model, its input,
+    the data and its order, the optimizer's settings and the starting weights. The step count is not
+    part of it (a longer run of the same settings continues the shorter one)."""
+    return {"model": cfg.model, "input_shape": list(cfg.input_shape or ()), "data": cfg.data,
+            "synthetic_size": cfg.synthetic_size if cfg.data == "synthetic" else None, "seed": cfg.seed,
+            "batch": cfg.batch, "shuffle": cfg.shuffle, "lr": cfg.lr, "momentum": cfg.momentum,
+            "weight_decay": cfg.weight_decay, "bn_stats": cfg.bn_stats, "init_from": cfg.init_from}
+
+
+def claim_checkpoint_dir(setup: RunSetup) -> None:
+    """Take the checkpoint directory's advisory lock for this process's lifetime (UserError when
+    another run holds it). Call it in the process that outlives the ranks (the launcher's parent, or
+    rank 0 under torchrun), after run_config and before starting work."""
+    if setup.config.checkpoint_dir:
+        from hybridpar.runtime.checkpoint import lock_directory
+
+        lock_directory(setup.config.checkpoint_dir)
+
+
+# -- the pieces ----------------------------------------------------------------------------------
+
+def _check_counts(**counts: int | None) -> None:
+    for name, v in counts.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise UserError(f"{name} must be an integer, got {v!r}", param=name)
+        if v is not None and v < 1:
+            raise UserError(f"{name} must be >= 1, got {v}", param=name)
+
+
+def _check_numbers(*, lr, momentum, weight_decay, seed, checkpoint_every) -> None:
+    for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise UserError(f"{name} must be a finite number, got {v!r}", param=name)
+    if lr <= 0:
+        raise UserError(f"lr must be > 0, got {lr}", param="lr")
+    if momentum < 0 or weight_decay < 0:
+        name = "momentum" if momentum < 0 else "weight_decay"
+        raise UserError(f"{name} must be >= 0, got {momentum if momentum < 0 else weight_decay}", param=name)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise UserError(f"seed must be an integer from 0 to 2**63-1, got {seed!r}", param="seed")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise UserError(f"checkpoint_every must be >= 0, got {checkpoint_every!r}", param="checkpoint_every")
+
+
+def _check_output_path(path: str | None, param: str) -> None:
+    """A file this run will write: not a directory, and its folder exists (or can be made) and is
+    writable. Checked now, not after the training it would hold."""
+    if path is None:
+        return
+    p = Path(path)
+    if str(path) == "" or p.is_dir() or str(path).endswith(os.sep):
+        raise UserError(f"{param} {path}: is a directory, expected a file path", param=param)
+    parent = p.parent
+    existing = next((q for q in (parent, *parent.parents) if q.exists()), Path("."))
+    if not existing.is_dir():
+        raise UserError(f"{param} {path}: {existing} is not a directory", param=param)
+    if not os.access(existing, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UserError(f"{param} {path}: not writable", param=param)
+
+
+def _plan_and_world(*, model, input_shape, strategy, plan, nproc, batch, launcher_world):
+    from hybridpar.plans import load_plan, parse_strategy
+
+    if plan is not None:
+        the_plan = plan if isinstance(plan, Plan) else load_plan(plan)
+        where = "" if isinstance(plan, Plan) else f" ({plan})"
+        if batch is None:
+            batch = the_plan.batch
+        elif batch != the_plan.batch:
+            raise UserError(f"batch {batch} disagrees with the plan's batch {the_plan.batch}{where}; leave it "
+                            "out to use the plan's, or make a plan for this batch", param="batch")
+        if nproc is not None and nproc != the_plan.world_size:
+            raise UserError(f"nproc {nproc} disagrees with the plan: plan is for {the_plan.world_size} ranks{where}",
+                            param="nproc")
+        if launcher_world is not None and launcher_world != the_plan.world_size:
+            raise UserError(f"the launcher started {launcher_world} ranks but the plan is for "
+                            f"{the_plan.world_size}{where}", param="plan")
+        world = the_plan.world_size
+        if launcher_world is None and nproc is None:
+            _check_cores(world, "the plan is")
+        model = model or the_plan.model
+        if input_shape is None and the_plan.input_shape:
+            input_shape = tuple(the_plan.input_shape)
+    else:
+        if model is None:
+            raise UserError("model is required with strategy", param="model")
+        batch = 32 if batch is None else batch
+        world = launcher_world or nproc
+        strat = parse_strategy(strategy, world)
+        if world is None:
+            world = strat.world_size
+            _check_cores(world, f"strategy {strategy!r} is")
+        the_plan = Plan(model=model, world_size=world, batch=batch, dp=world // strat.mp, mp=strat.mp,
+                        default_layout=strat.layout, strategy=strategy)
+    if model is None:
+        raise UserError("model is required", param="model")
+    return the_plan, world, batch, model, input_shape
+
+
+def _check_cores(world: int, what: str) -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if world > cores:
+        raise UserError(f"{what} for {world} ranks but this machine has {cores} CPU cores: start the ranks with "
+                        f"torchrun on the cluster the plan is for, or ask for nproc {world} local processes "
+                        "explicitly", param="nproc")
+
+
+def _parse_shape(shape) -> tuple[int, ...] | None:
+    if shape is None or isinstance(shape, tuple):
+        return shape
+    from hybridpar.graph.models import parse_shape
+
+    return parse_shape(shape)
+
+
+def _check_sample_size(shape: tuple[int, ...], batch: int) -> None:
+    """Refuse input shapes whose batch alone cannot be held, before anything allocates one."""
+    sample = math.prod(shape) * 4
+    avail = available_memory()
+    if sample * batch > avail // 4:
+        raise UserError(f"input_shape {','.join(map(str, shape))}: one batch of {batch} samples is "
+                        f"{_gib(sample * batch)} and this machine has {_gib(avail)} available",
+                        param="input_shape")
+
+
+def _load(model: str, shape):
+    from hybridpar.graph.models import load_model
+
+    try:
+        return load_model(model, batch=1, input_shape=shape)
+    except SystemExit as err:  # a user's file or factory that exits must not end `train` with success
+        raise UserError(f"model {model}: loading it called sys.exit({err.code})", param="model") from None
+
+
+def _dry_run(loaded) -> tuple:
+    """One eval-mode forward of one example sample (data_spec's): a model that raises or returns
+    something that is not logits is refused here, not in every rank. Also measures the bytes of every
+    leaf module's output for that sample (the activations a training step keeps per sample)."""
+    from hybridpar.runtime.data import data_spec
+
+    total = [0]
+    out_seen: list = []
+
+    def count(_m, _i, out):
+        if torch.is_tensor(out):
+            total[0] += out.numel() * out.element_size()
+
+    leaves = [m for m in loaded.module.modules() if not any(True for _ in m.children())]
+    handles = [m.register_forward_hook(count) for m in leaves]
+    handles.append(loaded.module.register_forward_hook(lambda _m, _i, out: out_seen.append(out)))
+    try:
+        spec = data_spec(loaded)
+    except UserError:
+        raise
+    except SystemExit as err:
+        raise UserError(f"model {loaded.name}: its forward called sys.exit({err.code})", param="model") from None
+    except Exception as err:  # noqa: BLE001 - a user's forward can raise anything
+        out = out_seen[0] if out_seen else None
+        if out is not None and not (torch.is_tensor(out) and out.dim() >= 2):
+            what = f"a tensor of shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
+            raise UserError(f"model {loaded.name}: forward returned {what}; training needs logits "
+                            "[N, classes] or [N, T, vocab]", param="model") from None
+        first = " ".join(str(err).split())[:200]
+        raise UserError(f"model {loaded.name}: forward on one example sample (input shape "
+                        f"{_shape_text(loaded)}) failed: {type(err).__name__}: {first}", param="model") from None
+    finally:
+        for h in handles:
+            h.remove()
+    return spec, total[0]
+
+
+def _shape_text(loaded) -> str:
+    first = loaded.example_inputs[0] if loaded.example_inputs else None
+    return ",".join(map(str, first.shape[1:])) if torch.is_tensor(first) else "?"
+
+
+def _check_layout(module, plan: Plan, batch: int, micro_batches: int) -> None:
+    if plan.mp == 1:
+        from hybridpar.runtime.parallel_model import as_layouts, check_parallelizable
+
+        if micro_batches != 1:
+            raise UserError(f"micro_batches {micro_batches} needs a model-parallel plan (mp > 1)",
+                            param="micro_batches")
+        check_parallelizable(module, as_layouts(plan), batch)
+        return
+    from hybridpar.runtime.mp import check_mp_plan
+
+    check_mp_plan(module, plan, batch)  # bad placement: one line here, not a rank traceback
+    if micro_batches > batch // plan.dp:
+        raise UserError(f"micro_batches {micro_batches} exceeds the {batch // plan.dp} samples per replica",
+                        param="micro_batches")
+
+
+def _data_size(data: str, shape, spec, synthetic_size: int, seed: int, loaded) -> tuple[int, int]:
+    """(samples, bytes per sample as every rank holds them), without building large data sets here."""
+    sample = math.prod(shape) * (8 if spec.vocab is not None else 4) + 8 * max(1, math.prod(spec.label_shape))
+    if data == "synthetic":
+        return synthetic_size, sample
+    if data == "digits":
+        from sklearn.datasets import load_digits
+
+        n = len(load_digits().target)
+        _check_data_memory(data, n * sample)
+    else:
+        from hybridpar.runtime import data as data_mod
+
+        if Path(data).is_file():
+            _check_data_memory(data, Path(data).stat().st_size)
+        opener = getattr(data_mod, "open_dataset", data_mod.load_dataset)
+        try:
+            ds = opener(data, shape, num_classes=spec.num_classes, size=synthetic_size, seed=seed,
+                        vocab=spec.vocab, label_shape=spec.label_shape)
+        except TypeError:  # an older data module without the example-inputs check
+            ds = data_mod.load_dataset(data, shape, num_classes=spec.num_classes, size=synthetic_size, seed=seed,
+                                       vocab=spec.vocab, label_shape=spec.label_shape)
+        n = len(ds)
+        _check_finite_data(data, ds)
+    return n, sample
+
+
+def _check_data_memory(data: str, nbytes: int) -> None:
+    avail = available_memory()
+    if nbytes > avail // 2:
+        raise UserError(f"data {data}: about {_gib(nbytes)} in memory, more than half of this machine's "
+                        f"{_gib(avail)} available", param="data")
+
+
+def _check_finite_data(data: str, ds) -> None:
+    x = getattr(ds, "x", None)
+    tensors = [x] if torch.is_tensor(x) else list(x.values()) if isinstance(x, dict) else list(x or ())
+    for t in tensors:
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise UserError(f"data {data}: the inputs hold NaN or Inf values", param="data")
+
+
+def _check_init(module, path: str) -> None:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"init_from {path}: file not found", param="init_from") from None
+    except Exception as err:  # noqa: BLE001 - torch.load fails in many ways on a bad file
+        raise UserError(f"init_from {path}: not a torch.save'd state_dict ({type(err).__name__})",
+                        param="init_from") from None
+    if not isinstance(state, dict):
+        raise UserError(f"init_from {path}: expected a state_dict", param="init_from")
+    bad = [k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()
+           and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise UserError(f"init_from {path}: {bad[0]} holds NaN or Inf values", param="init_from")
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as err:
+        lines = str(err).splitlines()
+        first = lines[1].strip() if len(lines) > 1 else str(err)
+        raise UserError(f"init_from {path} does not match the model: {first}", param="init_from") from None
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+def available_memory() -> int:
+    """Bytes this machine can still give (MemAvailable; all physical memory where that is unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def estimate_rank_memory(module, plan: Plan, batch: int, data_bytes: int, act_bytes_per_sample: int, *,
+                         optimizer_slots: int = 0, input_bytes: int = 0) -> int:
+    """Bytes one rank's process needs, from the model: the data set (every rank holds it), the
+    weights, gradients and optimizer slots (counted whole: an upper bound for split layers), the
+    global batch (every rank takes it in) and the activations a step keeps (forward outputs and their
+    gradients for this rank's samples: batch / sample degree)."""
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    samples = plan.dp if plan.mp > 1 else plan.default_layout.sample
+    acts = 2 * act_bytes_per_sample * math.ceil(batch / max(1, samples))
+    return PROCESS_BYTES + data_bytes + params * (2 + optimizer_slots) + 2 * input_bytes + acts
+
+
+def _check_memory(per_rank: int, ranks_here: int, *, launched: bool) -> None:
+    avail = available_memory()
+    need = per_rank * ranks_here
+    if need > avail:
+        who = f"{ranks_here} ranks on this machine" if ranks_here > 1 else "one rank"
+        raise UserError(f"this run needs about {_gib(per_rank)} per rank, {_gib(need)} for {who}, and this "
+                        f"machine has {_gib(avail)} available; use fewer samples (synthetic_size), a smaller "
+                        "input_shape or batch" + ("" if launched else ", or more machines under torchrun"))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
