@@ -32,7 +32,7 @@ def _one_line(msg: str) -> str:
 
 
 # Library argument names whose flag is not the name with dashes.
-_FLAG_OF = {"time_limit_s": "--time-limit"}
+_FLAG_OF = {"time_limit_s": "--time-limit", "devices": "--gpus"}
 
 
 def in_flags(err: UserError) -> str:

@@ -6,6 +6,7 @@ import contextlib
 
 import click
 
+from hybridpar.cli.options import batch_option, cluster_option, gpus_option
 from hybridpar.cli.output import console, err_console, human_bytes, human_time, print_json, table
 
 SOLVER_CHOICES = ("ilp", "dp", "etf", "greedy", "single")
@@ -28,12 +29,12 @@ def _progress(enabled: bool, what: str):
 def register(app: click.Group) -> None:
     @app.command("place")
     @click.option("--model", required=True, help="zoo name or path/to/file.py:factory")
-    @click.option("--cluster", default="dgx1-v100", show_default=True, help="cluster preset or file")
-    @click.option("--devices", default=2, show_default=True, type=int, help="devices of the MP group (M)")
+    @cluster_option()
+    @gpus_option(aliases=("--devices",), help="devices of the model-parallel group (M)")
     @click.option("--solver", type=click.Choice(SOLVER_CHOICES), default="ilp", show_default=True)
     @click.option("--time-limit", "time_limit", default=30.0, show_default=True, type=float,
                   help="ILP time limit in seconds")
-    @click.option("--batch", type=int, default=None, help="samples per step of the MP group [32]")
+    @batch_option(help="global batch: samples per step over the M devices (one model-parallel group)")
     @click.option("--coarsen", type=int, default=None,
                   help="max nodes of the coarsened graph [64]; recurrent graphs: N/K nodes before K time chunks")
     @click.option("--time-chunks", "time_chunks", type=int, default=None,
@@ -44,14 +45,15 @@ def register(app: click.Group) -> None:
     @click.option("--gantt", type=click.Path(dir_okay=False), default=None, help="write the schedule as PNG")
     @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the Plan as JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def place_cmd(model: str, cluster: str, devices: int, solver: str, time_limit: float, batch: int | None,
+    def place_cmd(model: str, cluster: str, gpus: int, solver: str, time_limit: float, batch: int | None,
                   coarsen: int | None, time_chunks: int | None, input_shape: str | None, workers: int,
                   gantt: str | None, out: str | None, json_: bool) -> None:
-        """Place a model's graph on DEVICES devices (ILP or a baseline) and predict the per-step time."""
+        """Place a model's graph on --gpus devices (ILP or a baseline) and predict the per-step time."""
         from hybridpar.errors import UserError
         from hybridpar.graph.models import parse_shape
         from hybridpar.search.placer import place_model
 
+        devices = gpus
         if workers < 1:
             raise UserError(f"--workers must be >= 1, got {workers}")
         with _progress(not json_ and err_console.is_terminal, f"placing {model} on {devices} device(s) with {solver}"):

@@ -7,7 +7,8 @@ from dataclasses import asdict
 
 import click
 
-from hybridpar.cli.output import console, err_console, human_bytes, human_time, print_json, table
+from hybridpar.cli.options import batch_option, cluster_option, gpus_option
+from hybridpar.cli.output import console, err_console, human_bytes, print_json, table, time_columns
 from hybridpar.errors import UserError
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -57,36 +58,42 @@ def _short(choice: str) -> str:
 
 
 def _print(res, gpus: int) -> None:
-    rows = [[r.module or r.name, _short(r.choice), r.layout.algorithm if r.layout else "-",
-             human_time(r.cost.fwd_s + r.cost.bwd_s), human_time(r.cost.comm_fwd_s + r.cost.comm_bwd_s),
-             human_bytes(r.cost.memory_bytes)] for r in res.layers if r.layout is not None]
+    shown = [r for r in res.layers if r.layout is not None]
+    (compute_h, compute), (comm_h, comm) = time_columns(
+        ["compute", "comm"], [[r.cost.fwd_s + r.cost.bwd_s for r in shown],
+                              [r.cost.comm_fwd_s + r.cost.comm_bwd_s for r in shown]], same_unit=True)
+    rows = [[r.module or r.name, _short(r.choice), r.layout.algorithm, t, c, human_bytes(r.cost.memory_bytes)]
+            for r, t, c in zip(shown, compute, comm)]
     p = res.plan
     console.print(table(f"{p.model} on {gpus} x {p.cluster}, batch {p.batch}: {res.method}",
-                        ["layer", "layout", "algorithm", "compute", "comm", "memory"], rows,
-                        justify_right=lambda c: c in ("compute", "comm", "memory")))
+                        ["layer", "layout", "algorithm", compute_h, comm_h, "memory"], rows,
+                        justify_right=lambda c: c not in ("layer", "layout", "algorithm")))
     pr, base = res.prediction, res.baseline
-    cols = ["per step", "time", "compute", "comm", "exposed", "memory"]
-    summary = [["plan", human_time(pr.step_time_s), human_time(pr.compute_s), human_time(pr.comm_s),
-                human_time(pr.exposed_comm_s), human_bytes(pr.memory_bytes[0])]]
-    if base is not None:
-        summary.append(["data parallel", human_time(base.step_time_s), human_time(base.compute_s),
-                        human_time(base.comm_s), human_time(base.exposed_comm_s), human_bytes(base.memory_bytes[0])])
-    console.print(table("predicted", cols, summary, justify_right=lambda c: c != "per step"))
+    preds = [pr] if base is None else [pr, base]
+    kinds = ("step_time_s", "compute_s", "comm_s", "exposed_comm_s")
+    cols = time_columns(["time", "compute", "comm", "exposed"], [[getattr(q, k) for q in preds] for k in kinds],
+                        same_unit=True)
+    summary = [[name, *(col[1][i] for col in cols), human_bytes(q.memory_bytes[0])]
+               for i, (name, q) in enumerate(zip(("plan", "data parallel"), preds))]
+    console.print(table("predicted", ["per step", *(c[0] for c in cols), "memory"], summary,
+                        justify_right=lambda c: c != "per step"))
     if base is not None:
         console.print(f"speedup over data parallelism: [bold]{res.speedup_vs_dp:.2f}x[/bold] "
                       f"({p.batch / pr.step_time_s:,.0f} vs {p.batch / base.step_time_s:,.0f} samples/s)")
     else:
-        console.print(f"data parallelism: {res.baseline_note}")
-    for n in p.notes:
-        console.print(f"note: {n}")
+        note = res.baseline_note or "not evaluated"
+        console.print(note if note.startswith("data parallelism") else f"data parallelism: {note}")
+    for n in dict.fromkeys(p.notes):  # each once, and not the baseline's note again
+        if n != res.baseline_note:
+            console.print(f"note: {n}")
 
 
 def register(app: click.Group) -> None:
     @app.command("plan")
     @click.option("--model", required=True, help="zoo name or path/to/file.py:factory")
-    @click.option("--cluster", default="localhost", show_default=True, help="preset name or cluster file")
-    @click.option("--gpus", type=int, required=True, help="devices (world size)")
-    @click.option("--batch", type=int, required=True, help="global batch per step")
+    @cluster_option()
+    @gpus_option(help="devices (world size) the plan is for")
+    @batch_option()
     @click.option("--memory-limit", default=None, help="bytes per device (e.g. 16GiB); default: device memory")
     @click.option("--strategy", default=None, help="evaluate this uniform layout (e.g. sample=2,channel=2)")
     @click.option("--dtype", default="fp32", type=click.Choice(["fp32", "fp16", "bf16", "tf32"]),

@@ -3,12 +3,12 @@ channel/filter layouts (Pal et al. 2019 projection); `--budget G` adds the joint
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
 
-from hybridpar.cli.output import console, err_console, human_time, print_json, table
+from hybridpar.cli.options import cluster_option, gpus_list_option
+from hybridpar.cli.output import console, err_console, print_json, table, time_columns
 from hybridpar.cli.parsing import parse_int_list
 from hybridpar.errors import UserError
 
@@ -18,10 +18,11 @@ DEFAULT_GPUS = ",".join(str(2**i) for i in range(13))  # 1 .. 4096
 def register(app: click.Group) -> None:
     @app.command("project")
     @click.option("--model", required=True, help="zoo model (built-in curves: resnet50, inception_v3, gnmt, biglstm)")
-    @click.option("--cluster", default="dgx1-v100", show_default=True, help="cluster preset or file")
-    @click.option("--gpus", default=DEFAULT_GPUS, show_default=True, help="comma-separated GPU counts")
+    @cluster_option()
+    @gpus_list_option(default=DEFAULT_GPUS, help="device counts to project, comma-separated")
     @click.option("--batch-per-gpu", type=int, default=None,
-                  help="samples per data-parallel worker per step (default: per-model, see docs/convergence.md)")
+                  help="samples per data-parallel worker per step: the global batch grows with the workers "
+                       "(default: per-model, see docs/convergence.md)")
     @click.option("--convergence", "curve_path", type=click.Path(dir_okay=False), default=None,
                   help="curve JSON from `hybridpar measure-convergence --out` (default: built-in curve)")
     @click.option("--samples-per-epoch", type=int, default=None,
@@ -117,19 +118,20 @@ def _print(proj, sens: dict, joint, plot: str | None) -> None:
     from hybridpar.search.projection import paper_margin
 
     timed = bool(proj.curve.samples_per_epoch)
+    (time_h, times), = time_columns(["time"], [[proj.best(n).time_s if timed else None for n in proj.gpu_counts]])
     rows = []
-    for n in proj.gpu_counts:
+    for n, t in zip(proj.gpu_counts, times):
         best = proj.best(n)
         dp, hyb, cf = proj.best(n, "DP"), proj.best(n, "hybrid"), proj.best(n, "CF")
-        rows.append([n, best.strategy + ("" if best.fits else " (!mem)"),
-                     human_time(best.time_s) if timed else "-",
+        rows.append([n, best.strategy + ("" if best.fits else " (!mem)"), t,
                      f"{dp.speedup:.3g}" + ("" if dp.fits else "*"),
                      f"{hyb.strategy} {hyb.speedup:.3g}" + ("" if hyb.fits else "*") if hyb else "-",
                      f"{cf.strategy} {cf.speedup:.3g}" + ("" if cf.fits else "*") if cf else "-",
                      f"{dp.global_batch:,}", f"{dp.epochs:.3g}"])
     console.print(table(f"{proj.model} on {proj.cluster}: projected speedup over 1 GPU "
                         f"({proj.batch_per_gpu} samples per worker)",
-                        ["GPUs", "best", "time", "DP", "best hybrid", "channel/filter", "DP batch", "DP epochs"],
+                        ["GPUs", "best", time_h if timed else "time", "DP", "best hybrid", "channel/filter",
+                         "DP batch", "DP epochs"],
                         rows))
     console.print("  * does not fit in device memory (shown as if it did); speedups include epochs to target")
     c = proj.crossover()
@@ -156,6 +158,8 @@ def _pct(v: float | None) -> str:
 
 def _plot(proj, path: str) -> None:
     import matplotlib
+
+    from hybridpar.files import atomic_write
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -187,7 +191,7 @@ def _plot(proj, path: str) -> None:
     ax.legend(fontsize=8, title="band: epochs +-1 sd; x: over memory", title_fontsize=7)
     fig.tight_layout()
     try:
-        fig.savefig(Path(path), dpi=120)
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     except OSError as err:
         raise UserError(f"cannot write plot {path!r}: {err.strerror}") from None
     finally:
