@@ -219,25 +219,49 @@ def test_scaled_dot_product_attention_flops(flop_counter):
     assert mm.bwd_data + mm.bwd_weight == bwd - g.nodes[1].fwd_flops  # FlopCounter also did dL/dx
 
 
-def test_opaque_torch_modules_get_measured_flops(flop_counter):
-    # torch.fx keeps nn.TransformerEncoderLayer / nn.GRU as leaves our rules do not model.
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(20, 16)
-            self.enc = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
-            self.gru = nn.GRU(16, 8, batch_first=True)
-            self.head = nn.Linear(8, 3)
+class _EncGru(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.enc = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.gru = nn.GRU(16, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
 
-        def forward(self, ids):
-            y, _ = self.gru(self.enc(self.emb(ids)))
-            return self.head(y)
+    def forward(self, ids):
+        y, _ = self.gru(self.enc(self.emb(ids)))
+        return self.head(y)
 
+
+def test_transformer_layers_are_decomposed_and_recurrent_layers_priced(flop_counter):
+    # torch.fx keeps nn.TransformerEncoderLayer as a leaf we have no rule for; the graph comes from
+    # torch.export instead, with its linear layers, attention and norms as their own nodes.
     with torch.device("meta"):
-        m, ids = Net(), torch.randint(0, 20, (2, 6))
+        m, ids = _EncGru(), torch.randint(0, 20, (2, 6))
     g = trace(m, (ids,))
-    enc, gru = g.node("enc"), g.node("gru")
-    assert enc.op == gru.op == "other" and enc.attr("flops_source") == "flop_counter"
+    assert dict(g.meta)["tracer"] == "torch.export"
+    mods = {n.module for n in g.nodes}
+    assert {"emb", "enc.linear1", "enc.linear2", "enc.norm1", "enc.norm2", "gru", "head"} <= mods
+    assert any(n.op == "attention" and n.attr("scope") == "enc.self_attn" for n in g.nodes)
+    gru = next(n for n in g.nodes if n.op == "lstm")
+    assert gru.attr("cell") == "gru" and gru.attr("gates") == 3
+    assert g.params == sum(p.numel() for p in m.parameters())
+    fwd, bwd = flop_counter(m, (ids,))
+    mm = matmul_flops(g)
+    assert (mm.fwd, mm.bwd_data + mm.bwd_weight) == (fwd, bwd)
+
+
+def test_opaque_module_is_measured_when_export_fails(flop_counter, monkeypatch):
+    import hybridpar.graph.tracing as tracing
+
+    def no_export(*a, **k):
+        raise RuntimeError("export unavailable")
+
+    monkeypatch.setattr(tracing, "_export_records", no_export)
+    with torch.device("meta"):
+        m, ids = _EncGru(), torch.randint(0, 20, (2, 6))
+    g = trace(m, (ids,))
+    enc = g.node("enc")
+    assert enc.op == "other" and enc.attr("flops_source") == "flop_counter"
     assert enc.fwd_flops > 0 and enc.bwd_data_flops > 0 and enc.bwd_weight_flops > 0
     assert g.params == sum(p.numel() for p in m.parameters())
     fwd, bwd = flop_counter(m, (ids,))

@@ -92,11 +92,11 @@ def _load_factory(spec: str, batch: int | None, input_shape: tuple[int, ...] | N
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         net, inputs = made
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        shape = tuple(inputs[0].shape[1:]) if isinstance(inputs[0], torch.Tensor) else input_shape
-        given = int(inputs[0].shape[0]) if isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else 1
-        if input_shape is not None or (batch is not None and batch != given):
-            shape = input_shape or shape
-            inputs = (torch.randn(batch or given, *shape, generator=torch.Generator().manual_seed(0)),)
+        if not inputs:
+            raise UserError(f"model factory {spec!r} returned no example inputs")
+        inputs = rebatch(inputs, batch, input_shape, spec=spec)
+        first = inputs[0]
+        shape = tuple(first.shape[1:]) if isinstance(first, torch.Tensor) and first.dim() else input_shape
         return LoadedModel(spec, net, inputs, "custom", shape)
     if not isinstance(made, nn.Module):
         raise UserError(f"model factory {spec!r} returned {type(made).__name__}, not an nn.Module")
@@ -104,3 +104,52 @@ def _load_factory(spec: str, batch: int | None, input_shape: tuple[int, ...] | N
         raise UserError(f"model {spec!r}: give --input-shape C,H,W (or return (module, example_inputs))")
     inputs = (torch.randn(batch or 1, *input_shape, generator=torch.Generator().manual_seed(0)),)
     return LoadedModel(spec, made, inputs, "custom", tuple(input_shape))
+
+
+def rebatch(inputs: tuple, batch: int | None, input_shape: tuple[int, ...] | None = None, *,
+            spec: str = "model") -> tuple:
+    """A factory's example inputs at `batch` samples, every input kept with its dtype.
+
+    The example batch is the leading dimension of the first tensor input. Every tensor (also inside
+    tuples, lists and dicts) whose leading dimension is that batch is cut or tiled to `batch` rows,
+    each row a copy of one of the example's rows, so token ids stay valid ids, masks stay masks and
+    every input after the first is kept. Other values (and tensors of another leading size) are
+    passed unchanged. `input_shape` replaces the first input's per-sample shape with new values of
+    its dtype: floating point from a seeded normal, integers drawn within the example's own range,
+    booleans all True."""
+    from torch.utils._pytree import tree_map
+
+    first = inputs[0]
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        if input_shape is not None:
+            raise UserError(f"model {spec!r}: --input-shape needs a tensor as the first example input")
+        return inputs
+    given = int(first.shape[0])
+    want = batch or given
+    if input_shape is not None and tuple(input_shape) != tuple(first.shape[1:]):
+        first = _fresh_like(first, (given, *input_shape))
+        inputs = (first, *inputs[1:])
+    if want == given:
+        return inputs
+    if given < 1:
+        raise UserError(f"model {spec!r}: the example inputs have batch 0; cannot re-batch them")
+    rows = torch.arange(want) % given
+
+    def take(x):
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == given:
+            return x[rows.to(x.device)] if x.device.type != "meta" else x.new_empty((want, *x.shape[1:]))
+        return x
+
+    return tuple(tree_map(take, x) for x in inputs)
+
+
+def _fresh_like(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if x.device.type == "meta":
+        return x.new_empty(shape)
+    g = torch.Generator().manual_seed(0)
+    if x.dtype == torch.bool:
+        return torch.ones(shape, dtype=torch.bool, device=x.device)
+    if x.is_floating_point() or x.is_complex():
+        return torch.randn(shape, generator=g, dtype=x.dtype).to(x.device)
+    lo, hi = (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+    return torch.randint(lo, hi + 1, shape, generator=g, dtype=x.dtype).to(x.device)

@@ -6,7 +6,9 @@ torch.fx, and ATen op names seen by torch.export, so both tracers share one tabl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 from torch import nn
@@ -36,39 +38,98 @@ _FOLD = {
     "view_as", "alias", "detach", "to", "type", "float", "half", "_to_copy", "chunk", "split", "unbind",
     "narrow", "slice", "select", "identity", "zeros", "zeros_like", "ones", "ones_like", "empty",
     "full", "arange", "lift_fresh_copy", "sym_size", "repeat", "tile", "reshape_as", "unflatten",
+    # memory movement and constants: no arithmetic (a padded or re-indexed tensor stands for its input)
+    "split_with_sizes", "tensor_split", "pad", "constant_pad_nd", "constantpad1d", "constantpad2d",
+    "constantpad3d", "zeropad1d", "zeropad2d", "zeropad3d", "reflectionpad2d", "replicationpad2d",
+    "reflection_pad2d", "replication_pad2d", "new_ones", "new_zeros", "new_empty", "new_full", "new_tensor",
+    "empty_like", "full_like", "rand", "randn", "rand_like", "randn_like", "randint", "bernoulli",
+    "bernoulli_", "linspace", "meshgrid", "index", "index_select", "gather", "take_along_dim", "roll",
+    "flip", "movedim", "moveaxis", "swapaxes", "as_strided", "diagonal", "tril", "triu", "masked_select",
+    "fold", "unfold", "im2col", "col2im", "pixel_shuffle", "pixel_unshuffle", "pixelshuffle",
+    "pixelunshuffle", "channel_shuffle", "copy", "copy_", "fill_", "zero_", "cpu", "cuda", "bool", "long",
+    "int", "double", "bfloat16", "requires_grad_", "_assert_tensor_metadata", "_assert_scalar",
+    "sym_constrain_range_for_size", "scalar_tensor", "item", "eq", "ne", "lt", "le", "gt", "ge",
+    "__and__", "__or__", "__invert__", "logical_and", "logical_or", "logical_not", "argmax", "argmin",
+    "flatten_dense_tensors", "upsample", "dropout_", "alpha_dropout", "feature_alpha_dropout",
 }
 
 _KINDS = {
     "conv2d": "conv2d", "convolution": "conv2d", "_convolution": "conv2d",
-    "linear": "linear", "addmm": "linear",
+    "conv1d": "conv", "conv3d": "conv", "conv_transpose1d": "conv", "conv_transpose2d": "conv",
+    "conv_transpose3d": "conv", "convtranspose1d": "conv", "convtranspose2d": "conv", "convtranspose3d": "conv",
+    "linear": "linear", "addmm": "linear", "bilinear": "linear",
     "scaled_dot_product_attention": "sdpa", "_scaled_dot_product_flash_attention_for_cpu": "sdpa",
-    "matmul": "matmul", "mm": "matmul", "bmm": "matmul", "baddbmm": "matmul",
-    "batchnorm1d": "batchnorm", "batchnorm2d": "batchnorm", "batch_norm": "batchnorm",
+    "_scaled_dot_product_flash_attention": "sdpa", "_scaled_dot_product_efficient_attention": "sdpa",
+    "_scaled_dot_product_cudnn_attention": "sdpa",
+    "matmul": "matmul", "mm": "matmul", "bmm": "matmul", "baddbmm": "matmul", "einsum": "einsum",
+    "batchnorm1d": "batchnorm", "batchnorm2d": "batchnorm", "batchnorm3d": "batchnorm", "syncbatchnorm": "batchnorm",
+    "batch_norm": "batchnorm",
     "_native_batch_norm_legit_functional": "batchnorm", "_native_batch_norm_legit": "batchnorm",
     "_native_batch_norm_legit_no_training": "batchnorm", "native_batch_norm": "batchnorm",
     "layernorm": "layernorm", "layer_norm": "layernorm", "native_layer_norm": "layernorm",
-    "groupnorm": "layernorm", "group_norm": "layernorm",
+    "groupnorm": "layernorm", "group_norm": "layernorm", "native_group_norm": "layernorm",
+    "instancenorm1d": "layernorm", "instancenorm2d": "layernorm", "instancenorm3d": "layernorm",
+    "instance_norm": "layernorm", "localresponsenorm": "layernorm", "local_response_norm": "layernorm",
+    "rmsnorm": "layernorm", "rms_norm": "layernorm", "_fused_rms_norm": "layernorm",
     "relu": "relu", "relu_": "relu", "relu6": "relu",
     "add": "add", "add_": "add", "iadd": "add", "sub": "add", "sub_": "add", "isub": "add", "rsub": "add",
     "mul": "mul", "mul_": "mul", "imul": "mul", "div": "mul", "div_": "mul", "truediv": "mul",
-    "true_divide": "mul",
-    "cat": "concat", "concat": "concat", "concatenate": "concat", "stack": "concat",
+    "true_divide": "mul", "floordiv": "mul", "floor_divide": "mul", "addcmul": "mul", "addcdiv": "mul",
+    "cat": "concat", "concat": "concat", "concatenate": "concat", "stack": "concat", "hstack": "concat",
+    "vstack": "concat",
     "maxpool2d": "maxpool", "max_pool2d": "maxpool", "_max_pool2d": "maxpool",
     "max_pool2d_with_indices": "maxpool", "avgpool2d": "avgpool", "avg_pool2d": "avgpool",
+    "maxpool1d": "maxpool", "max_pool1d": "maxpool", "max_pool1d_with_indices": "maxpool",
+    "maxpool3d": "maxpool", "max_pool3d": "maxpool", "max_pool3d_with_indices": "maxpool",
+    "avgpool1d": "avgpool", "avg_pool1d": "avgpool", "avgpool3d": "avgpool", "avg_pool3d": "avgpool",
     "adaptiveavgpool2d": "adaptive_avgpool", "adaptive_avg_pool2d": "adaptive_avgpool",
-    "_adaptive_avg_pool2d": "adaptive_avgpool",
+    "_adaptive_avg_pool2d": "adaptive_avgpool", "adaptiveavgpool1d": "adaptive_avgpool",
+    "adaptive_avg_pool1d": "adaptive_avgpool", "adaptiveavgpool3d": "adaptive_avgpool",
+    "adaptive_avg_pool3d": "adaptive_avgpool", "_adaptive_avg_pool3d": "adaptive_avgpool",
+    "adaptivemaxpool1d": "adaptive_avgpool", "adaptivemaxpool2d": "adaptive_avgpool",
+    "adaptive_max_pool1d": "adaptive_avgpool", "adaptive_max_pool2d": "adaptive_avgpool",
     "flatten": "flatten",
-    "dropout": "dropout", "dropout2d": "dropout", "native_dropout": "dropout", "feature_dropout": "dropout",
-    "lstm": "lstm", "embedding": "embedding",
+    "dropout": "dropout", "dropout1d": "dropout", "dropout2d": "dropout", "dropout3d": "dropout",
+    "native_dropout": "dropout", "feature_dropout": "dropout", "alphadropout": "dropout",
+    "lstm": "lstm", "gru": "lstm", "rnn": "lstm", "rnn_tanh": "lstm", "rnn_relu": "lstm",
+    "embedding": "embedding", "embeddingbag": "embedding", "embedding_bag": "embedding",
+    "_embedding_bag": "embedding",
     "softmax": "softmax", "_softmax": "softmax", "log_softmax": "softmax", "_log_softmax": "softmax",
-    "logsoftmax": "softmax",
+    "logsoftmax": "softmax", "softmin": "softmax", "softmax2d": "softmax",
     "crossentropyloss": "loss", "cross_entropy": "loss", "cross_entropy_loss": "loss", "nll_loss": "loss",
-    "nllloss": "loss",
+    "nllloss": "loss", "mse_loss": "loss", "mseloss": "loss", "l1_loss": "loss", "l1loss": "loss",
+    "smooth_l1_loss": "loss", "binary_cross_entropy_with_logits": "loss", "bcewithlogitsloss": "loss",
+    # elementwise math and activations (modules and functions): 1 FLOP per output element each way
     "tanh": "pointwise", "sigmoid": "pointwise", "gelu": "pointwise", "silu": "pointwise", "exp": "pointwise",
     "neg": "pointwise", "sqrt": "pointwise", "rsqrt": "pointwise", "hardtanh": "pointwise",
     "leaky_relu": "pointwise", "leakyrelu": "pointwise", "elu": "pointwise", "clamp": "pointwise",
-    "pow": "pointwise", "hardswish": "pointwise", "abs": "pointwise",
+    "pow": "pointwise", "hardswish": "pointwise", "abs": "pointwise", "clamp_min": "pointwise",
+    "clamp_max": "pointwise", "clip": "pointwise", "floor": "pointwise", "ceil": "pointwise",
+    "round": "pointwise", "sign": "pointwise", "log": "pointwise", "log1p": "pointwise", "expm1": "pointwise",
+    "log2": "pointwise", "reciprocal": "pointwise", "square": "pointwise", "sin": "pointwise",
+    "cos": "pointwise", "erf": "pointwise", "erfc": "pointwise", "softplus": "pointwise",
+    "softsign": "pointwise", "mish": "pointwise", "selu": "pointwise", "celu": "pointwise",
+    "prelu": "pointwise", "rrelu": "pointwise", "glu": "pointwise", "hardsigmoid": "pointwise",
+    "hardshrink": "pointwise", "softshrink": "pointwise", "tanhshrink": "pointwise", "threshold": "pointwise",
+    "logsigmoid": "pointwise", "relu6_": "relu", "gelu_": "pointwise", "silu_": "pointwise",
+    "sigmoid_": "pointwise", "tanh_": "pointwise", "hardswish_": "pointwise", "hardsigmoid_": "pointwise",
+    "leaky_relu_": "pointwise", "elu_": "pointwise", "clamp_": "pointwise", "where": "pointwise",
+    "masked_fill": "pointwise", "masked_fill_": "pointwise", "lerp": "pointwise", "maximum": "pointwise",
+    "minimum": "pointwise", "fmod": "pointwise", "remainder": "pointwise", "mod": "pointwise",
+    "upsample_bilinear2d": "pointwise", "upsample_nearest2d": "pointwise", "upsample_bicubic2d": "pointwise",
+    "upsample_nearest1d": "pointwise", "upsample_linear1d": "pointwise", "upsample_nearest3d": "pointwise",
+    "upsample_trilinear3d": "pointwise", "interpolate": "pointwise", "upsamplingbilinear2d": "pointwise",
+    "upsamplingnearest2d": "pointwise", "grid_sample": "pointwise", "cumsum": "pointwise",
+    "cumprod": "pointwise", "softmax_": "softmax",
+    # reductions over the input: 1 FLOP per input element each way
+    "mean": "reduce", "sum": "reduce", "max": "reduce", "min": "reduce", "amax": "reduce", "amin": "reduce",
+    "prod": "reduce", "std": "reduce", "var": "reduce", "var_mean": "reduce", "std_mean": "reduce",
+    "norm": "reduce", "linalg_vector_norm": "reduce", "vector_norm": "reduce", "normalize": "reduce",
+    "logsumexp": "reduce", "cosine_similarity": "reduce", "pairwise_distance": "reduce",
 }
+
+# Modules whose work is given by a measured FlopCounterMode run when they are leaves of the graph.
+_MEASURED_KINDS = {"multiheadattention": "attention"}
 
 
 def shape_of(meta) -> Shape | None:
@@ -88,7 +149,11 @@ def shape_of(meta) -> Shape | None:
 def is_opaque(mod: nn.Module) -> bool:
     """A leaf module our op table has no rule for (its FLOPs get measured instead)."""
     name = type(mod).__name__.lower()
-    return name not in _FOLD and _KINDS.get(name, "other") == "other" and any(True for _ in mod.parameters())
+    return name in _MEASURED_KINDS or (name not in _FOLD and _KINDS.get(name, "other") == "other")
+
+
+class UnpricedOp(Exception):
+    """An op with no FLOP rule of ours (the tracer turns it into a UserError naming op and module)."""
 
 
 def classify(op_name: str, mod: nn.Module | None, args: tuple, kwargs: dict,
@@ -97,18 +162,55 @@ def classify(op_name: str, mod: nn.Module | None, args: tuple, kwargs: dict,
     name = op_name.lower()
     if name in _FOLD or out is None:
         return "fold", {}
+    if mod is not None and type(mod).__name__.lower() in _MEASURED_KINDS and name == type(mod).__name__.lower():
+        return _MEASURED_KINDS[name], {}
     kind = _KINDS.get(name, "other")
     if kind == "matmul":
-        return "attention", {"k": _matmul_k(in_shapes)}
+        return "attention", {"k": _matmul_k(name, in_shapes)}
+    if kind == "einsum":
+        return "attention", {"flops": einsum_flops(args[0] if args else kwargs.get("equation", ""), in_shapes)}
     if kind == "sdpa":
         return "attention", {"sdpa": True, "k": in_shapes[0][-1] if in_shapes and in_shapes[0] else 1}
+    if kind == "other":
+        raise UnpricedOp(op_name)
     extract = _ATTRS.get(kind)
-    return kind, (extract(mod, args, kwargs, in_shapes, out) if extract else {})
+    attrs = extract(mod, args, kwargs, in_shapes, out) if extract else {}
+    if kind == "conv2d" and (len(attrs["kernel"]) != 2 or attrs.get("transposed")):
+        kind = "conv"  # 1-D/3-D and transposed convolutions: priced, but no channel/filter layouts
+    return kind, attrs
 
 
-def _matmul_k(in_shapes: tuple) -> int:
-    a = next((s for s in in_shapes if s), ())
+def _matmul_k(name: str, in_shapes: tuple) -> int:
+    # baddbmm(bias, a, b) / addmm(bias, a, b): the contraction is over a's last dimension.
+    shapes = [s for s in in_shapes if s]
+    a = shapes[1] if name in ("baddbmm", "addmm", "addbmm") and len(shapes) >= 3 else (shapes[0] if shapes else ())
     return int(a[-1]) if a else 1
+
+
+def einsum_flops(equation, in_shapes: tuple) -> int:
+    """FLOPs of torch.einsum as FlopCounterMode counts it: torch contracts the operands left to right,
+    each pairwise contraction that sums over an index is one batched matmul of 2 * (product of every
+    index size of the pair) FLOPs; a pair with nothing to sum is an elementwise product (not counted)."""
+    if not isinstance(equation, str) or "->" not in equation or "..." in equation:
+        raise UnpricedOp(f"einsum {equation!r}")
+    lhs, out = equation.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    shapes = [s for s in in_shapes if s is not None]
+    if len(terms) != len(shapes):
+        raise UnpricedOp(f"einsum {equation!r}")
+    size: dict[str, int] = {}
+    for t, s in zip(terms, shapes):
+        size.update(zip(t, s))
+    total, acc = 0, terms[0]
+    for i, t in enumerate(terms[1:], start=1):
+        later = set(out).union(*terms[i + 1:])
+        # an index in one operand only, used nowhere later, is summed out before the product
+        pair = list(dict.fromkeys([c for c in acc if c in later or c in t] + [c for c in t if c in later or c in acc]))
+        summed = [c for c in pair if c in acc and c in t and c not in later]
+        if summed:
+            total += 2 * prod(size[c] for c in pair)
+        acc = "".join(c for c in pair if c in later)
+    return total
 
 
 def _arg(args: tuple, kwargs: dict, i: int, key: str, default=None):
@@ -117,28 +219,43 @@ def _arg(args: tuple, kwargs: dict, i: int, key: str, default=None):
     return kwargs.get(key, default)
 
 
-def _pair(v) -> tuple[int, int]:
-    if isinstance(v, (tuple, list)):
-        return (int(v[0]), int(v[-1])) if v else (1, 1)
-    return (int(v), int(v))
-
-
 def _conv_attrs(mod, args, kwargs, ins, out) -> dict:
-    if isinstance(mod, nn.Conv2d):
+    if isinstance(mod, nn.modules.conv._ConvNd):
         return {"in_channels": mod.in_channels, "out_channels": mod.out_channels, "kernel": tuple(mod.kernel_size),
-                    "stride": tuple(mod.stride), "padding": _pair(mod.padding) if not isinstance(mod.padding, str)
-                    else mod.padding, "dilation": tuple(mod.dilation), "groups": mod.groups, "bias": mod.bias is not None}
+                "stride": tuple(mod.stride),
+                "padding": mod.padding if isinstance(mod.padding, str) else tuple(mod.padding),
+                "dilation": tuple(mod.dilation), "groups": mod.groups, "bias": mod.bias is not None,
+                "transposed": bool(mod.transposed)}
     w = ins[1]
-    groups = int(_arg(args, kwargs, 6, "groups", 1))
-    return {"in_channels": w[1] * groups, "out_channels": w[0], "kernel": tuple(w[2:]),
-                "stride": _pair(_arg(args, kwargs, 3, "stride", 1)), "padding": _pair(_arg(args, kwargs, 4, "padding", 0)),
-                "dilation": _pair(_arg(args, kwargs, 5, "dilation", 1)), "groups": groups,
-                "bias": _arg(args, kwargs, 2, "bias") is not None}
+    nd = len(w) - 2
+    # F.convNd(x, w, b, stride, padding, dilation, groups); aten.convolution(x, w, b, stride, padding,
+    # dilation, transposed, output_padding, groups)
+    aten_conv = len(args) > 6 and isinstance(args[6], bool)
+    transposed = bool(_arg(args, kwargs, 6, "transposed", False)) if aten_conv else False
+    groups = int(_arg(args, kwargs, 8, "groups", 1) if aten_conv else _arg(args, kwargs, 6, "groups", 1))
+    cin = w[0] if transposed else w[1] * groups
+    cout = w[1] * groups if transposed else w[0]
+    pad = _arg(args, kwargs, 4, "padding", 0)
+    return {"in_channels": cin, "out_channels": cout, "kernel": tuple(w[2:]),
+            "stride": _tuple(_arg(args, kwargs, 3, "stride", 1), nd),
+            "padding": pad if isinstance(pad, str) else _tuple(pad, nd),
+            "dilation": _tuple(_arg(args, kwargs, 5, "dilation", 1), nd), "groups": groups,
+            "bias": _arg(args, kwargs, 2, "bias") is not None, "transposed": transposed}
+
+
+def _tuple(v, nd: int) -> tuple[int, ...]:
+    if isinstance(v, (tuple, list)):
+        v = [int(x) for x in v]
+        return tuple(v * nd if len(v) == 1 else v)
+    return (int(v),) * nd
 
 
 def _linear_attrs(mod, args, kwargs, ins, out) -> dict:
     if isinstance(mod, nn.Linear):
         return {"in_features": mod.in_features, "out_features": mod.out_features, "bias": mod.bias is not None}
+    if isinstance(mod, nn.Bilinear):
+        return {"in_features": mod.in1_features * mod.in2_features, "out_features": mod.out_features,
+                "bias": mod.bias is not None}
     if len(ins) >= 2 and ins[1] is not None and len(ins[1]) == 2:  # F.linear / aten.linear: W is (out, in)
         return {"in_features": ins[1][1], "out_features": ins[1][0], "bias": len(ins) > 2}
     if len(ins) == 3:  # aten.addmm(bias, x, W^T)
@@ -146,21 +263,34 @@ def _linear_attrs(mod, args, kwargs, ins, out) -> dict:
     return {"in_features": ins[0][-1], "out_features": out[-1], "bias": False}
 
 
+_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
 def _lstm_attrs(mod, args, kwargs, ins, out) -> dict:
-    if not isinstance(mod, nn.LSTM):
-        raise TypeError("an LSTM op outside nn.LSTM is not supported")
-    return {"input_size": mod.input_size, "hidden": mod.hidden_size, "proj": mod.proj_size, "layers": mod.num_layers,
-                "bidirectional": mod.bidirectional, "batch_first": mod.batch_first, "bias": mod.bias}
+    if not isinstance(mod, nn.RNNBase):
+        raise UnpricedOp("a recurrent op outside nn.LSTM/nn.GRU/nn.RNN")
+    return {"input_size": mod.input_size, "hidden": mod.hidden_size, "proj": getattr(mod, "proj_size", 0),
+            "layers": mod.num_layers, "bidirectional": mod.bidirectional, "batch_first": mod.batch_first,
+            "bias": mod.bias, "cell": mod.mode.split("_")[0].lower() if mod.mode.startswith("RNN") else mod.mode.lower(),
+            "gates": _GATES.get(mod.mode.split("_")[0], 1)}
 
 
-def _pool_attrs(mod, args, kwargs, ins, out) -> dict:
-    if isinstance(mod, (nn.MaxPool2d, nn.AvgPool2d)):
+def _pool_attrs(mod, args, kwargs, ins, out, *, is_max: bool) -> dict:
+    """Window, stride, padding, dilation per spatial dimension, and ceil_mode, as the op applies them.
+    F.max_poolNd(x, kernel, stride, padding, dilation, ceil_mode); F.avg_poolNd(x, kernel, stride,
+    padding, ceil_mode, count_include_pad)."""
+    nd = max(1, len(out) - 2) if out else 2
+    if isinstance(mod, (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)):
         k, s, p = mod.kernel_size, mod.stride, mod.padding
+        d, ceil = getattr(mod, "dilation", 1), bool(mod.ceil_mode)
     else:
         k = _arg(args, kwargs, 1, "kernel_size", 1)
         s = _arg(args, kwargs, 2, "stride", None) or k
         p = _arg(args, kwargs, 3, "padding", 0)
-    return {"kernel": _pair(k), "stride": _pair(s if s is not None else k), "padding": _pair(p)}
+        d = _arg(args, kwargs, 4, "dilation", 1) if is_max else 1
+        ceil = bool(_arg(args, kwargs, 5 if is_max else 4, "ceil_mode", False))
+    return {"kernel": _tuple(k, nd), "stride": _tuple(s if s is not None else k, nd), "padding": _tuple(p, nd),
+            "dilation": _tuple(d, nd), "ceil_mode": ceil}
 
 
 def _embedding_attrs(mod, args, kwargs, ins, out) -> dict:
@@ -176,6 +306,7 @@ def _norm_attrs(mod, args, kwargs, ins, out) -> dict:
 
 
 _ATTRS = {
-    "conv2d": _conv_attrs, "linear": _linear_attrs, "lstm": _lstm_attrs, "maxpool": _pool_attrs,
-    "avgpool": _pool_attrs, "embedding": _embedding_attrs, "batchnorm": _norm_attrs,
+    "conv2d": _conv_attrs, "conv": _conv_attrs, "linear": _linear_attrs, "lstm": _lstm_attrs,
+    "maxpool": functools.partial(_pool_attrs, is_max=True), "avgpool": functools.partial(_pool_attrs, is_max=False),
+    "embedding": _embedding_attrs, "batchnorm": _norm_attrs,
 }

@@ -3,7 +3,18 @@
 Both tracers produce per-op records (`OpRecord`, in graph/ops.py); `build_graph` then folds shape-only
 ops away (keeping the DAG connected through them), attributes each parameter once to the op that first
 consumes it, propagates which activations need gradients, and computes FLOPs (graph/flops.py).
+Trainable parameters that no traced op reads (e.g. a mask token used only for masked inputs) are still
+gradients the runtime sends: they are attributed to the first node of their module (Graph meta
+`free_params` lists them). An op without a FLOP rule, or a leaf module whose FLOPs cannot be measured,
+is a UserError naming it, never a silent zero.
 Works on the `meta` device, so models with billions of parameters trace without allocating weights.
+
+The model is traced in the mode asked for (`train=True`/`False`; None keeps the module's own mode)
+and at the batch of the example inputs, so callers trace at the batch the user asks for. One
+exception: at batch 1, batch-norm layers trace in eval mode, since in training mode PyTorch refuses a
+batch of one value per channel (batch 1 after global pooling) and its meta kernel divides by n - 1;
+their output shapes, parameters and FLOPs are the same in either mode. Every other module keeps the
+mode asked for (dropout, training-only branches such as Inception's aux head).
 """
 
 from __future__ import annotations
@@ -20,26 +31,58 @@ from torch.fx.passes.shape_prop import ShapeProp
 from hybridpar.errors import UserError
 from hybridpar.graph.build import build_graph
 from hybridpar.graph.measured import measure_module
-from hybridpar.graph.ops import OpRecord, classify, is_opaque, shape_of
+from hybridpar.graph.ops import _MEASURED_KINDS, OpRecord, UnpricedOp, classify, is_opaque, shape_of
 from hybridpar.graph.types import Graph
 
 MEASURED = "hybridpar_measured_flops"
+UNMEASURED = "hybridpar_unmeasured"
 
 
-def trace(module: nn.Module, example_inputs, name: str | None = None) -> Graph:
-    """Graph of `module` run on `example_inputs` (a tensor or a tuple of tensors)."""
+def trace(module: nn.Module, example_inputs, name: str | None = None, *, train: bool | None = None) -> Graph:
+    """Graph of `module` run on `example_inputs` (a tensor or a tuple of tensors), in training mode
+    (`train=True`), eval mode (`False`) or each module's current mode (None)."""
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     name = name or type(module).__name__
-    try:
-        records, tracer = _fx_records(module, inputs), "torch.fx"
-    except Exception as fx_err:  # noqa: BLE001 -- fx rejects Python control flow and more; try export
-        try:
-            records, tracer = _export_records(module, inputs), "torch.export"
-        except Exception as ex_err:  # noqa: BLE001 -- a user's model can raise anything
-            raise UserError(f"cannot trace model {name!r}: torch.fx: {_short(fx_err)}; "
-                            f"torch.export: {_short(ex_err)}") from None
     batch = _batch_of(inputs)
-    return build_graph(name, records, batch=batch, meta=(("tracer", tracer),))
+    training = train if train is not None else module.training
+    with _mode(module, train, batch):
+        try:
+            (records, outputs), tracer = _fx_records(module, inputs), "torch.fx"
+            if any(r.attrs.get("flops_source") == "flop_counter" for r in records):
+                # torch.fx kept a torch.nn module we have no rule for (nn.TransformerEncoderLayer,
+                # nn.MultiheadAttention, ...) as one measured node; torch.export splits it into ops with
+                # their own shapes, parameters and activations. Keep the measured node if export fails.
+                with contextlib.suppress(Exception):
+                    (records, outputs), tracer = _export_records(module, inputs), "torch.export"
+        except Exception as fx_err:  # noqa: BLE001 -- fx rejects Python control flow and more; try export
+            try:
+                (records, outputs), tracer = _export_records(module, inputs), "torch.export"
+            except Exception as ex_err:  # noqa: BLE001 -- a user's model can raise anything
+                unpriced = next((e for e in (ex_err, fx_err) if isinstance(e, UnpricedOp)), None)
+                if unpriced is not None:
+                    raise UserError(f"model {name!r}: cannot price {unpriced}: hybridpar has no FLOP rule for "
+                                    "it (graph/ops.py)") from None
+                raise UserError(f"cannot trace model {name!r}: torch.fx: {_short(fx_err)}; "
+                                f"torch.export: {_short(ex_err)}") from None
+    trainable = tuple((n, tuple(p.shape), id(p)) for n, p in module.named_parameters() if p.requires_grad)
+    return build_graph(name, records, batch=batch, free_params=trainable, outputs=outputs,
+                       meta=(("tracer", tracer), ("train", training)))
+
+
+@contextlib.contextmanager
+def _mode(module: nn.Module, train: bool | None, batch: int):
+    modes = {m: m.training for m in module.modules()}
+    if train is not None:
+        module.train(train)
+    if batch == 1:  # see the module docstring
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.training = False
+    try:
+        yield
+    finally:
+        for m, t in modes.items():
+            m.training = t
 
 
 def _short(err: BaseException) -> str:
@@ -58,10 +101,12 @@ def _batch_of(inputs: tuple) -> int:
 
 # --- torch.fx -------------------------------------------------------------------------------------
 
-def _fx_records(module: nn.Module, inputs: tuple) -> list[OpRecord]:
+def _fx_records(module: nn.Module, inputs: tuple) -> tuple[list[OpRecord], tuple[str, ...]]:
     gm = symbolic_trace(module)
     _propagate_shapes(gm, inputs)
-    return [r for n in gm.graph.nodes if (r := _fx_record(gm, n)) is not None]
+    records = [r for n in gm.graph.nodes if (r := _fx_record(gm, n)) is not None]
+    outputs = tuple(a.name for n in gm.graph.nodes if n.op == "output" for a in _arg_nodes(n))
+    return records, outputs
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
@@ -79,7 +124,22 @@ class _ShapePropRun(nn.Module):
         return _MetaShapeProp(self.gm).propagate(*args)
 
 
-class _MetaShapeProp(ShapeProp):
+class _MeasuringShapeProp(ShapeProp):
+    """ShapeProp that measures each opaque leaf module (graph/measured.py) on the arguments it gets."""
+
+    def run_node(self, n):
+        if n.op == "call_module" and is_opaque(self.fetch_attr(n.target)):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            try:
+                n.meta[MEASURED] = measure_module(self.fetch_attr(n.target), args, kwargs)
+                n.meta.pop(UNMEASURED, None)
+            except Exception as err:  # noqa: BLE001 -- reported by name when the node is built
+                n.meta.pop(MEASURED, None)
+                n.meta[UNMEASURED] = _short(err)
+        return super().run_node(n)
+
+
+class _MetaShapeProp(_MeasuringShapeProp):
     """ShapeProp that gives nn.LSTM's output shapes directly: on meta its kernel decomposes into
     Python-dispatched per-step ops (seconds for GNMT) for shapes that follow from its attributes."""
 
@@ -88,15 +148,6 @@ class _MetaShapeProp(ShapeProp):
         if isinstance(mod, nn.LSTM) and len(args) == 1 and not kwargs and args[0].is_meta:
             return _lstm_outputs(mod, args[0])
         return super().call_module(target, args, kwargs)
-
-    def run_node(self, n):
-        if n.op == "call_module" and is_opaque(self.fetch_attr(n.target)):
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            try:
-                n.meta[MEASURED] = measure_module(self.fetch_attr(n.target), args, kwargs)
-            except Exception:  # noqa: BLE001 -- no measurement: the node keeps 0 FLOPs
-                n.meta.pop(MEASURED, None)
-        return super().run_node(n)
 
 
 def _lstm_outputs(lstm: nn.LSTM, x: torch.Tensor):
@@ -115,29 +166,13 @@ def _propagate_shapes(gm: GraphModule, inputs: tuple) -> None:
         try:
             _propagate_on_meta(gm, inputs)
         except Exception:  # noqa: BLE001 -- any meta failure: retry with the real tensors
-            ShapeProp(gm).propagate(*inputs)
+            _MeasuringShapeProp(gm).propagate(*inputs)
 
 
 def _propagate_on_meta(gm: GraphModule, inputs: tuple) -> None:
     state = {f"gm.{k}": _to_meta(v) for k, v in (*gm.named_parameters(), *gm.named_buffers())}
     meta_inputs = tuple(_to_meta(x) if isinstance(x, torch.Tensor) else x for x in inputs)
-    with _batchnorm_in_eval(gm):
-        torch.func.functional_call(_ShapePropRun(gm), state, meta_inputs)
-
-
-@contextlib.contextmanager
-def _batchnorm_in_eval(module: nn.Module):
-    """Training-mode BN refuses one value per channel (batch 1 after global pooling, as in Inception's
-    aux head); BN's output shape is the same in either mode, and the rest of the model keeps its mode
-    (training-only branches such as that aux head are still traced)."""
-    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-    for m in bns:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m in bns:
-            m.training = True
+    torch.func.functional_call(_ShapePropRun(gm), state, meta_inputs)
 
 
 def _fx_record(gm: GraphModule, node: torch.fx.Node) -> OpRecord | None:
@@ -156,15 +191,29 @@ def _fx_record(gm: GraphModule, node: torch.fx.Node) -> OpRecord | None:
     scope = list(stack.values())[-1][0] if stack else None
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
-        kind, attrs = classify(type(mod).__name__.lower(), mod, node.args, node.kwargs, in_shapes, out)
-        if MEASURED in node.meta:
-            attrs = {**attrs, "flops_source": "flop_counter", "measured": node.meta[MEASURED]}
+        if is_opaque(mod):
+            if MEASURED not in node.meta:
+                why = node.meta.get(UNMEASURED, "it was not run")
+                raise UnpricedOp(f"module {node.target!r} ({type(mod).__name__}): its FLOPs could not be "
+                                 f"measured ({why})")
+            kind = _MEASURED_KINDS.get(type(mod).__name__.lower(), "other")
+            attrs = {"flops_source": "flop_counter", "measured": node.meta[MEASURED], "module_type": type(mod).__name__}
+        else:
+            kind, attrs = _classify(type(mod).__name__.lower(), mod, node.args, node.kwargs, in_shapes, out,
+                                    node.target)
         params = [(f"{node.target}.{k}", p) for k, p in mod.named_parameters()]
         return OpRecord(node.name, kind, tuple(a.name for a in args), in_shapes, out, module=node.target,
                         scope=node.target, params=_param_tuples(params), attrs=attrs)
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    kind, attrs = classify(target, None, node.args, node.kwargs, in_shapes, out)
+    kind, attrs = _classify(target, None, node.args, node.kwargs, in_shapes, out, scope)
     return OpRecord(node.name, kind, tuple(a.name for a in args), in_shapes, out, scope=scope, attrs=attrs)
+
+
+def _classify(op_name, mod, args, kwargs, in_shapes, out, where):
+    try:
+        return classify(op_name, mod, args, kwargs, in_shapes, out)
+    except UnpricedOp as err:
+        raise UnpricedOp(f"op {str(err)!r} in module {where or '(top level)'!r}") from None
 
 
 def _fetch(gm: GraphModule, target: str):
@@ -192,7 +241,7 @@ def _arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 # --- torch.export ---------------------------------------------------------------------------------
 
-def _export_records(module: nn.Module, inputs: tuple) -> list[OpRecord]:
+def _export_records(module: nn.Module, inputs: tuple) -> tuple[list[OpRecord], tuple[str, ...]]:
     with warnings.catch_warnings():  # export's internal warnings are not the user's business
         warnings.simplefilter("ignore")
         ep = torch.export.export(module, inputs, strict=False)
@@ -222,9 +271,9 @@ def _export_records(module: nn.Module, inputs: tuple) -> list[OpRecord]:
         target = node.target
         op_name = target.overloadpacket.__name__ if hasattr(target, "overloadpacket") else getattr(
             target, "__name__", str(target))
-        kind, attrs = classify(op_name, mod, node.args, node.kwargs, in_shapes, out)
+        kind, attrs = _classify(op_name, mod, node.args, node.kwargs, in_shapes, out, scope)
         leaf = mod is not None and scope and not any(True for _ in mod.children())
         records.append(OpRecord(node.name, kind, tuple(a.name for a in args), in_shapes, out,
                                 module=scope if leaf and kind not in ("fold", "other") else None,
                                 scope=scope or None, attrs=attrs))
-    return records
+    return records, tuple(str(o) for o in sig.user_outputs)

@@ -13,7 +13,7 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 OP_KINDS = (
     "input", "conv2d", "linear", "batchnorm", "layernorm", "relu", "pointwise", "maxpool", "avgpool",
     "adaptive_avgpool", "add", "mul", "concat", "flatten", "reshape", "dropout", "lstm", "embedding",
-    "attention", "softmax", "loss", "output", "other",
+    "attention", "softmax", "loss", "output", "conv", "reduce", "other",
 )
 
 

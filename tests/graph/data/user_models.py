@@ -28,3 +28,38 @@ def broken():
 
 def not_a_module():
     return 42
+
+
+class TokenNet(nn.Module):
+    """Token ids -> embedding -> transformer encoder layer -> LSTM -> linear: every layer kind a
+    language model brings, each with parameters (issue 13)."""
+
+    def __init__(self, vocab: int = 100, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.enc = nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.lstm = nn.LSTM(d, 24, batch_first=True)
+        self.head = nn.Linear(24, vocab)
+
+    def forward(self, ids):
+        h, _ = self.lstm(self.enc(self.emb(ids)))
+        return self.head(h)
+
+
+def tokens():
+    return TokenNet(), (torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0)),)
+
+
+class MaskedTokenNet(TokenNet):
+    """Two inputs: token ids and a float mask that zeroes padded positions."""
+
+    def forward(self, ids, mask):
+        h, _ = self.lstm(self.enc(self.emb(ids)) * mask.unsqueeze(-1))
+        return self.head(h)
+
+
+def masked_tokens():
+    ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 12)
+    mask[:, 9:] = 0
+    return MaskedTokenNet(), (ids, mask)
