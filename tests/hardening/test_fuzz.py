@@ -197,3 +197,110 @@ def test_cluster_files(no_spawn):
     check()
     _tally("cluster files", seen)
     assert seen["rejected"] >= 100
+
+
+# -- train options: non-finite numbers, huge shapes, raising forwards, foreign checkpoints ---------------
+
+_BAD_OPTION = st.one_of(
+    st.tuples(st.sampled_from(["--lr", "--momentum", "--weight-decay"]),
+              st.sampled_from(["nan", "inf", "-inf", "1e309", "-1", "NaN", "-nan"])),
+    st.tuples(st.just("--lr"), st.sampled_from(["0", "-0.0", "-1e-9"])),
+    st.tuples(st.just("--seed"), st.one_of(st.integers(2**63, 2**80), st.integers(-(2**70), -1)).map(str)),
+    st.tuples(st.just("--input-shape"), st.one_of(
+        st.lists(st.integers(100_000, 10**12), min_size=2, max_size=3).map(lambda d: ",".join(map(str, [3, *d]))),
+        st.sampled_from(["3,1,1", "3,2,2", "3,0,32", "3,-4,32", "1," + "9" * 25 + ",1"]))),
+    st.tuples(st.sampled_from(["--batch", "--steps", "--synthetic-size", "--nproc"]),
+              st.integers(-(2**40), 0).map(str)),
+    st.tuples(st.just("--batch"), st.integers(10**7, 10**12).map(str)),
+)
+
+
+def test_train_bad_numbers_and_shapes(no_spawn):
+    seen: Counter = Counter()
+
+    @settings(max_examples=120, **_SETTINGS)
+    @given(_BAD_OPTION)
+    def check(opt):
+        flag, value = opt
+        argv = ["train", "--model", "small_cnn", "--strategy", "sample=2", "--batch", "8", "--steps", "1",
+                "--json", f"{flag}={value}"]
+        _assert_clean_rejection(*_cli(argv)[::2], argv)
+        seen[f"{flag} rejected"] += 1
+        seen["rejected"] += 1
+
+    check()
+    _tally("train numbers and shapes", seen)
+    assert seen["rejected"] >= 100
+
+
+_RAISES = ["ValueError('x')", "RuntimeError('shape mismatch')", "ZeroDivisionError()", "IndexError(3)",
+           "KeyError('k')", "AssertionError()", "TypeError('t')", "SystemExit(0)", "SystemExit(3)",
+           "NotImplementedError()", "MemoryError()", "OverflowError()"]
+_RETURNS = ["x.sum()", "None", "(x, x)", "'text'", "x.flatten()", "[x]", "{'a': x}"]
+
+
+def test_train_raising_or_odd_forwards(no_spawn):
+    seen: Counter = Counter()
+
+    @settings(max_examples=40, **_SETTINGS)
+    @given(st.one_of(st.sampled_from(_RAISES).map(lambda e: f"raise {e}"),
+                     st.sampled_from(_RETURNS).map(lambda r: f"return {r}")),
+           st.sampled_from(["forward", "factory"]))
+    def check(stmt, where):
+        with tempfile.TemporaryDirectory() as d:
+            f = Path(d) / "m.py"
+            body = ("import sys\nimport torch\nfrom torch import nn\n"
+                    "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                    "        self.l = nn.Linear(4, 2)\n    def forward(self, x):\n"
+                    + (f"        {stmt}\n" if where == "forward" else "        return self.l(x.flatten(1))\n")
+                    + "def net():\n" + (f"    {stmt}\n" if where == "factory" else "    return Net()\n"))
+            f.write_text(body)
+            argv = ["train", "--model", f"{f}:net", "--input-shape", "1,2,2", "--strategy", "sample=1",
+                    "--nproc", "1", "--batch", "4", "--steps", "1"]
+            _assert_clean_rejection(*_cli(argv)[::2], argv)
+        seen[f"{where} rejected"] += 1
+        seen["rejected"] += 1
+
+    check()
+    _tally("train model files", seen)
+    assert seen["rejected"] >= 30
+
+
+def test_train_foreign_checkpoints(no_spawn):
+    """A checkpoint directory holding another run's checkpoint (any identity key changed): exit 2."""
+    import hashlib
+
+    from hybridpar.runtime.checkpoint import run_id
+    from hybridpar.runtime.run_config import run_config
+
+    base = run_config(model="small_cnn", strategy="sample=2", batch=8, steps=1).config.identity
+    seen: Counter = Counter()
+
+    @settings(max_examples=60, **_SETTINGS)
+    @given(st.sampled_from(sorted(base)), st.one_of(st.integers(-5, 5), st.floats(allow_nan=False),
+                                                    st.text(max_size=5), st.none(), st.booleans()),
+           st.sampled_from([[], ["--resume"], ["--resume=if-any"]]))
+    def check(key, value, resume):
+        if base[key] == value:
+            return
+        identity = {**base, key: value}
+        with tempfile.TemporaryDirectory() as d:
+            step = Path(d) / "ck" / "step-00000002"
+            step.mkdir(parents=True)
+            (step / "rank-00000.pt").write_bytes(b"x" * 10)
+            files = [{"rank": 0, "file": "rank-00000.pt", "bytes": 10,
+                      "sha256": hashlib.sha256(b"x" * 10).hexdigest()}]
+            (step / "manifest.json").write_text(json.dumps(
+                {"format": "hybridpar-checkpoint", "version": 1, "step": 2, "world_size": 1, "files": files,
+                 "identity": identity, "run_id": run_id(identity)}, default=str))
+            argv = ["train", "--model", "small_cnn", "--strategy", "sample=2", "--batch", "8", "--steps", "1",
+                    "--checkpoint-dir", str(Path(d) / "ck"), *resume]
+            rc, _, err = _cli(argv)
+            _assert_clean_rejection(rc, err, argv)
+            assert "another run's checkpoints" in err, err
+            assert sorted(p.name for p in step.iterdir()) == ["manifest.json", "rank-00000.pt"]
+        seen["rejected"] += 1
+
+    check()
+    _tally("train foreign checkpoints", seen)
+    assert seen["rejected"] >= 40

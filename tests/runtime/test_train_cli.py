@@ -56,3 +56,42 @@ def test_plan_world_mismatch_rejected(tmp_path, capsys):
     Plan(model="small_cnn", world_size=4, dp=4, batch=8, default_layout=LayerLayout(sample=4)).save(tmp_path / "p.json")
     assert main(["train", "--plan", str(tmp_path / "p.json"), "--nproc", "2"]) == 2
     assert "plan is for 4 ranks" in capsys.readouterr().err
+
+
+def _plan(tmp_path, world=2, batch=8):
+    from hybridpar.plans import LayerLayout, Plan
+
+    Plan(model="small_cnn", world_size=world, dp=world, batch=batch,
+         default_layout=LayerLayout(sample=world)).save(tmp_path / "p.json")
+    return str(tmp_path / "p.json")
+
+
+def test_plan_batch_mismatch_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["train", "--plan", _plan(tmp_path), "--batch", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--batch 16 disagrees with the plan's batch 8" in err, err
+
+
+@pytest.mark.slow
+def test_plan_alone_gives_batch_and_rank_count(tmp_path, capsys):
+    import json
+
+    assert main(["train", "--plan", _plan(tmp_path), "--steps", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["world_size"], doc["batch"], len(doc["steps"])) == (2, 8, 2)
+    assert doc["param_bytes_per_rank"] and len(doc["param_bytes_per_rank"]) == 2
+
+
+def test_run_config_is_the_library_face(tmp_path):
+    """The same checks without the command line: library words, `param` naming the option."""
+    from hybridpar.errors import UserError
+    from hybridpar.runtime.run_config import run_config
+
+    setup = run_config(plan=_plan(tmp_path, world=1, batch=4), steps=3)
+    assert (setup.world_size, setup.config.batch, setup.total_steps, setup.start_step) == (1, 4, 3, 0)
+    with pytest.raises(UserError) as err:
+        run_config(plan=_plan(tmp_path, world=1, batch=4), batch=5)
+    assert err.value.param == "batch" and str(err.value).startswith("batch 5 disagrees")
+    with pytest.raises(UserError) as err:
+        run_config(model="small_cnn", strategy="sample=1", lr=float("nan"))
+    assert err.value.param == "lr"

@@ -328,7 +328,7 @@ def check_checkpoint_dir(root: str | os.PathLike, identity: dict, resume: str = 
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise UserError(f"checkpoint_dir {root}: exists and is not a directory", param="checkpoint_dir")
-    if not os.access(root if root.exists() else _existing_parent(root), os.W_OK):
+    if not can_create_in(root if root.exists() else _existing_parent(root)):
         raise UserError(f"checkpoint_dir {root}: not writable", param="checkpoint_dir")
     me = run_id(identity)
     mine, damaged = [], []
@@ -364,6 +364,20 @@ def check_checkpoint_dir(root: str | os.PathLike, identity: dict, resume: str = 
         raise UserError(f"resume: every checkpoint in {root} is damaged ({'; '.join(sorted(notes))}); "
                         "resume if-any to start at step 0 anyway", param="resume")
     return DirCheck(None, [*sorted(notes), f"no checkpoint of this run in {root}: starting at step 0"])
+
+
+def can_create_in(folder: Path) -> bool:
+    """Whether a file can be created in `folder` (tried, not guessed from mode bits: root, read-only
+    mounts and pseudo file systems all fool os.access)."""
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hybridpar-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(tmp)
+    return True
 
 
 def _existing_parent(path: Path) -> Path:

@@ -181,7 +181,9 @@ def _check_output_path(path: str | None, param: str) -> None:
     existing = next((q for q in (parent, *parent.parents) if q.exists()), Path("."))
     if not existing.is_dir():
         raise UserError(f"{param} {path}: {existing} is not a directory", param=param)
-    if not os.access(existing, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+    from hybridpar.runtime.checkpoint import can_create_in
+
+    if not can_create_in(existing):
         raise UserError(f"{param} {path}: not writable", param=param)
 
 
