@@ -24,12 +24,17 @@ PIPE_WIDTH = 10_000
 
 class WideWhenPiped(Console):
     """A rich Console that is PIPE_WIDTH columns wide whenever its stream is not a terminal (rich
-    would otherwise take the width of whatever terminal stdin or stderr is, or 80)."""
+    would otherwise take $COLUMNS, or the width of whatever terminal stdin or stderr is, or 80).
+    A width given to the constructor is kept."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fixed_width = kwargs.get("width") is not None
 
     @property
     def size(self) -> ConsoleDimensions:
         size = Console.size.fget(self)
-        if self._width is None and not self.is_terminal:
+        if not self._fixed_width and not self.is_terminal:
             return ConsoleDimensions(PIPE_WIDTH, size.height)
         return size
 
