@@ -243,13 +243,16 @@ def _parse_shape(shape) -> tuple[int, ...] | None:
 
 
 def _check_sample_size(shape: tuple[int, ...], batch: int) -> None:
-    """Refuse input shapes whose batch alone cannot be held, before anything allocates one."""
+    """Refuse input shapes (or batches) whose one batch cannot be held, before anything allocates one."""
     sample = math.prod(shape) * 4
     avail = available_memory()
+    text = ",".join(map(str, shape))
+    if sample > avail // 4:
+        raise UserError(f"input_shape {text}: one sample is {_gib(sample)} and this machine has "
+                        f"{_gib(avail)} available", param="input_shape")
     if sample * batch > avail // 4:
-        raise UserError(f"input_shape {','.join(map(str, shape))}: one batch of {batch} samples is "
-                        f"{_gib(sample * batch)} and this machine has {_gib(avail)} available",
-                        param="input_shape")
+        raise UserError(f"batch {batch}: one batch of {text} samples is {_gib(sample * batch)} and this machine "
+                        f"has {_gib(avail)} available", param="batch")
 
 
 def _load(model: str, shape):
@@ -424,4 +427,6 @@ def _check_memory(per_rank: int, ranks_here: int, *, launched: bool) -> None:
 
 
 def _gib(n: int) -> str:
+    if n >= 2**50:
+        return f"{n / 2**50:.3g} PiB"
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
