@@ -17,6 +17,7 @@ from hybridpar.runtime.data import (
     model_args,
     open_dataset,
     part_rows,
+    sample_part,
 )
 
 
@@ -93,6 +94,23 @@ def test_batches_of_data_in_memory_are_the_rows_of_batch_indices():
     # The DataLoader path (workers) stacks the same tensors.
     loaded = list(batches(ds, 8, start=3, stop=9, seed=2, workers=1))
     assert all(torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(got, loaded))
+
+
+def test_sample_part_of_a_rank_follows_the_plan():
+    from hybridpar.plans import LayerLayout, Plan
+
+    cf = Plan(model="small_cnn", world_size=8, batch=16, dp=8, default_layout=LayerLayout(sample=2, channel=2,
+                                                                                  filter=2))
+    assert [sample_part(cf, r) for r in range(8)] == [(0, 2)] * 4 + [(1, 2)] * 4
+    hybrid = Plan(model="small_cnn", world_size=6, batch=12, dp=3, mp=2, default_layout=LayerLayout(sample=3))
+    assert [sample_part(hybrid, r) for r in range(6)] == [(0, 3), (0, 3), (1, 3), (1, 3), (2, 3), (2, 3)]
+    # The rows a rank reads are the rows its sample group's piece of the global batch holds.
+    ds = load_dataset("synthetic", (3, 4, 4), num_classes=5, size=48, seed=1)
+    (_, x, _), = batches(ds, 12, start=2, stop=3, seed=4)
+    mine = [list(batches(ds, 12, start=2, stop=3, seed=4, part=sample_part(hybrid, r)))[0][1] for r in range(6)]
+    assert all(torch.equal(m, t) for m, t in zip(mine[::2], torch.tensor_split(x, 3)))
+    with pytest.raises(UserError, match="outside"):
+        sample_part(hybrid, 6)
 
 
 # ---- image folders -----------------------------------------------------------------------------------

@@ -278,6 +278,20 @@ def part_rows(batch: int, part: tuple[int, int] | None) -> tuple[int, int]:
     return piece_offsets(batch, k)[i], piece_sizes(batch, k)[i]
 
 
+def sample_part(plan, rank: int) -> tuple[int, int]:
+    """(i, k) for `batches(part=...)`: rank `rank`'s sample group among the k of a Plan. Under a
+    sample/channel/filter layout the G = channel*filter consecutive ranks of one sample group share
+    its samples (group rank // G of `sample`); under hybrid DP x MP the M devices of one replica do
+    (replica rank // M of dp). The pieces are torch.chunk's (DTensor's Shard(0)); the MP engine's
+    tensor_split gives the same rows whenever dp divides the batch."""
+    if not 0 <= rank < plan.world_size:
+        raise UserError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
+    if plan.mp > 1:
+        return rank // plan.mp, plan.dp
+    lay = plan.default_layout
+    return rank // lay.g_size, lay.sample
+
+
 class StepSampler(tud.Sampler):
     """The index lists of steps start .. stop-1 (batch_indices, cut to `part`), for a DataLoader's
     batch_sampler. The epoch's permutation is computed once per epoch, not once per step."""
