@@ -337,3 +337,34 @@ def test_multi_input_pt_tuple_and_dict(tmp_path):
 def test_unknown_spec_lists_the_kinds():
     with pytest.raises(UserError, match="imagefolder:DIR, npy:DIR"):
         open_dataset("parquet:foo", (3, 8, 8))
+
+
+# ---- inside ranks ----------------------------------------------------------------------------------------
+
+def _rank_reads(root: str) -> list:
+    """On a gloo rank: this rank's half of every batch, through loader workers (ranks may fork them)."""
+    import torch.distributed as dist
+
+    from hybridpar.plans import LayerLayout, Plan
+
+    plan = Plan(model="small_cnn", world_size=2, batch=6, dp=2, default_layout=LayerLayout(sample=2))
+    ds = open_dataset(f"imagefolder:{root}", (3, 12, 12), num_classes=3)
+    mine = [(x, y) for _, x, y in batches(ds, 6, stop=3, seed=2, workers=1,
+                                           part=sample_part(plan, dist.get_rank()))]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ranks_read_their_sample_groups_rows_through_worker_processes(tmp_path):
+    from hybridpar.runtime.launch import spawn
+
+    root = write_image_folder(tmp_path / "imgs")
+    every = spawn(_rank_reads, 2, str(root))
+    ds = open_dataset(f"imagefolder:{root}", (3, 12, 12))
+    for j, (_, x, y) in enumerate(batches(ds, 6, stop=3, seed=2, workers=0)):
+        assert all(every[r][j][0].shape[0] == 3 for r in range(2))
+        assert torch.equal(torch.cat([every[0][j][0], every[1][j][0]]), x)
+        assert torch.equal(torch.cat([every[0][j][1], every[1][j][1]]), y)
