@@ -12,8 +12,9 @@ once, and kept only if the model still builds and a forward pass at batch 2 give
 1. depth: integers (and each entry of integer lists) named `depth(s)`, `num_block_repeats`,
    `num_hidden_layers`, `n_layer`, `num_self_attends_per_block` capped at 1 (stages are kept,
    blocks per stage cut); a float `depth_coefficient` capped at 1.0;
-2. input: `image_size` (int or list) set to the smallest of 32, 64, 96, 128, 224 that runs; the
-   input is (2, num_channels, S, S), S the resulting image size (224 when the config has none);
+2. input: the input is (2, num_channels, S, S) with S the smallest of 32, 64, 96, 112, 128, 160,
+   192, 224 (below the config's `image_size`, 224 when it has none) that runs; a config's
+   `image_size` (int or list) is set to S;
 3. heads: integers (and integer lists) whose name contains `heads` capped at 2;
 4. width: integers (and integer lists) whose name ends in `hidden_size(s)`, `embed_dim`,
    `embedding_size`, `intermediate_size`, `hidden_dim`, `n_embd`, `d_model`, `d_latents`,
@@ -193,6 +194,9 @@ def _step(config, pattern, int_fn, float_fn, ok: Callable[[object], bool]):
     return config, kept, False
 
 
+_SIZES = (32, 64, 96, 112, 128, 160, 192, 224)
+
+
 def _size_path(config) -> tuple | None:
     return next((k for k in _flat(config.to_dict()) if k[-1] == "image_size"), None)
 
@@ -203,8 +207,45 @@ def _size_of(config) -> int:
     return int(s[0] if isinstance(s, (list, tuple)) else s)
 
 
+def _cache_file(name: str):
+    import transformers
+
+    root = os.environ.get("HYBRIDPAR_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hybridpar")
+    return os.path.join(root, "hf_tiny", transformers.__version__, f"{name}.json")
+
+
 def tiny_family(name: str) -> Family:
-    """The family's tiny model per the module's shrink rule (or why it is refused)."""
+    """The family's tiny model per the module's shrink rule (or why it is refused). The result is
+    kept in $HYBRIDPAR_CACHE/hf_tiny/<transformers version>/ (shrinking builds each family a few
+    times; the cache lets a CLI subprocess or a second run reuse it)."""
+    import json
+
+    import transformers
+
+    path = _cache_file(name)
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        config = transformers.CONFIG_MAPPING[name].from_dict(d["config"]) if d["config"] else None
+        return Family(name, d["model_class"], d["refused"], config, d["image_size"], d["channels"],
+                      tuple(d["shrunk"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    fam = _shrink(name)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"model_class": fam.model_class, "refused": fam.refused, "image_size": fam.image_size,
+                       "channels": fam.channels, "shrunk": list(fam.shrunk),
+                       "config": _stripped(fam.config.to_dict()) if fam.config is not None else None}, f)
+        os.replace(tmp, path)
+    except (OSError, TypeError, ValueError):
+        pass
+    return fam
+
+
+def _shrink(name: str) -> Family:
     import transformers
 
     class_name = _model_class_name(name)
@@ -224,34 +265,36 @@ def tiny_family(name: str) -> Family:
     chans = [v for k, v in _flat(config.to_dict()).items() if k[-1] == "num_channels" and isinstance(v, int)]
     channels = chans[0] if chans else 3
 
-    def ok(cfg) -> bool:
-        return cfg is not None and _runs(class_name, cfg, _size_of(cfg), channels)
+    size = _size_of(config)  # the input's side; the config's image_size when it has one
+
+    def ok(cfg, at: int | None = None) -> bool:
+        return cfg is not None and _runs(class_name, cfg, at or size, channels)
 
     steps: list[str] = []
     for i, (label, pattern, int_fn, float_fn) in enumerate(_STEPS):
-        if label == "heads" and not any(s.startswith("image_size") for s in steps):
-            # step 2, input size: the smallest that runs
+        if label == "heads":  # step 2, input size: the smallest that runs
             path = _size_path(config)
-            for size in (32, 64, 96, 128, 224):
-                if path is None or size >= _size_of(config):
+            for s in _SIZES:
+                if s >= size:
                     break
-                old = _flat(config.to_dict())[path]
-                trial = _with(config, {path: [size] * len(old) if isinstance(old, list) else size})
-                if ok(trial):
-                    config = trial
-                    steps.append(f"image_size:{size}")
+                if path is None:
+                    trial = config
+                else:
+                    old = _flat(config.to_dict())[path]
+                    trial = _with(config, {path: [s] * len(old) if isinstance(old, list) else s})
+                if ok(trial, s):
+                    config, size = trial, s
+                    steps.append(f"input:{s}")
                     break
-            steps.append("image_size")  # marks the step as done
         before = config
         config, kept, at_once = _step(config, pattern, int_fn, float_fn, ok)
         steps += [f"{label}:{k}" for k in kept]
         if i == 0 and not kept and not at_once and not ok(before):
-            why = _why(class_name, before, _size_of(before), channels)
-            return Family(name, class_name, refused=f"does not run at its defaults: {why}")
+            return Family(name, class_name,
+                          refused=f"does not run at its defaults: {_why(class_name, before, size, channels)}")
     if not ok(config):
-        return Family(name, class_name, refused=f"does not run: {_why(class_name, config, _size_of(config), channels)}")
-    return Family(name, class_name, config=config, image_size=_size_of(config), channels=channels,
-                  shrunk=tuple(s for s in steps if s != "image_size"))
+        return Family(name, class_name, refused=f"does not run: {_why(class_name, config, size, channels)}")
+    return Family(name, class_name, config=config, image_size=size, channels=channels, shrunk=tuple(steps))
 
 
 def _why(class_name: str, config, size: int, channels: int) -> str:

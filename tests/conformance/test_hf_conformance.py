@@ -1,0 +1,63 @@
+"""Conformance: every image-classification family of the installed `transformers` (tiny configs per
+hf_families.py's shrink rule, random init, offline) through the graph: `hybridpar inspect` runs and
+counts every trainable parameter, and the traced FLOPs equal FlopCounterMode's (eager attention) in
+forward and backward. Skipped when `transformers` is not installed; a family that cannot be built
+here (a missing optional library, a model that also needs text) is skipped with its reason.
+`plan`/`place` per family are in benchmarks/bench_conformance.py (a few seconds each)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import hf_families  # noqa: E402
+
+if not hf_families.available():
+    pytest.skip("transformers is not installed (pip install -e '.[test]')", allow_module_level=True)
+
+from checks import check_graph, check_inspect, setup_environment  # noqa: E402
+
+setup_environment()
+FAMILIES = hf_families.family_names()
+
+
+@pytest.fixture(scope="module")
+def families():
+    return {}
+
+
+def _family(cache: dict, name: str) -> hf_families.Family:
+    if name not in cache:
+        cache[name] = hf_families.tiny_family(name)
+    fam = cache[name]
+    if fam.refused:
+        pytest.skip(f"{name}: {fam.refused}")
+    return fam
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_graph_params_and_flops_equal_pytorch(families, name):
+    fam = _family(families, name)
+    results = check_graph(fam)
+    assert all(r.ok for r in results.values()), {k: (r.status, r.detail) for k, r in results.items()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_inspect_counts_every_parameter(families, name):
+    fam = _family(families, name)
+    result = check_inspect(fam)
+    assert result.ok, (result.status, result.detail)
+
+
+def test_the_suite_covers_the_installed_families():
+    # New families in a newer transformers are picked up by name, with no list to update.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+
+    assert set(FAMILIES) == set(MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES)
+    assert {"vit", "resnet", "convnext", "swin", "efficientnet", "levit", "dinov2"} <= set(FAMILIES)
