@@ -334,6 +334,48 @@ def test_multi_input_pt_tuple_and_dict(tmp_path):
         open_dataset(str(tmp_path / "short.pt"), (6,), vocab=50)
 
 
+class _TwoInputs(torch.nn.Module):
+    """ids [N, T] and a float mask [N, T] -> logits [N, 5]."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = torch.nn.Embedding(40, 8), torch.nn.Linear(8, 5)
+
+    def forward(self, ids, mask):
+        return self.fc((self.emb(ids) * mask.unsqueeze(-1)).mean(1))
+
+
+def test_multi_input_and_integer_models_without_a_vocabulary(tmp_path):
+    from hybridpar.graph.models import LoadedModel
+    from hybridpar.runtime.data import data_spec
+
+    net = _TwoInputs()
+    example = (torch.tensor([[3, 7, 9, 1, 0, 2]] * 2), torch.ones(2, 6))
+    spec = data_spec(LoadedModel("two.py:model", net, example, "custom", (6,)))
+    assert (spec.vocab, spec.num_classes, spec.label_shape) == (None, 5, ())
+    # synthetic: one set per input, like the example (ids in the example's range, float mask)
+    ds = open_dataset("synthetic", (6,), num_classes=5, size=32, example_inputs=example)
+    (_, x, y), = list(batches(ds, 8, stop=1))
+    assert isinstance(x, tuple) and x[0].dtype == torch.long and x[1].dtype == torch.float32
+    assert int(x[0].min()) >= 0 and int(x[0].max()) <= 9 and x[0].shape == (8, 6) and x[1].shape == (8, 6)
+    args, kwargs = model_args(x)
+    assert net(*args, **kwargs).shape == (8, 5) and y.shape == (8,)
+    # a single integer input without a known vocabulary: integer .pt and npy data are taken as ids
+    ids_only = (torch.zeros(2, 6, dtype=torch.long),)
+    torch.save({"x": torch.randint(0, 40, (10, 6)), "y": torch.arange(10) % 5}, tmp_path / "ids.pt")
+    assert open_dataset(str(tmp_path / "ids.pt"), (6,), example_inputs=ids_only)[0][0].dtype == torch.long
+    with pytest.raises(UserError, match="must be a float tensor"):
+        open_dataset(str(tmp_path / "ids.pt"), (6,))
+    with pytest.raises(UserError, match="integer tensor of token ids"):
+        torch.save({"x": torch.randn(10, 6), "y": torch.arange(10) % 5}, tmp_path / "f.pt")
+        open_dataset(str(tmp_path / "f.pt"), (6,), example_inputs=ids_only)
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).integers(0, 40, (10, 6)))
+    np.save(tmp_path / "y.npy", np.arange(10) % 5)
+    assert open_dataset(f"npy:{tmp_path}", (6,), example_inputs=ids_only)[3][0].dtype == torch.long
+    with pytest.raises(UserError, match="C = 1 or 3"):
+        open_dataset(f"imagefolder:{tmp_path}", (6,), example_inputs=ids_only)
+
+
 def test_unknown_spec_lists_the_kinds():
     with pytest.raises(UserError, match="imagefolder:DIR, npy:DIR"):
         open_dataset("parquet:foo", (3, 8, 8))

@@ -83,30 +83,36 @@ def open_dataset(spec: str, input_shape: tuple[int, ...], *, num_classes: int | 
     Cheap for every kind: files on disk are listed and checked (headers, shapes, dtypes, label
     range), not read whole. `vocab` marks a token model (x holds ids in [0, vocab)); `label_shape`
     is the per-sample label shape (() for one class per sample); `num_classes` the model's outputs;
-    `example_inputs` (the model's, batch first) checks a multi-input .pt against the model."""
+    `example_inputs` (the model's, batch first) checks a multi-input .pt against the model, makes
+    synthetic data for every input of a multi-input model, and marks a model whose first input is
+    integer (token ids) even without a known `vocab`."""
     label_shape = tuple(label_shape)
+    ids = vocab is not None or (bool(example_inputs) and isinstance(example_inputs[0], torch.Tensor)
+                                and _is_int(example_inputs[0]))
     if spec == "synthetic":
-        ds = _synthetic(input_shape, num_classes or 10, size, seed, vocab, label_shape)
+        ds = (_synthetic_like(example_inputs, input_shape, num_classes or 10, size, seed, vocab, label_shape)
+              if _needs_example(example_inputs, vocab) else
+              _synthetic(input_shape, num_classes or 10, size, seed, vocab, label_shape))
     elif spec == "digits":
-        if vocab is not None:
+        if ids:
             raise UserError("--data digits holds images; a sequence model needs synthetic or a .pt of token ids")
         ds = _digits(input_shape)
     elif spec.startswith("imagefolder:"):
         from hybridpar.runtime.data_files import ImageFolder
 
-        return ImageFolder.open(spec.removeprefix("imagefolder:"), input_shape, vocab=vocab,
+        return ImageFolder.open(spec.removeprefix("imagefolder:"), input_shape, ids=ids,
                                 label_shape=label_shape, num_classes=num_classes)
     elif spec.startswith("npy:"):
         from hybridpar.runtime.data_files import NpyArrays
 
-        return NpyArrays.open(spec.removeprefix("npy:"), input_shape, vocab=vocab, label_shape=label_shape,
-                              num_classes=num_classes)
+        return NpyArrays.open(spec.removeprefix("npy:"), input_shape, vocab=vocab, ids=ids,
+                              label_shape=label_shape, num_classes=num_classes)
     elif ".py:" in spec or spec.endswith(".py"):
         from hybridpar.runtime.data_files import from_factory
 
         return from_factory(spec, input_shape, vocab=vocab, label_shape=label_shape, num_classes=num_classes)
     elif spec.endswith(".pt") or Path(spec).is_file():
-        ds = _from_file(spec, input_shape, vocab, label_shape, example_inputs)
+        ds = _from_file(spec, input_shape, vocab, label_shape, example_inputs, ids)
     else:
         raise UserError(f"--data {spec!r}: expected synthetic, digits, a .pt file, imagefolder:DIR, npy:DIR "
                         "or path/to/file.py:factory")
@@ -143,6 +149,38 @@ def _synthetic(shape, classes: int, size: int, seed: int, vocab: int | None = No
     return Dataset(x, torch.randint(0, classes, (size, *label_shape), generator=g), "synthetic")
 
 
+def _needs_example(example: tuple | None, vocab: int | None) -> bool:
+    """Synthetic data must follow the example inputs: several batched inputs, or integer ids of a
+    model whose vocabulary is unknown."""
+    if not example or not isinstance(example[0], torch.Tensor) or example[0].dim() == 0:
+        return False
+    n = example[0].shape[0]
+    if not all(isinstance(e, torch.Tensor) and e.dim() and e.shape[0] == n for e in example):
+        return False
+    return len(example) > 1 or (vocab is None and _is_int(example[0]))
+
+
+def _synthetic_like(example: tuple, shape, classes: int, size: int, seed: int, vocab: int | None,
+                    label_shape: tuple[int, ...]) -> Dataset:
+    """One synthetic sample set per model input, each like the example input: its dtype and
+    per-sample shape (the first input's shape is `shape`), floats Gaussian, booleans True, integers
+    within [0, vocab) for the first input of a token model, else within the example's own range."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fresh(k: int, e: torch.Tensor) -> torch.Tensor:
+        dims = (size, *(shape if k == 0 else e.shape[1:]))
+        if e.dtype == torch.bool:
+            return torch.ones(dims, dtype=torch.bool)
+        if e.is_floating_point():
+            return torch.randn(dims, generator=g)
+        lo, hi = (0, vocab - 1) if (k == 0 and vocab) else ((int(e.min()), int(e.max())) if e.numel() else (0, 0))
+        return torch.randint(lo, hi + 1, dims, generator=g)
+
+    xs = tuple(fresh(k, e.cpu()) for k, e in enumerate(example))
+    y = torch.randint(0, classes, (size, *label_shape), generator=g)
+    return Dataset(xs if len(xs) > 1 else xs[0], y, "synthetic")
+
+
 def _digits(shape) -> Dataset:
     from sklearn.datasets import load_digits
 
@@ -157,7 +195,7 @@ def _digits(shape) -> Dataset:
 
 
 def _from_file(path: str, shape, vocab: int | None = None, label_shape: tuple[int, ...] = (),
-               example_inputs: tuple | None = None) -> Dataset:
+               example_inputs: tuple | None = None, ids: bool | None = None) -> Dataset:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -170,13 +208,13 @@ def _from_file(path: str, shape, vocab: int | None = None, label_shape: tuple[in
     check_labels(f"--data {path}", y, label_shape)
     n = int(y.shape[0])
     if isinstance(x, torch.Tensor):
-        x = _check_input(path, "'x'", x, n, shape, vocab)
+        x = _check_input(path, "'x'", x, n, shape, vocab, vocab is not None if ids is None else ids)
     elif isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
-        x = tuple(_check_input(path, f"x[{i}]", t, n, None, None) for i, t in enumerate(x))
+        x = tuple(_check_input(path, f"x[{i}]", t, n, None, None, False) for i, t in enumerate(x))
         if example_inputs is not None:
             _check_against_example(path, x, example_inputs)
     elif isinstance(x, dict) and x and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in x.items()):
-        x = {k: _check_input(path, f"x[{k!r}]", t, n, None, None) for k, t in x.items()}
+        x = {k: _check_input(path, f"x[{k!r}]", t, n, None, None, False) for k, t in x.items()}
     else:
         raise UserError(f"--data {path}: 'x' must be a tensor, a tuple of tensors or a dict of str -> tensor")
     return Dataset(x, y.contiguous(), Path(path).name)
@@ -198,15 +236,16 @@ def _is_int(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
-def _check_input(path: str, what: str, x: torch.Tensor, n: int, shape, vocab: int | None) -> torch.Tensor:
+def _check_input(path: str, what: str, x: torch.Tensor, n: int, shape, vocab: int | None,
+                 ids: bool) -> torch.Tensor:
     """One input tensor of a .pt: N rows; with `shape` (the single-input case) its per-sample shape
-    and kind (float images, or token ids < vocab) are the model's."""
+    and kind (float images, or integer token ids, < vocab when the vocabulary is known) are the model's."""
     if x.dim() == 0 or x.shape[0] != n:
         raise UserError(f"--data {path}: {what} has {x.shape[0] if x.dim() else 0} samples but y has {n}")
     if shape is not None:
-        if vocab is None and not x.is_floating_point():
+        if not ids and not x.is_floating_point():
             raise UserError(f"--data {path}: {what} must be a float tensor")
-        if vocab is not None and not _is_int(x):
+        if ids and not _is_int(x):
             raise UserError(f"--data {path}: {what} must be an integer tensor of token ids for a sequence model")
         if tuple(x.shape[1:]) != tuple(shape):
             raise UserError(f"--data {path}: samples have shape {tuple(x.shape[1:])}, the model expects "

@@ -54,10 +54,10 @@ class ImageFolder(tud.Dataset):
         self._std = torch.tensor(IMAGENET_STD if c == 3 else (sum(IMAGENET_STD) / 3,)).view(c, 1, 1)
 
     @classmethod
-    def open(cls, directory: str, input_shape: tuple[int, ...], *, vocab: int | None = None,
+    def open(cls, directory: str, input_shape: tuple[int, ...], *, ids: bool = False,
              label_shape: tuple[int, ...] = (), num_classes: int | None = None) -> ImageFolder:
         where = f"--data imagefolder:{directory}"
-        if vocab is not None or len(input_shape) != 3 or input_shape[0] not in (1, 3):
+        if ids or len(input_shape) != 3 or input_shape[0] not in (1, 3):
             raise UserError(f"{where}: images need a model whose input is C,H,W with C = 1 or 3, "
                             f"got input shape {tuple(input_shape)}")
         if tuple(label_shape):
@@ -127,13 +127,13 @@ def _check_image(where: str, path: str) -> None:
 class NpyArrays(tud.Dataset):
     """x.npy / y.npy memory-mapped; item i reads row i."""
 
-    def __init__(self, directory: Path, x: np.ndarray, y: np.ndarray, vocab: int | None):
-        self.directory, self.x, self.y, self.vocab = directory, x, y, vocab
+    def __init__(self, directory: Path, x: np.ndarray, y: np.ndarray, vocab: int | None, ids: bool = False):
+        self.directory, self.x, self.y, self.vocab, self.ids = directory, x, y, vocab, ids or vocab is not None
         self.name = f"npy:{directory}"
         self._num_classes = int(y.max()) + 1 if len(y) else 0
 
     @classmethod
-    def open(cls, directory: str, input_shape: tuple[int, ...], *, vocab: int | None = None,
+    def open(cls, directory: str, input_shape: tuple[int, ...], *, vocab: int | None = None, ids: bool = False,
              label_shape: tuple[int, ...] = (), num_classes: int | None = None) -> NpyArrays:
         where = f"--data npy:{directory}"
         root = Path(directory)
@@ -146,16 +146,17 @@ class NpyArrays(tud.Dataset):
         if tuple(x.shape[1:]) != tuple(input_shape):
             raise UserError(f"{where}: samples in x.npy have shape {tuple(x.shape[1:])}, the model expects "
                             f"{tuple(input_shape)}")
-        if vocab is None and x.dtype.kind != "f":
+        ids = ids or vocab is not None
+        if not ids and x.dtype.kind != "f":
             raise UserError(f"{where}: x.npy must hold floating point samples, got {x.dtype}")
-        if vocab is not None and x.dtype.kind not in "iu":
+        if ids and x.dtype.kind not in "iu":
             raise UserError(f"{where}: x.npy must hold integer token ids for a sequence model, got {x.dtype}")
         if y.dtype.kind not in "iu" or tuple(y.shape[1:]) != tuple(label_shape):
             want = ", ".join(["N", *map(str, label_shape)])
             raise UserError(f"{where}: y.npy must hold integer labels of shape [{want}], got {y.dtype} {list(y.shape)}")
         if y.size and int(y.min()) < 0:
             raise UserError(f"{where}: labels must be >= 0")
-        ds = cls(root, x, y, vocab)
+        ds = cls(root, x, y, vocab, ids)
         _check_classes(where, ds._num_classes, num_classes)
         return ds
 
@@ -168,9 +169,9 @@ class NpyArrays(tud.Dataset):
 
     def __getitem__(self, i: int):
         x = torch.from_numpy(np.array(self.x[i]))
-        if self.vocab is not None:
+        if self.ids:
             x = x.long()
-            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.vocab):
+            if self.vocab is not None and x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.vocab):
                 raise UserError(f"--data {self.name}: sample {i} has token ids outside [0, {self.vocab})")
         else:
             x = x.float()
