@@ -106,8 +106,12 @@ def spawn(fn, nproc: int, *args, poll=None):
     """Run fn(*args) on nproc local gloo ranks; return rank 0's result (must be torch.save-able).
     fn must be importable (a module-level function). `poll()` is called every 0.1 s while the ranks
     run (e.g. to drain a progress queue). A rank's exception is re-raised here."""
+    import logging
+
     import torch.multiprocessing as mp
 
+    # torch logs a warning for every rank it stops after another failed; the failure itself is reported
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="hybridpar-") as tmp:
         out = str(Path(tmp) / "rank0.pt")
         previous = _on_sigterm_interrupt()
