@@ -276,3 +276,24 @@ def test_input_shape_override_keeps_the_dtype():
     loaded = load_model(f"{USER}:tokens", batch=2, input_shape=(20,))
     (ids,) = loaded.example_inputs
     assert ids.dtype == torch.int64 and ids.shape == (2, 20) and int(ids.max()) < 100
+
+
+@pytest.mark.parametrize("conv,shape", [
+    (nn.Conv1d(4, 6, 3, padding=1), (2, 4, 10)),
+    (nn.Conv3d(4, 6, 3, stride=2), (2, 4, 7, 7, 7)),
+    (nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1), (2, 4, 5, 5)),
+    (nn.Conv2d(8, 8, 3, groups=4, padding=1), (2, 8, 6, 6)),
+])
+def test_other_convolutions_equal_flop_counter(conv, shape):
+    class C(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.Linear(shape[-1], shape[-1])  # so the convolution's input needs a gradient
+            self.conv = conv
+
+        def forward(self, x):
+            return self.conv(self.pre(x))
+
+    g = _same_flops(C(), (torch.randn(*shape),))
+    node = next(n for n in g.nodes if n.module == "conv")
+    assert node.op == ("conv2d" if isinstance(conv, nn.Conv2d) else "conv") and node.bwd_data_flops > 0
