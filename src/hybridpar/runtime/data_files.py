@@ -9,7 +9,8 @@ imagefolder:DIR
     RGB (C = 3) or grey (C = 1), scaled (bilinear) so it covers H x W with its aspect ratio kept, cut
     to H x W at the centre, divided by 255 and normalised per channel with the ImageNet statistics
     torchvision's pretrained models use (mean 0.485, 0.456, 0.406; std 0.229, 0.224, 0.225; a grey
-    image uses their averages, 0.449 and 0.226).
+    image uses their averages, 0.449 and 0.226). A large JPEG is decoded at the smallest DCT scale
+    (1/2, 1/4, 1/8) that still covers H x W.
 npy:DIR
     DIR/x.npy [N, *input_shape] (floating point for image models, integers for token models) and
     DIR/y.npy [N, *label_shape] (integers >= 0), opened with numpy's mmap_mode="r": only the rows of
@@ -24,6 +25,7 @@ path.py:factory
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -100,6 +102,9 @@ class ImageFolder(tud.Dataset):
         c, h, w = self.shape
         try:
             with Image.open(path) as img:
+                if img.format == "JPEG":  # decode big photos at a reduced DCT scale, still covering H x W
+                    s0 = max(h / img.height, w / img.width)
+                    img.draft("RGB" if c == 3 else "L", (math.ceil(img.width * s0), math.ceil(img.height * s0)))
                 img = img.convert("RGB" if c == 3 else "L")
                 scale = max(h / img.height, w / img.width)
                 size = (max(w, round(img.width * scale)), max(h, round(img.height * scale)))
