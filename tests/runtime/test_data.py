@@ -165,6 +165,21 @@ def test_image_folder_classes_shapes_and_normalisation(tmp_path):
     assert grey.shape == (1, 10, 10)
 
 
+def test_large_jpeg_decoded_at_a_reduced_scale_matches_a_full_decode(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "c").mkdir()
+    yy, xx = np.mgrid[0:600, 0:800]
+    arr = np.stack([xx * 255 // 800, yy * 255 // 600, (xx + yy) * 255 // 1400], -1).astype(np.uint8)
+    Image.fromarray(arr).save(tmp_path / "c" / "big.jpg", quality=95)
+    ds = open_dataset(f"imagefolder:{tmp_path}", (3, 48, 64))
+    drafted = ds[0][0]
+    with Image.open(tmp_path / "c" / "big.jpg") as img:  # full decode, the same scaling rule
+        full = np.asarray(img.convert("RGB").resize((64, 48), Image.Resampling.BILINEAR), dtype=np.float32)
+    ref = (torch.from_numpy(full).permute(2, 0, 1) / 255 - ds._mean) / ds._std
+    assert drafted.shape == (3, 48, 64) and float((drafted - ref).abs().mean()) < 0.05
+
+
 def test_image_folder_batches_with_workers_equal_one_process_and_parts(tmp_path):
     root = write_image_folder(tmp_path / "imgs")
     ds = open_dataset(f"imagefolder:{root}", (3, 12, 12), num_classes=3)
