@@ -81,3 +81,13 @@ def test_plan_units_in_headers_and_the_dp_note_once(capsys):
 def test_other_tables_are_whole_when_captured(argv, capsys):
     assert main(argv) == 0
     assert "…" not in capsys.readouterr().out
+
+
+def test_place_gives_every_step_duration_in_one_unit(capsys):
+    assert main(["place", "--model", "small_cnn", "--solver", "greedy", "--cluster", "dgx1-v100"]) == 0
+    text = capsys.readouterr().out
+    units = set(re.findall(r"\((d|h|s|ms|us)\)", text))
+    assert len(units) == 1, units  # the step rows and the baselines' column share it
+    rows = [ln for ln in text.splitlines() if ln.startswith("│") and "solver" not in ln]
+    assert rows and not any(re.search(r"\d (ms|us|s|h)\b", ln) for ln in rows)
+    assert "baselines" in text and re.search(r"step \((ms|us|s)\)", text)

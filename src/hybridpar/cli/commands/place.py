@@ -7,7 +7,7 @@ import contextlib
 import click
 
 from hybridpar.cli.options import batch_option, cluster_option, gpus_option
-from hybridpar.cli.output import console, err_console, human_bytes, human_time, print_json, table
+from hybridpar.cli.output import console, err_console, human_bytes, print_json, table, time_columns
 
 SOLVER_CHOICES = ("ilp", "dp", "etf", "greedy", "single")
 
@@ -77,20 +77,25 @@ def register(app: click.Group) -> None:
 def _print(s: dict) -> None:
     gap = "-" if s["gap"] is None else f"{s['gap']:.2%}"
     fits = "" if s["single_device_fits"] else " (does not fit in one device's memory)"
-    rows = [["solver", f"{s['solver']} ({s['status']})"], ["graph nodes", f"{s['nodes']} (from {s['fine_nodes']})"],
-            ["step time", human_time(s["step_time_s"])],
-            ["one-device step", human_time(s["single_device_step_s"]) + fits],
-            ["speedup over one device", f"{s['speedup']:.3f}x"], ["optimality gap", gap],
-            ["solve time", human_time(s["solve_time_s"])],
-            ["compute on critical path", human_time(s["compute_s"])],
-            ["exposed transfers", human_time(s["exposed_comm_s"])],
-            ["all transfers", human_time(s["comm_s"])], ["mean device idle", human_time(s["idle_s"])]]
+    # Every duration of a step in one unit (the solver's wall time is another quantity, in seconds).
+    times = [("step", s["step_time_s"]), ("one-device step", s["single_device_step_s"]),
+             ("compute on critical path", s["compute_s"]), ("exposed transfers", s["exposed_comm_s"]),
+             ("all transfers", s["comm_s"]), ("mean device idle", s["idle_s"]),
+             *((f"baseline {k}", v) for k, v in s["baselines"].items())]
+    (head, cells), = time_columns(["per step"], [[v for _, v in times]])
+    unit = head.removeprefix("per step ")
+    rows = [["solver", f"{s['solver']} ({s['status']}), solved in {s['solve_time_s']:.3g} s"],
+            ["graph nodes", f"{s['nodes']} (from {s['fine_nodes']})"],
+            ["speedup over one device", f"{s['speedup']:.3f}x"], ["optimality gap", gap]]
+    rows += [[f"{name} {unit}", cell + (fits if name == "one-device step" else "")]
+             for (name, _), cell in zip(times[:6], cells[:6])]
     rows += [[f"memory device {d} (gpu {g})", f"{human_bytes(m)} of {human_bytes(c)}"]
              for d, (g, m, c) in enumerate(zip(s["device_ids"], s["memory_bytes"], s["memory_capacity_bytes"]))]
     console.print(table(f"{s['model']} on {s['devices']} x {s['cluster']} (batch {s['batch']})",
                         ["name", "value"], rows, justify_right=lambda c: c == "value"))
-    base = [[k, human_time(v), f"{s['single_device_step_s'] / v:.3f}x"] for k, v in s["baselines"].items()]
-    console.print(table("baselines (same cost model)", ["name", "step", "speedup"], base))
+    base = [[k, cell, f"{s['single_device_step_s'] / v:.3f}x"]
+            for (k, v), cell in zip(s["baselines"].items(), cells[6:])]
+    console.print(table("baselines (same cost model)", ["name", f"step {unit}", "speedup"], base))
     for note in s["notes"]:
         console.print(f"note: {note}")
     for what in ("plan", "gantt"):
