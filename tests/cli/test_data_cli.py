@@ -30,6 +30,7 @@ def test_image_folder_is_opened_and_batched(tmp_path, capsys):
     assert main(["data", "--data", f"imagefolder:{root}", "--model", "small_cnn", "--batch", "6", "--steps", "4",
                  "--workers", "1", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "image files, decoded per item"
     assert info["samples"] == 24 and info["classes"] == 3 and info["class_names"] == ["ant", "bee", "cow"]
     assert info["per_sample_input"] == [[3, 32, 32]] and info["workers"] == 1
     assert [b["step"] for b in info["batches"]] == [0, 1, 2, 3]
@@ -67,14 +68,14 @@ def test_npy_and_factory_data_through_the_cli(tmp_path, capsys):
     np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(12, 3, 32, 32)).astype(np.float32))
     np.save(tmp_path / "y.npy", np.arange(12) % 10)
     assert main(["data", "--data", f"npy:{tmp_path}", "--model", "small_cnn", "--batch", "4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["kind"] == "NpyArrays"
+    assert json.loads(capsys.readouterr().out)["kind"] == "memory-mapped arrays, read per item"
     f = tmp_path / "d.py"
     f.write_text("import torch\n"
                  "def make():\n"
                  "    return torch.utils.data.TensorDataset(torch.randn(9, 3, 32, 32), torch.arange(9) % 10)\n")
     assert main(["data", "--data", f"{f}:make", "--model", "small_cnn", "--batch", "3", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["kind"] == "Checked" and info["samples"] == 9
+    assert info["kind"] == "TensorDataset from a factory, read per item" and info["samples"] == 9
 
 
 @pytest.mark.slow

@@ -47,6 +47,17 @@ def _show(v) -> str:
     return "-" if v is None else fmt(v)
 
 
+def _kind(ds) -> str:
+    """What holds the samples, in words."""
+    from hybridpar.runtime.data import Dataset
+    from hybridpar.runtime.data_files import Checked, ImageFolder, NpyArrays
+
+    if isinstance(ds, Checked):
+        return f"{type(ds.inner).__name__} from a factory, read per item"
+    return {Dataset: "tensors in memory", ImageFolder: "image files, decoded per item",
+            NpyArrays: "memory-mapped arrays, read per item"}.get(type(ds), type(ds).__name__)
+
+
 def _parse_part(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
@@ -101,7 +112,7 @@ def describe(spec: str, *, model: str | None, input_shape: str | None, batch: in
     per_sample = ({k: list(v.shape) for k, v in inputs.items()} if isinstance(inputs, dict)
                   else [list(t.shape) for t in inputs])
     classes = getattr(ds, "classes", None)
-    return {"data": spec, "kind": type(ds).__name__, "samples": len(ds),
+    return {"data": spec, "kind": _kind(ds), "samples": len(ds),
             "classes": (len(classes) if classes is not None else getattr(ds, "num_classes", None)),
             "class_names": list(classes)[:20] if classes is not None else None,
             "per_sample_input": per_sample, "model_input": list(shape), "batch": batch,
