@@ -28,8 +28,10 @@ __all__ = [
 
 
 def solve(problem: PlacementProblem, solver: str = "ilp", *, time_limit_s: float = 30.0,
-          workers: int = 2, time_unit_s: float | None = None) -> PlacementResult:
-    """Place `problem` with one solver; the ILP is warm-started from the best baseline."""
+          workers: int = 2, time_unit_s: float | None = None, seed: int = 0) -> PlacementResult:
+    """Place `problem` with one solver; the ILP is warm-started from the best of every baseline.
+    The ILP's answer depends only on the problem, `time_limit_s`, `workers` and `seed` (its time
+    limit is deterministic time, not wall time)."""
     from hybridpar.errors import UserError
 
     if solver not in SOLVERS:
@@ -40,7 +42,8 @@ def solve(problem: PlacementProblem, solver: str = "ilp", *, time_limit_s: float
     from hybridpar.search.placer.ilp import solve_ilp
 
     hint, _ = best_baseline(problem)
-    return solve_ilp(problem, time_limit_s=time_limit_s, hint=hint, workers=workers, time_unit_s=time_unit_s)
+    return solve_ilp(problem, time_limit_s=time_limit_s, hint=hint, workers=workers, time_unit_s=time_unit_s,
+                     seed=seed)
 
 
 def place_model(*args, **kwargs):
