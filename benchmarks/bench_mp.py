@@ -31,7 +31,7 @@ from hybridpar.graph.models import load_model
 from hybridpar.plans import Plan
 from hybridpar.runtime.launch import spawn
 from hybridpar.runtime.mp import MPEngine, loss_sum
-from hybridpar.runtime.mp.placement import placement_from_outcome, predicted_p2p_bytes
+from hybridpar.search.placer.module_placement import placement_from_outcome, predicted_p2p_bytes
 
 MODEL, BATCH, WARMUP, STEPS = "inception_mini", 32, 2, 6
 

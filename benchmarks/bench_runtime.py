@@ -1,14 +1,14 @@
-"""Runtime benchmark: ratios measured side by side in one run on this machine.
+"""Runtime benchmark: step-time ratios measured side by side in one run on this machine.
 
-1. step time of our sample=4 engine vs PyTorch DistributedDataParallel on the same model and data
-   (both with per-rank batch-norm statistics, as DDP has; ours with global statistics too);
-2. step time of each channel/filter strategy relative to our sample=4;
-3. framework overhead: our logged collectives vs raw torch.distributed calls of the same sizes.
+Per strategy (sample=P, sample=2,channel=2, sample=2,filter=2, channel=2,filter=2, channel=4) on
+small_resnet: our step against PyTorch DistributedDataParallel on the same model and data, and
+against the runtime of an earlier commit (`--baseline REV`, default the last commit before the
+global-semantics runtime), built in a git worktree and imported from there. Trials alternate
+between the two runtimes (each trial is one gloo world measuring DDP and every strategy in turn),
+so drifting load on a shared machine hits both alike; medians are reported. Only ratios mean
+anything here, not absolute times.
 
-Trials alternate between the contenders, and the median is reported, so drifting load on a shared
-machine hits both alike. Only ratios are meaningful here, not absolute times.
-
-    .venv/bin/python benchmarks/bench_runtime.py [--nproc 4] [--steps 3] [--width 16] [--hw 32] [--batch 32]
+    .venv/bin/python benchmarks/bench_runtime.py [--nproc 4] [--trials 3] [--steps 4] [--baseline 767c6c5]
 """
 
 from __future__ import annotations
@@ -18,30 +18,39 @@ import copy
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
-STRATEGIES = ["sample=2,channel=2", "sample=2,filter=2", "channel=2,filter=2", "channel=4"]
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "767c6c5"  # main before the DTensor global-semantics runtime
+CF_STRATEGIES = ["sample=2,channel=2", "sample=2,filter=2", "channel=2,filter=2", "channel=4"]
 
 
+# --- inside a gloo world (works with the current runtime and the baseline's: same engine API) ---
 def _time_steps(step, steps: int) -> float:
-    step()  # warm-up (shape handshakes, allocator)
+    import torch.distributed as dist
+
+    step()  # warm-up (allocator, one-time exchanges)
     dist.barrier()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         step()
-    dist.barrier()
-    return (time.perf_counter() - t0) / steps
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
-def _ours(model, strategy, x, y, bn_stats, grid):
+def _ours(model, strategy, x, y, bn_stats):
+    import torch
+
     from hybridpar.runtime.engine import ChannelFilterEngine
 
-    eng = ChannelFilterEngine(copy.deepcopy(model), strategy, bn_stats=bn_stats, grid=grid)
+    eng = ChannelFilterEngine(copy.deepcopy(model), strategy, bn_stats=bn_stats)
+    if hasattr(eng, "warm_up"):
+        eng.warm_up(tuple(x.shape[1:]))
     opt = torch.optim.SGD(eng.parameters(), lr=0.01)
     xl, yl = eng.local_batch(x, y)
 
@@ -53,6 +62,9 @@ def _ours(model, strategy, x, y, bn_stats, grid):
 
 
 def _ddp(model, x, y):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     net = DDP(copy.deepcopy(model))
@@ -67,97 +79,88 @@ def _ddp(model, x, y):
     return step
 
 
-def _collectives(trials: int, numel: int) -> dict[str, float]:
-    """Median time ratio ours/raw for allreduce, allgather and reduce-scatter of `numel` floats."""
-    from hybridpar.runtime.collectives import all_gather_dim, all_reduce_, reduce_scatter_dim
-    from hybridpar.runtime.comm_log import CommLog
-    from hybridpar.runtime.grid import Group
+def world_trial(args) -> dict:
+    import torch
+    import torch.distributed as dist
 
-    world = dist.get_world_size()
-    grp = Group(tuple(range(world)), dist.group.WORLD, dist.get_rank())
-    log = CommLog()
-    per = numel // world
-    x = torch.randn(world * per)
-    piece = torch.randn(per)
-    outs = [torch.empty(per) for _ in range(world)]
-    cases = {
-        "allreduce": (lambda: all_reduce_(x.clone(), grp, log), lambda: dist.all_reduce(x.clone())),
-        "allgather": (lambda: all_gather_dim(piece, 0, grp, [per] * world, log),
-                      lambda: torch.cat((dist.all_gather(outs, piece), outs)[1])),
-        "reduce_scatter": (lambda: reduce_scatter_dim(x, 0, grp, [per] * world, log),
-                           lambda: dist.reduce_scatter(torch.empty(per), list(x.split(per)))),
-    }
-    ratios = {}
-    for name, (ours, raw) in cases.items():
-        r = []
-        for _ in range(trials):
-            r.append(_time_steps(ours, 5) / _time_steps(raw, 5))
-        ratios[name] = statistics.median(r)
-    return ratios
-
-
-def run(args) -> dict:
     from hybridpar.graph.zoo.small import small_resnet
-    from hybridpar.runtime.grid import build_grid
 
     torch.manual_seed(0)
     model = small_resnet(width=args.width)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(args.batch, 3, args.hw, args.hw, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    x = torch.randn(args.batch, 3, args.hw, args.hw, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
     world = dist.get_world_size()
-    grids = {1: build_grid(world, 1)}
-    for gs in (2, 4):
-        if world % gs == 0:
-            grids[gs] = build_grid(world // gs, gs, [(c, gs // c) for c in range(1, gs + 1) if gs % c == 0])
-    from hybridpar.runtime.parallelize import as_layouts, grid_shape
-
-    def grid_of(s):
-        return grids[grid_shape(as_layouts(s, world))[1]]
-
     contenders = {"ddp": _ddp(model, x, y),
-                  "ours sample (local BN)": _ours(model, f"sample={world}", x, y, "local", grids[1]),
-                  "ours sample (global BN)": _ours(model, f"sample={world}", x, y, "global", grids[1])}
-    for s in STRATEGIES:
-        contenders[f"ours {s}"] = _ours(model, s, x, y, "global", grid_of(s))
-    times = {k: [] for k in contenders}
-    for _ in range(args.trials):
-        for k, step in contenders.items():
-            times[k].append(_time_steps(step, args.steps))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"step_s": med, "collective_ratio": _collectives(args.trials, args.numel)}
+                  f"sample={world} (local BN)": _ours(model, f"sample={world}", x, y, "local"),
+                  f"sample={world}": _ours(model, f"sample={world}", x, y, "global")}
+    for s in CF_STRATEGIES:
+        contenders[s] = _ours(model, s, x, y, "global")
+    return {k: _time_steps(step, args.steps) for k, step in contenders.items()}
+
+
+def worker_main(args) -> None:
+    from hybridpar.runtime.launch import spawn
+
+    print("RESULT " + json.dumps(spawn(world_trial, args.nproc, args)), flush=True)
+
+
+# --- the parent: alternate the two runtimes, report medians of ratios --------------------------
+def _worktree(rev: str) -> Path:
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"hybridpar-bench-{rev}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(path), rev],
+                       check=True, capture_output=True)
+    return path / "src"
+
+
+def _trial(src: Path, args) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--worker", "--nproc", str(args.nproc), "--steps", str(args.steps),
+           "--width", str(args.width), "--hw", str(args.hw), "--batch", str(args.batch)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", timeout=1800)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"trial with {src} failed:\n{out.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--hw", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--numel", type=int, default=1 << 18, help="floats per collective (1 MiB)")
+    ap.add_argument("--baseline", default=BASELINE, help="git revision of the runtime to compare with")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from hybridpar.runtime.launch import spawn
+    if args.worker:
+        return worker_main(args)
 
-    res = spawn(run, args.nproc, args)
-    st = res["step_s"]
-    base = st["ours sample (local BN)"]
-    print(f"small_resnet(width={args.width}) {args.hw}x{args.hw}, global batch {args.batch}, "
-          f"{args.nproc} gloo ranks; median of {args.trials} interleaved trials x {args.steps} steps")
-    print(f"{'contender':32s} {'step ms':>9s} {'vs DDP':>8s} {'vs ours sample':>15s}")
-    for k, v in st.items():
-        print(f"{k:32s} {v * 1e3:9.1f} {v / st['ddp']:8.2f} {v / base:15.2f}")
-    print(f"framework overhead, ours / raw torch.distributed ({args.numel * 4 / 2**20:.1f} MiB):")
-    for k, v in res["collective_ratio"].items():
-        print(f"  {k:16s} {v:6.2f}")
+    base_src = _worktree(args.baseline)
+    new, old = [], []
+    for t in range(args.trials):
+        print(f"trial {t + 1}/{args.trials} ...", file=sys.stderr, flush=True)
+        new.append(_trial(ROOT / "src", args))
+        old.append(_trial(base_src, args))
+    names = list(new[0])
+    med = {k: statistics.median(r[k] for r in new) for k in names}
+    med_old = {k: statistics.median(r[k] for r in old) for k in names if k in old[0]}
+    vs_ddp = {k: statistics.median(r[k] / r["ddp"] for r in new) for k in names}
+    vs_old = {k: statistics.median(n[k] / o[k] for n, o in zip(new, old)) for k in names if k != "ddp"}
+    print(f"small_resnet(width={args.width}) {args.hw}x{args.hw}, global batch {args.batch}, {args.nproc} gloo "
+          f"ranks; median of {args.trials} alternating trials x {args.steps} steps; baseline {args.baseline}")
+    print(f"{'layout':28s} {'step ms':>8s} {'baseline ms':>12s} {'vs DDP':>7s} {'vs baseline':>12s}")
+    for k in names:
+        print(f"{k:28s} {med[k] * 1e3:8.1f} {med_old.get(k, float('nan')) * 1e3:12.1f} {vs_ddp[k]:7.2f} "
+              f"{vs_old.get(k, 1.0):12.2f}")
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:  # benchmarks/run_all.py collects this summary
-        summary = {"sample_vs_ddp_step_ratio": st["ours sample (local BN)"] / st["ddp"],
-                   "sample_global_bn_vs_ddp_step_ratio": st["ours sample (global BN)"] / st["ddp"],
-                   **{f"{s}_vs_sample_step_ratio": st[f"ours {s}"] / base for s in STRATEGIES},
-                   **{f"{k}_overhead_ratio": v for k, v in res["collective_ratio"].items()},
-                   "step_s": st, "nproc": args.nproc}
-        Path(out).write_text(json.dumps(summary, indent=2))
+        Path(out).write_text(json.dumps({"step_s": med, "baseline_step_s": med_old, "vs_ddp": vs_ddp,
+                                         "vs_baseline": vs_old, "baseline": args.baseline,
+                                         "nproc": args.nproc}, indent=2))
 
 
 if __name__ == "__main__":

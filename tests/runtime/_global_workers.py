@@ -79,7 +79,7 @@ def hf_model(kind: str):
             cfg = tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10)
             net = tf.ResNetForImageClassification(cfg)
         else:
-            cfg = tf.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_labels=10)
+            cfg = tf.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10)
             net = tf.ConvNextForImageClassification(cfg)
 
         class Logits(torch.nn.Module):

@@ -15,8 +15,8 @@ from hybridpar.graph.models import load_model
 from hybridpar.plans import Plan
 from hybridpar.runtime.launch import spawn
 from hybridpar.runtime.mp import MPEngine, loss_sum
-from hybridpar.runtime.mp.placement import placement_from_outcome, predicted_p2p_bytes
 from hybridpar.search.placer import place_model
+from hybridpar.search.placer.module_placement import placement_from_outcome, predicted_p2p_bytes
 
 STEPS, BATCH, LR, MOMENTUM = 5, 8, 0.05, 0.9
 

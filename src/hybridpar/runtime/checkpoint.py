@@ -471,9 +471,12 @@ def restore_training_state(loaded: dict, engine, optimizer: torch.optim.Optimize
     continue from. The optimizer state is cut for this engine at its first step (a pre-step hook):
     engines may settle a layer's shard shape only at the first forward."""
     info, parts = loaded["info"], loaded["parts"]
-    slots = {s for p in parts for st in p["optimizer"].values() for s, v in st.items() if torch.is_tensor(v)}
+    def sliced(v) -> bool:  # a per-element slot (momentum, Adam moments), cut like its parameter
+        return torch.is_tensor(v) and v.dim() > 0
+
+    slots = {s for p in parts for st in p["optimizer"].values() for s, v in st.items() if sliced(v)}
     opt_full = {s: full_state(parts, s) for s in slots}
-    scalars = {k: {s: v for s, v in st.items() if not torch.is_tensor(v)}
+    scalars = {k: {s: v for s, v in st.items() if not sliced(v)}  # counts such as AdamW's step
                for p in parts for k, st in p["optimizer"].items()}
 
     def apply(opt, _args, _kwargs) -> None:

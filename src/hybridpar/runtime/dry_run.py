@@ -61,7 +61,15 @@ def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size
             loss_fn=default_loss, train: bool = True) -> DryRun:
     """Run `module` (not modified: a meta copy is used) under `spec` (strategy string, LayerLayout or
     Plan) on `world_size` fake ranks. `example_inputs`: a tensor or tuple, the global batch.
-    `targets`: labels for `loss_fn`; without them the backward starts from the sum of the outputs."""
+    `targets`: labels for `loss_fn`; without them the backward starts from the sum of the outputs.
+    It runs as the last rank first (the one holding torch.chunk's short or empty pieces, where an op
+    that cannot take an empty input fails on that rank alone), then as rank 0, whose record it returns."""
+    if world_size > 1:
+        _one_rank(module, spec, example_inputs, targets, world_size, world_size - 1, loss_fn, train)
+    return _one_rank(module, spec, example_inputs, targets, world_size, 0, loss_fn, train)
+
+
+def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int, loss_fn, train: bool) -> DryRun:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -74,7 +82,8 @@ def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     model = copy.deepcopy(module).to("meta")
     model.train(train)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    _clear_dtensor_caches()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         parallelize(model, spec)
         log = model.hybridpar.grid.comm_log
@@ -102,6 +111,24 @@ def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size
     finally:
         dtensors._MESHES.clear()
         dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor memoises redistribution plans and sharding decisions keyed by specs whose mesh hashes
+    equal across our simulated worlds, but some hold one rank's coordinates: start each rank fresh."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    for fn in (getattr(_redistribute, "_gen_transform_infos", None),
+               getattr(DTensor._op_dispatcher.sharding_propagator, "_propagate_tensor_meta_cached", None)):
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding", None)
+    if hasattr(getattr(cached, "cache", None), "cache_clear"):
+        cached.cache.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear_native is not None:
+        clear_native()
 
 
 def _strategy_text(spec) -> str:

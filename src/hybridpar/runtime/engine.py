@@ -76,7 +76,12 @@ class ChannelFilterEngine:
     def warm_up(self, sample_shape: tuple[int, ...]) -> None:
         """Nothing to exchange any more: global shapes are known to every rank."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
+        """x: a tensor, a tuple of inputs, or a dict of keyword inputs (multi-input models)."""
+        if isinstance(x, dict):
+            return self.module(**x)
+        if isinstance(x, (tuple, list)):
+            return self.module(*x)
         return self.module(x)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -85,13 +90,13 @@ class ChannelFilterEngine:
         self.comm_log.mark_step()
         self.module.train()
         if self.state.meshes is None:
-            loss = task_loss(self.module(x), y)
+            loss = task_loss(self.forward(x), y)
             loss.backward()
             return float(loss.detach())
         from hybridpar.runtime.dtensor_log import recording
 
         with recording(self.comm_log):  # DTensor's own redistributions, logged beside ours
-            loss = task_loss(self.module(x), y)
+            loss = task_loss(self.forward(x), y)
             loss.backward()
         return float(loss.detach())
 

@@ -103,6 +103,8 @@ class DistBatchNorm(nn.Module):
     def _local_forward(self, x: torch.Tensor, global_n: int) -> torch.Tensor:
         if x.dim() < 2:
             raise ValueError(f"{self.comm.name}: batch norm needs [N, C, ...] input, got {x.dim()}-D")
+        if x.shape[1] == 0:  # an empty channel piece: so are its replicas' (same position), no statistics
+            return x * 1.0
         use_batch = self.training or not self.track_running_stats
         if not use_batch:
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False,

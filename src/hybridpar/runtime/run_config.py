@@ -53,7 +53,9 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
                save: str | None = None, bn_stats: str = "global", synthetic_size: int = 1024,
                micro_batches: int = 1, gns: bool = False, checkpoint_dir: str | None = None,
                checkpoint_every: int = 0, resume: str | bool = "no", overwrite: bool = False,
-               deterministic: bool = False, launcher_world: int | None = None,
+               deterministic: bool = False, optimizer: str = "sgd", lr_schedule: str = "constant",
+               warmup_steps: int = 0, grad_clip: float | None = None, precision: str = "fp32",
+               metrics: str | None = None, launcher_world: int | None = None,
                local_ranks: int | None = None) -> RunSetup:
     """Validate a training run and return its RunSetup (UserError, with `param` set, on bad input).
 
@@ -75,7 +77,12 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
         raise UserError("checkpoint_every, resume and overwrite need checkpoint_dir", param="checkpoint_dir")
     if bn_stats not in ("global", "local"):
         raise UserError(f"bn_stats must be global or local, got {bn_stats!r}", param="bn_stats")
+    from hybridpar.runtime.optim import check_options
+
+    check_options(optimizer=optimizer, lr_schedule=lr_schedule, warmup_steps=warmup_steps, grad_clip=grad_clip,
+                  precision=precision)
     _check_output_path(save, "save")
+    _check_output_path(metrics, "metrics")
 
     the_plan, world, batch, model, input_shape = _plan_and_world(
         model=model, input_shape=input_shape, strategy=strategy, plan=plan, nproc=nproc, batch=batch,
@@ -87,7 +94,7 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
     shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
     _check_sample_size(shape, batch)
     spec, act_bytes = _dry_run(loaded)
-    _check_layout(loaded.module, the_plan, batch, micro_batches)
+    _check_layout(loaded.module, the_plan, batch, micro_batches, precision)
     n, sample_bytes = _data_size(data, shape, spec, synthetic_size, seed, loaded)
     if n < batch:
         raise UserError(f"data {data} has {n} samples, fewer than batch {batch}", param="data")
@@ -100,14 +107,18 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
                       shuffle=shuffle, init_from=init_from, save=save, input_shape=shape, bn_stats=bn_stats,
                       synthetic_size=synthetic_size, micro_batches=micro_batches, gns=gns,
                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume != "no",
-                      overwrite=overwrite, deterministic=deterministic)
+                      overwrite=overwrite, deterministic=deterministic, optimizer=optimizer,
+                      lr_schedule=lr_schedule, warmup_steps=warmup_steps, grad_clip=grad_clip, precision=precision,
+                      metrics=metrics)
     cfg = replace(cfg, identity=run_identity(cfg))
+    if metrics:
+        cfg = replace(cfg, flops_per_step=_step_flops(loaded, batch), peak_flops=_peak(the_plan, precision))
     last = total_steps(cfg, n)
     if last < 1:
         raise UserError("nothing to train: 0 steps", param="steps")
 
     per_rank = estimate_rank_memory(loaded.module, the_plan, batch, n * sample_bytes, act_bytes,
-                                    optimizer_slots=1 if momentum else 0,
+                                    optimizer_slots=2 if optimizer == "adamw" else 1 if momentum else 0,
                                     input_bytes=batch * sample_bytes)
     _check_memory(per_rank, local_ranks or world, launched=launcher_world is not None)
 
@@ -131,7 +142,9 @@ def run_identity(cfg: TrainConfig) -> dict:
     return {"model": cfg.model, "input_shape": list(cfg.input_shape or ()), "data": cfg.data,
             "synthetic_size": cfg.synthetic_size if cfg.data == "synthetic" else None, "seed": cfg.seed,
             "batch": cfg.batch, "shuffle": cfg.shuffle, "lr": cfg.lr, "momentum": cfg.momentum,
-            "weight_decay": cfg.weight_decay, "bn_stats": cfg.bn_stats, "init_from": cfg.init_from}
+            "weight_decay": cfg.weight_decay, "bn_stats": cfg.bn_stats, "init_from": cfg.init_from,
+            "optimizer": cfg.optimizer, "lr_schedule": cfg.lr_schedule, "warmup_steps": cfg.warmup_steps,
+            "grad_clip": cfg.grad_clip, "precision": cfg.precision}
 
 
 def claim_checkpoint_dir(setup: RunSetup) -> None:
@@ -306,10 +319,15 @@ def _shape_text(loaded) -> str:
     return ",".join(map(str, first.shape[1:])) if torch.is_tensor(first) else "?"
 
 
-def _check_layout(module, plan: Plan, batch: int, micro_batches: int) -> None:
+def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision: str = "fp32") -> None:
     if plan.mp == 1:
         from hybridpar.runtime.parallel_model import as_layouts, check_parallelizable
 
+        if precision != "fp32" and any(lay.g_size > 1 for lay in as_layouts(plan).all):
+            # runtime/conv.py's backward calls convolution_backward on the saved fp32 pieces with a bf16
+            # gradient, which oneDNN refuses (seen with torch 2.13 on CPU).
+            raise UserError(f"precision {precision} does not run with channel/filter layouts yet; use fp32, or a "
+                            "sample/model-parallel layout", param="precision")
         if micro_batches != 1:
             raise UserError(f"micro_batches {micro_batches} needs a model-parallel plan (mp > 1)",
                             param="micro_batches")
@@ -385,6 +403,21 @@ def _check_init(module, path: str) -> None:
         lines = str(err).splitlines()
         first = lines[1].strip() if len(lines) > 1 else str(err)
         raise UserError(f"init_from {path} does not match the model: {first}", param="init_from") from None
+
+
+def _step_flops(loaded, batch: int) -> int | None:
+    from hybridpar.runtime.metrics import step_flops
+
+    try:
+        return step_flops(loaded.module, loaded.example_inputs, batch)
+    except Exception:  # noqa: BLE001 - a model the graph tracer cannot read still trains; no mfu then
+        return None
+
+
+def _peak(plan: Plan, precision: str) -> float | None:
+    from hybridpar.runtime.metrics import peak_flops
+
+    return peak_flops(plan.cluster, precision)
 
 
 # -- memory --------------------------------------------------------------------------------------

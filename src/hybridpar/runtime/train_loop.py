@@ -16,6 +16,7 @@ checkpoint and before `save`, so the last good checkpoint is never replaced by a
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -58,6 +59,16 @@ class TrainConfig:
     deterministic: bool = False
     micro_batches: int = 1  # GPipe micro-batches per replica (MP plans only)
     gns: bool = False  # online gradient noise scale (hybridpar.runtime.grad_noise), one tiny allreduce/step
+    # Optimizer, schedule, clipping and precision (hybridpar.runtime.optim):
+    optimizer: str = "sgd"  # sgd | adamw | lars
+    lr_schedule: str = "constant"  # constant | cosine | poly, after `warmup_steps` of linear warm-up
+    warmup_steps: int = 0
+    grad_clip: float | None = None  # clip the global gradient norm to this
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    # Observability (hybridpar.runtime.metrics), used by `train()` on rank 0:
+    metrics: str | None = None  # JSON-lines file, one record per step as it happens
+    flops_per_step: int | None = None  # forward + backward FLOPs of one global batch (for mfu)
+    peak_flops: float | None = None  # one rank's peak FLOP/s for `precision` (for mfu)
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,9 @@ class StepInfo:
     comm_bytes: dict[str, int] = field(default_factory=dict)
     comm_s: dict[str, float] = field(default_factory=dict)  # rank 0's wall time in collectives, per kind
     gns_b_noise: float | None = None  # smoothed B_noise after this step (None: off, n/a or not yet)
+    lr: float | None = None  # the learning rate this step used
+    peak_memory_bytes: int | None = None  # rank 0's peak so far (CUDA allocations, else resident set)
+    grad_norm: float | None = None  # global gradient norm before clipping (with grad_clip)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,6 +136,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     from hybridpar.runtime.data import batch_indices, data_spec, load_dataset
     from hybridpar.runtime.engine import make_engine
     from hybridpar.runtime.launch import current_device
+    from hybridpar.runtime.metrics import peak_memory_bytes
+    from hybridpar.runtime.optim import WholeNorms, autocast, clip_grad_norm, lr_at, make_optimizer, set_lr
 
     if cfg.deterministic:
         from hybridpar.runtime.determinism import enable_determinism
@@ -146,8 +162,9 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
         probe = GradNoiseProbe(engine, cfg.batch)
     per_epoch = len(ds) // cfg.batch
     gns_epochs: list[float | None] = []
-    opt = torch.optim.SGD(engine.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay)
+    norms = WholeNorms(engine) if cfg.optimizer == "lars" or cfg.grad_clip else None
+    opt = make_optimizer(cfg.optimizer, engine.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay, norms=norms)
     start = ckpt.restore_training_state(resumed, engine, opt) if resumed else 0
     callbacks = [_import(c) for c in cfg.callbacks]
     rank = dist.get_rank()
@@ -160,9 +177,12 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
         idx = batch_indices(len(ds), cfg.batch, step, shuffle=cfg.shuffle, seed=cfg.seed)
         x, y = ds.take(idx) if hasattr(ds, "take") else (ds.x[idx], ds.y[idx])
         x_loc, y_loc = engine.local_batch(_to(x, device), y.to(device))
+        lr = lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, last)
+        set_lr(opt, lr)
         t0 = time.perf_counter()
         try:
-            loss = engine.train_step(x_loc, y_loc)
+            with autocast(cfg.precision, device):
+                loss = engine.train_step(x_loc, y_loc)
         except RuntimeError as err:  # a dead or unreachable peer: say so, never hang (timeouts in launch)
             raise (faults.peer_loss_error(err, step) if faults.is_peer_loss(err) else err) from err
         bad = _nonfinite_step(loss, engine.parameters(), device)
@@ -170,6 +190,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
             error, code = _stop_message(cfg, step, bad, loss, last_saved), NONFINITE_EXIT
             break
         b_noise = probe.after_step() if probe is not None else None  # synced grads, before the update
+        gnorm = clip_grad_norm(engine.parameters(), cfg.grad_clip, norms) if cfg.grad_clip else None
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -188,7 +209,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
                 error, code = str(err), 1
                 break
         info = StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind(),
-                        engine.comm_log.step_seconds_by_kind(), b_noise)
+                        engine.comm_log.step_seconds_by_kind(), b_noise, lr,
+                        peak_memory_bytes(device) if rank == 0 else None, gnorm)
         infos.append(info)
         if rank == 0:
             if queue is not None:
@@ -304,6 +326,37 @@ def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Tr
     process as one rank of the launcher's world. `on_step(step_info_dict)` is called on rank 0 (here)
     after every step. Returns rank 0's TrainResult (each rank's own in a launched world: they agree
     on `error`); TrainingFailed when a spawned rank dies or raises."""
+    from hybridpar.runtime import launch
+
+    if cfg.metrics and (not launch.under_launcher() or os.environ.get("RANK") == "0"):
+        on_step = _with_metrics(cfg, on_step)
+    try:
+        return _train(cfg, on_step)
+    finally:
+        if on_step is not None and hasattr(on_step, "close"):
+            on_step.close()
+
+
+def _with_metrics(cfg: TrainConfig, on_step):
+    """on_step that also streams the `--metrics` record of every step."""
+    from hybridpar.runtime.metrics import MetricsFile, StepMetrics
+
+    out = MetricsFile(cfg.metrics)
+    metrics = StepMetrics(cfg.flops_per_step, cfg.peak_flops, cfg.plan.world_size)
+
+    class _Both:
+        def __call__(self, info: dict) -> None:
+            out.write(metrics.record(info))
+            if on_step is not None:
+                on_step(info)
+
+        def close(self) -> None:
+            out.close()
+
+    return _Both()
+
+
+def _train(cfg: TrainConfig, on_step):
     from hybridpar.runtime import launch
 
     if launch.under_launcher():

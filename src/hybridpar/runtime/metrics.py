@@ -1,0 +1,91 @@
+"""Per-step metrics of a training run: a JSON-lines file written as the run goes, and plain progress lines.
+
+`StepMetrics(flops_per_step, peak_flops, world_size)` turns each StepInfo dict of rank 0 into the
+record `--metrics FILE.jsonl` streams: step, loss, lr, samples_per_s, flops_per_s (achieved: the
+model's forward+backward FLOPs of the global batch over the step's wall time), mfu (flops_per_s over
+the peak of every rank together for the run's dtype), peak_memory_bytes (rank 0's), grad_norm (when
+clipping), comm_s and comm_bytes by kind. `MetricsFile` appends one line per record and flushes it,
+so `tail -f` shows the run live; the file gets the umask's mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+
+def step_flops(module, example_inputs, batch: int) -> int:
+    """Forward + backward FLOPs of one global batch, from the model's graph (traced at one sample)."""
+    from hybridpar.graph import trace
+
+    graph = trace(module, example_inputs)
+    per_sample = (graph.fwd_flops + graph.bwd_flops) / max(1, _batch_of(example_inputs))
+    return int(per_sample * batch)
+
+
+def _batch_of(inputs) -> int:
+    first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
+    return int(first.shape[0]) if hasattr(first, "shape") and len(first.shape) else 1
+
+
+def peak_flops(cluster: str, precision: str) -> float | None:
+    """FLOP/s of one device of `cluster` for the run's dtype (None when unknown)."""
+    from hybridpar.cluster import load_cluster
+
+    try:
+        device = load_cluster(cluster).device
+    except Exception:  # noqa: BLE001 - metrics must never stop a run; mfu is then left out
+        return None
+    return float(device.peak({"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[precision]))
+
+
+class StepMetrics:
+    def __init__(self, flops_per_step: int | None, peak_per_rank: float | None, world_size: int):
+        self.flops, self.peak, self.world = flops_per_step, peak_per_rank, world_size
+
+    def record(self, info: dict) -> dict:
+        dt = info.get("step_time_s") or 0.0
+        achieved = self.flops / dt if self.flops and dt > 0 else None
+        mfu = achieved / (self.peak * self.world) if achieved is not None and self.peak else None
+        rec = {"step": info["step"], "loss": info["loss"], "lr": info.get("lr"), "step_time_s": dt,
+               "samples_per_s": info.get("samples_per_s"), "flops_per_s": achieved, "mfu": mfu,
+               "peak_memory_bytes": info.get("peak_memory_bytes"), "grad_norm": info.get("grad_norm"),
+               "comm_s": info.get("comm_s", {}), "comm_bytes": info.get("comm_bytes", {})}
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+
+
+class MetricsFile:
+    """One JSON object per line, flushed as written."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = self.path.open("w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.f.write(json.dumps(record, allow_nan=False) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def progress_line(info: dict, total: int) -> str:
+    parts = [f"step {info['step'] + 1}/{total}", f"loss {info['loss']:.4f}"]
+    if info.get("lr") is not None:
+        parts.append(f"lr {info['lr']:.4g}")
+    parts.append(f"{info.get('samples_per_s', 0.0):.1f} samples/s")
+    return "hybridpar: " + ", ".join(parts)
+
+
+def peak_memory_bytes(device) -> int:
+    """This process's peak memory: CUDA allocations on a GPU, else the resident set's high-water mark."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

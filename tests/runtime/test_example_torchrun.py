@@ -1,0 +1,30 @@
+"""examples/train_own_loop.py (own loop, AdamW, a non-cross-entropy loss) under real torchrun, 4 ranks:
+the weights equal one process's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sample=4", "sample=2,channel=2", "channel=2,filter=2"])
+def test_own_loop_under_torchrun_equals_one_process(strategy):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4",
+                           str(ROOT / "examples" / "train_own_loop.py"), "--strategy", strategy, "--check"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    check = [r for r in lines if "max_weight_diff" in r]
+    assert len(check) == 1, proc.stdout
+    assert check[0]["max_weight_diff"] <= 1e-4, check[0]
+    assert len([r for r in lines if "step" in r]) == 5
