@@ -40,6 +40,7 @@ from hybridpar.search.layers.layer_cost import (
     channels_of,
     grad_allreduce,
     join_cost,
+    node_signature,
     redistribution_time,
     weight_layer_cost,
 )
@@ -152,7 +153,10 @@ def _linear_in_pieces(graph, node, pieces: int) -> list[int] | None:
         return None
     from hybridpar.cost import layout_comm
 
-    return layout_comm._linear_in_pieces(graph, node, pieces)
+    # the runtime on DTensor splits a linear's input as DTensor chunks it (layout_comm's default then);
+    # older layout_comm derived the pieces from the producer's channels
+    pieces_of = getattr(layout_comm, "_linear_in_pieces", None)
+    return None if pieces_of is None else pieces_of(graph, node, pieces)
 
 
 def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout], capacity: float,
@@ -161,12 +165,17 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
     cin, cout = channels_of(node.in_shapes[0]), channels_of(node.out_shape)
     groups = int(node.attr("groups", 1) or 1)
     opts, costs, pruned = [], [], []
+    sig = (node_signature(node), tuple(node_signature(f) for f in v.followers), v.input_grad)
     for lay in layouts:
         reason = layout_problem(lay, ctx.batch, cin, cout, splittable=groups == 1, even=even_only,
                                empty_ok=empty_ok)
         if reason is None:
-            cost = weight_layer_cost(node, v.followers, lay, ctx, input_grad=v.input_grad,
-                                     in_pieces=_linear_in_pieces(graph, node, lay.channel * lay.filter))
+            pieces = _linear_in_pieces(graph, node, lay.channel * lay.filter)
+            key = (sig, lay, None if pieces is None else tuple(pieces))
+            cost = ctx.layer_memo.get(key)
+            if cost is None:
+                cost = ctx.layer_memo[key] = weight_layer_cost(node, v.followers, lay, ctx, input_grad=v.input_grad,
+                                                               in_pieces=pieces)
             if cost.memory_bytes > capacity:
                 reason = f"needs {_size(cost.memory_bytes)} per device for this layer alone"
             else:
@@ -178,7 +187,14 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
 
 
 def _join_options(v: Vertex, ctx: CostContext, dists: Sequence[Distribution]) -> VertexOptions:
-    return VertexOptions(v, tuple(dists), tuple(join_cost(v.node, v.followers, d, ctx) for d in dists), ())
+    sig = ("join", node_signature(v.node), tuple(node_signature(f) for f in v.followers))
+    costs = []
+    for d in dists:
+        cost = ctx.layer_memo.get((sig, d))
+        if cost is None:
+            cost = ctx.layer_memo[(sig, d)] = join_cost(v.node, v.followers, d, ctx)
+        costs.append(cost)
+    return VertexOptions(v, tuple(dists), tuple(costs), ())
 
 
 def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequence[LayerLayout],
@@ -234,19 +250,21 @@ def _problem(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext, grad_w
 
 
 def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext) -> list[CommOp]:
-    """Per-step collectives outside the layers (hybridpar.runtime.engine): the channel-split output
-    gathered over the sample group (when G > 1) and the loss allreduced over the replica group."""
+    """Per-step collectives outside the layers (hybridpar.runtime): the model's output made whole on
+    every rank, so that every rank computes the same loss: gathered over the sample group's channel
+    pieces (when G > 1), then over the sample groups (when S > 1)."""
     last = opts[-1].dist(choice[-1])
     out_node = opts[-1].vertex.out_node
     grid = LayerLayout(sample=last.sample, channel=1, filter=last.channel)
+    per_sample = out_node.out_numel // max(out_node.out_shape[0], 1) if out_node.out_shape else 1
     ops = []
     if last.channel > 1:
-        per_sample = out_node.out_numel // max(out_node.out_shape[0], 1) if out_node.out_shape else 1
         gathered = ctx.batch // last.sample * per_sample * ctx.elem
         ops.append(CommOp.placed("allgather", "fwd", gathered, filter_groups(grid), "filter", grid))
     if last.sample > 1:
         key = LayerLayout(sample=last.sample, channel=last.channel)
-        ops.append(CommOp.placed("allreduce", "fwd", ctx.elem, shard_groups(key), "shard", key))
+        ops.append(CommOp.placed("allgather", "fwd", ctx.batch * per_sample * ctx.elem, shard_groups(key),
+                                 "shard", key))
     return ops
 
 
