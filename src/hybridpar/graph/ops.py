@@ -50,7 +50,7 @@ _FOLD = {
     "int", "double", "bfloat16", "requires_grad_", "_assert_tensor_metadata", "_assert_scalar",
     "sym_constrain_range_for_size", "scalar_tensor", "item", "eq", "ne", "lt", "le", "gt", "ge",
     "__and__", "__or__", "__invert__", "logical_and", "logical_or", "logical_not", "argmax", "argmin",
-    "flatten_dense_tensors", "upsample", "dropout_", "alpha_dropout", "feature_alpha_dropout",
+    "flatten_dense_tensors",
 }
 
 _KINDS = {
@@ -90,7 +90,8 @@ _KINDS = {
     "adaptive_max_pool1d": "adaptive_avgpool", "adaptive_max_pool2d": "adaptive_avgpool",
     "flatten": "flatten",
     "dropout": "dropout", "dropout1d": "dropout", "dropout2d": "dropout", "dropout3d": "dropout",
-    "native_dropout": "dropout", "feature_dropout": "dropout", "alphadropout": "dropout",
+    "native_dropout": "dropout", "feature_dropout": "dropout", "alphadropout": "dropout", "dropout_": "dropout",
+    "alpha_dropout": "dropout", "feature_alpha_dropout": "dropout",
     "lstm": "lstm", "gru": "lstm", "rnn": "lstm", "rnn_tanh": "lstm", "rnn_relu": "lstm",
     "embedding": "embedding", "embeddingbag": "embedding", "embedding_bag": "embedding",
     "_embedding_bag": "embedding",
@@ -118,7 +119,8 @@ _KINDS = {
     "minimum": "pointwise", "fmod": "pointwise", "remainder": "pointwise", "mod": "pointwise",
     "upsample_bilinear2d": "pointwise", "upsample_nearest2d": "pointwise", "upsample_bicubic2d": "pointwise",
     "upsample_nearest1d": "pointwise", "upsample_linear1d": "pointwise", "upsample_nearest3d": "pointwise",
-    "upsample_trilinear3d": "pointwise", "interpolate": "pointwise", "upsamplingbilinear2d": "pointwise",
+    "upsample_trilinear3d": "pointwise", "interpolate": "pointwise", "upsample": "pointwise",
+    "upsamplingbilinear2d": "pointwise",
     "upsamplingnearest2d": "pointwise", "grid_sample": "pointwise", "cumsum": "pointwise",
     "cumprod": "pointwise", "softmax_": "softmax",
     # reductions over the input: 1 FLOP per input element each way
