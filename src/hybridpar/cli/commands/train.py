@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+from pathlib import Path
 
 import click
 
@@ -53,8 +55,22 @@ def register(app: click.Group) -> None:
                   help="online gradient noise scale B_noise (McCandlish et al. 2018) from the per-sample-group "
                        "and allreduced gradients, per step and per epoch; needs >1 sample group; adds one "
                        "16-byte allreduce per step (comm kind 'gns')")
+    @click.option("--optimizer", type=click.Choice(["sgd", "adamw", "lars"]), default="sgd", show_default=True,
+                  help="lars: layer-wise trust ratios as in the MLPerf ResNet-50 reference")
+    @click.option("--lr-schedule", type=click.Choice(["constant", "cosine", "poly"]), default="constant",
+                  show_default=True, help="after the warm-up: constant, cosine to 0, or poly (power 2) to 0")
+    @click.option("--warmup-steps", type=int, default=0, show_default=True, help="linear warm-up steps")
+    @click.option("--grad-clip", type=float, default=None, help="clip the global gradient norm to this")
+    @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+                  help="bf16: autocast (CPU and CUDA)")
+    @click.option("--metrics", type=click.Path(), default=None,
+                  help="stream one JSON record per step to FILE.jsonl (loss, lr, samples/s, FLOP/s, mfu, memory, comm)")
+    @click.option("--log-every", type=int, default=10, show_default=True,
+                  help="a progress line every N steps when stderr is not a terminal (0: none)")
+    @click.option("--config", "config", type=click.Path(), default=None,
+                  help="TOML file of train options (keys as the flags: lr-schedule = \"cosine\"); flags override it")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output (per-step records)")
-    def train_cmd(json_: bool, no_shuffle: bool, resume: str | None, **options) -> None:
+    def train_cmd(json_: bool, config: str | None, **options) -> None:
         """Train a model with a sample/channel/filter (or MP) layout on torch.distributed.
 
         Exit status: 0 done (or nothing left to do), 1 a rank failed, 2 bad input (nothing started),
@@ -62,6 +78,11 @@ def register(app: click.Group) -> None:
         from hybridpar.runtime import launch
         from hybridpar.runtime.run_config import claim_checkpoint_dir, run_config
 
+        if config:
+            options = _with_config(config, options)
+        no_shuffle, resume, log_every = options.pop("no_shuffle"), options.pop("resume"), options.pop("log_every")
+        if log_every < 0:
+            raise UserError(f"--log-every must be >= 0, got {log_every}")
         _check_flag_combinations(options, resume)
         launched = launch.under_launcher()
         setup = run_config(**options, shuffle=not no_shuffle, resume=resume or "no",
@@ -77,7 +98,7 @@ def register(app: click.Group) -> None:
             return
         if rank0:
             claim_checkpoint_dir(setup)
-        result = _run(setup.config, json_)
+        result = _run(setup, json_, log_every)
         if not rank0:  # another rank of a torchrun world: rank 0 reports
             if result.error:
                 raise click.exceptions.Exit(result.exit_code or 1)
@@ -132,12 +153,15 @@ def _finite(obj):
     return obj
 
 
-def _run(cfg, json_: bool):
-    """This rank's TrainResult (rank 0's when spawning), with a progress bar on a terminal."""
+def _run(setup, json_: bool, log_every: int):
+    """This rank's TrainResult (rank 0's when spawning), with a progress bar on a terminal or plain
+    progress lines every `log_every` steps when stderr is not one (piped, batch jobs, torchrun logs)."""
     from hybridpar.runtime.train_loop import TrainingFailed, train
 
+    cfg = setup.config
     rank0 = os.environ.get("RANK", "0") == "0"
-    with _Progress(cfg, enabled=not json_ and rank0) as prog:
+    bar = not json_ and err_console.is_terminal
+    with _Progress(cfg, setup.total_steps, enabled=rank0, bar=bar, every=log_every) as prog:
         try:
             return train(cfg, on_step=prog.update)
         except TrainingFailed as err:
@@ -147,14 +171,15 @@ def _run(cfg, json_: bool):
 
 
 class _Progress:
-    """Rich progress bar on stderr: steps, loss, samples/s."""
+    """On a terminal: a rich progress bar on stderr (steps, loss, samples/s). Otherwise: one plain line
+    every `every` steps and at the last step, so piped and batch-job logs show the run as it goes."""
 
-    def __init__(self, cfg, enabled: bool):
-        self.enabled, self.cfg = enabled, cfg
+    def __init__(self, cfg, total: int, *, enabled: bool, bar: bool, every: int):
+        self.cfg, self.total, self.enabled, self.use_bar, self.every = cfg, total, enabled, bar, every
         self.bar = None
 
     def __enter__(self):
-        if self.enabled:
+        if self.enabled and self.use_bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
@@ -162,7 +187,7 @@ class _Progress:
                                 *([TextColumn("B_noise {task.fields[gns]}")] if self.cfg.gns else []),
                                 TimeElapsedColumn(), console=err_console, transient=True)
             self.bar.__enter__()
-            self.task = self.bar.add_task("train", total=self.cfg.steps or None, loss="-", rate="-", gns="-")
+            self.task = self.bar.add_task("train", total=self.total or None, loss="-", rate="-", gns="-")
         return self
 
     def update(self, info: dict) -> None:
@@ -170,11 +195,49 @@ class _Progress:
             gns = info.get("gns_b_noise")
             self.bar.update(self.task, advance=1, loss=f"{info['loss']:.4f}", rate=f"{info['samples_per_s']:.1f}",
                             gns="-" if gns is None else f"{gns:.3g}")
+        elif self.enabled and self.every and ((info["step"] + 1) % self.every == 0 or info["step"] + 1 == self.total):
+            from hybridpar.runtime.metrics import progress_line
+
+            print(progress_line(info, self.total), file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         if self.bar is not None:
             self.bar.__exit__(*exc)
         return False
+
+
+def _with_config(path: str, options: dict) -> dict:
+    """Options from a TOML file (top level, or a [train] table) where the command line gave none."""
+    import tomllib
+
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    try:
+        doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: file not found") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as err:
+        raise UserError(f"--config {path}: not a TOML file ({err})") from None
+    table = doc["train"] if isinstance(doc.get("train"), dict) else doc
+    params = {p.name: p for p in ctx.command.params}
+    out = dict(options)
+    for key, value in table.items():
+        name = str(key).replace("-", "_")
+        if name in ("config", "json", "json_"):
+            raise UserError(f"--config {path}: {key!r} cannot be set in a config file")
+        param = params.get(name)
+        if param is None or name not in out:
+            raise UserError(f"--config {path}: unknown option {key!r}")
+        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+            continue  # the command line wins
+        if name == "resume" and isinstance(value, bool):
+            value = "yes" if value else None
+        try:
+            out[name] = param.type_cast_value(ctx, value)
+        except click.BadParameter as err:
+            raise UserError(f"--config {path}: {key}: {err.message}") from None
+    return out
 
 
 def _report(result, cfg, json_: bool) -> None:
