@@ -40,6 +40,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 from hybridpar.cluster.model import Cluster
 
 if TYPE_CHECKING:
@@ -132,13 +134,43 @@ def ring_order(ranks: Iterable[int], cluster: Cluster) -> tuple[int, ...]:
     """The order a collective library would run a ring in: node by node, and inside a mesh node the
     cycle whose bottleneck link is widest."""
     members = tuple(ranks)
+    if not members:
+        return members
+    for r in (min(members), max(members)):
+        cluster.node_of(r)  # raises for a device outside the cluster
+    g = cluster.gpus_per_node
+    if cluster.intra.kind != "mesh" or g <= 3:  # node by node, each node's devices in order: sorted
+        return tuple(sorted(members))
+    if len(members) >= 32:  # many nodes alike (the same local devices in each): reorder them at once
+        rows = _alike_nodes(members, g)
+        if rows is not None:
+            first = tuple(rows[0].tolist())
+            best = _best_node_order(first, cluster)
+            perm = [first.index(d) for d in best]
+            return tuple(rows[:, perm].ravel().tolist())
     by_node: dict[int, list[int]] = {}
     for r in members:
-        by_node.setdefault(cluster.node_of(r), []).append(r)
+        by_node.setdefault(r // g, []).append(r)
     out: list[int] = []
     for node in sorted(by_node):
         out.extend(_best_node_order(tuple(sorted(by_node[node])), cluster))
     return tuple(out)
+
+
+def _alike_nodes(members: tuple[int, ...], g: int) -> np.ndarray | None:
+    """The sorted members as one row per node when every node holds the same local devices of the
+    group (and no rank twice), else None."""
+    arr = np.sort(np.asarray(members, dtype=np.int64))
+    node = arr // g
+    k = int(np.count_nonzero(node == node[0]))
+    if len(arr) % k or (len(arr) > 1 and (np.diff(arr) == 0).any()):
+        return None
+    rows = arr.reshape(-1, k)
+    row_node = rows // g
+    if not ((row_node == row_node[:, :1]).all() and (np.diff(row_node[:, 0]) > 0).all()
+            and (rows % g == rows[:1] % g).all()):
+        return None
+    return rows
 
 
 def _best_node_order(devs: tuple[int, ...], cluster: Cluster) -> tuple[int, ...]:
@@ -147,7 +179,7 @@ def _best_node_order(devs: tuple[int, ...], cluster: Cluster) -> tuple[int, ...]
     # Every node is wired alike: search once per set of local indices, then shift to this node.
     offset = devs[0] - cluster.local_of(devs[0])
     local = tuple(d - offset for d in devs)
-    key = ("order", cluster.intra.model_dump_json(), cluster.gpus_per_node, local)
+    key = ("order", cluster.cache_key, local)
     best = _cached(key, lambda: _search_order(local, cluster))
     return tuple(d + offset for d in best)
 
@@ -226,6 +258,153 @@ _STEPS = {"allreduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1,
 def _rings_phase(rings: Sequence[tuple[int, ...]], kind: str, frac: float, cluster: Cluster) -> list[_Affine]:
     """Per-ring time of `kind` on each ring, all rings running at once over n*frac bytes each."""
     rings = [r for r in rings if len(r) > 1]
+    table = _route_table(cluster)
+    if table is not None and rings:
+        return _rings_phase_vectorised(rings, kind, frac, cluster, table)
+    return _rings_phase_scalar(rings, kind, frac, cluster)
+
+
+@dataclass(frozen=True)
+class _RouteTable:
+    """Every route of a cluster by (same node?, local index of source, of destination): which
+    endpoint's node each link belongs to (0 source, 1 destination, -1 none), the link's id within a
+    node, its capacity, and the route's latency. A route's links are node-local ids ("n{node}:...")
+    that depend on the endpoints' local indices only, so one table serves every node."""
+
+    per_node: int  # distinct node-local link ids
+    side: np.ndarray  # [class, k] int
+    local: np.ndarray  # [class, k] int
+    cap: np.ndarray  # [class, k] float (inf where no link)
+    latency: np.ndarray  # [class] float
+
+
+def _route_table(cluster: Cluster) -> _RouteTable | None:
+    return _cached(("routes", cluster.cache_key), lambda: _build_route_table(cluster)) or None
+
+
+def _build_route_table(cluster: Cluster) -> _RouteTable | bool:
+    """False when the cluster's routes do not follow the node-local pattern (then the scalar path)."""
+    g, nodes = cluster.gpus_per_node, cluster.num_nodes
+    if g < 1 or cluster.num_devices < 2:
+        return False
+    ids: dict[str, int] = {}
+    rows: dict[int, tuple[list[int], list[int], list[float], float]] = {}
+    for same in (0, 1):
+        if same == 0 and (nodes < 2 or cluster.num_devices < g + 1):
+            continue
+        for la in range(g):
+            for lb in range(g):
+                a, b = la, (lb if same else g + lb)
+                if a == b or max(a, b) >= cluster.num_devices:
+                    continue
+                r = cluster.route(a, b)
+                sides, locs = [], []
+                for link in r.links:
+                    head, sep, rest = link.partition(":")
+                    if not (sep and head[:1] == "n" and head[1:].isdigit()):
+                        return False
+                    node = int(head[1:])
+                    if node not in (a // g, b // g):
+                        return False
+                    sides.append(0 if node == a // g else 1)
+                    locs.append(ids.setdefault(rest, len(ids)))
+                rows[same * g * g + la * g + lb] = (sides, locs, list(r.capacities_Bps), r.latency_s)
+    width = max((len(v[0]) for v in rows.values()), default=0) or 1
+    side = np.full((2 * g * g, width), -1, dtype=np.int64)
+    local = np.zeros((2 * g * g, width), dtype=np.int64)
+    cap = np.full((2 * g * g, width), np.inf)
+    latency = np.zeros(2 * g * g)
+    for c, (sides, locs, caps, lat) in rows.items():
+        side[c, :len(sides)] = sides
+        local[c, :len(locs)] = locs
+        cap[c, :len(caps)] = caps
+        latency[c] = lat
+    table = _RouteTable(max(len(ids), 1), side, local, cap, latency)
+    # the pattern holds for a sample of pairs in other nodes, or the table is not used
+    probe = [(a, b) for a in range(0, cluster.num_devices, max(1, cluster.num_devices // 7))
+             for b in range(cluster.num_devices - 1, -1, -max(1, cluster.num_devices // 5)) if a != b]
+    names = {v: k for k, v in ids.items()}
+    for a, b in probe:
+        c = _route_class(np.array([a]), np.array([b]), g)[0]
+        want = cluster.route(a, b)
+        got = tuple(f"n{(a if s == 0 else b) // g}:{names[int(loc)]}" for s, loc in zip(side[c], local[c]) if s >= 0)
+        if got != want.links or float(latency[c]) != want.latency_s:
+            return False
+    return table
+
+
+def _route_class(src: np.ndarray, dst: np.ndarray, g: int) -> np.ndarray:
+    return (src // g == dst // g) * (g * g) + (src % g) * g + dst % g
+
+
+def _rings_phase_vectorised(rings: Sequence[tuple[int, ...]], kind: str, frac: float, cluster: Cluster,
+                            table: _RouteTable) -> list[_Affine]:
+    """`_rings_phase_scalar` on arrays: the same flows, link loads, bottlenecks and the same floats."""
+    p = len(rings[0])
+    if all(len(r) == p for r in rings):
+        flows = _uniform_ring_flows(rings, frac, cluster)
+        if flows is not None:
+            return _rings_phase_arrays(rings, kind, frac, cluster, table, *flows)
+    srcs, dsts, coefs, starts = [], [], [], []
+    count = 0
+    for r in rings:
+        starts.append(count)
+        for order, share in _node_cycles(r, cluster):
+            arr = np.asarray(order, dtype=np.int64)
+            nxt = np.roll(arr, -1)
+            half = frac * share / len(r) / 2  # as _ring_flows: each direction carries half
+            srcs += [arr, nxt]
+            dsts += [nxt, arr]
+            coefs.append(np.full(2 * len(arr), half))
+            count += 2 * len(arr)
+    src, dst, coef = np.concatenate(srcs), np.concatenate(dsts), np.concatenate(coefs)
+    return _rings_phase_arrays(rings, kind, frac, cluster, table, src, dst, coef, np.asarray(starts))
+
+
+def _uniform_ring_flows(rings: Sequence[tuple[int, ...]], frac: float, cluster: Cluster):
+    """The flows of rings of one length, each a single cycle in its own order (what _node_cycles
+    gives a ring that spans nodes, or a sorted ring inside a node that runs one cycle), as arrays in
+    one go; None when some ring runs several cycles or is reordered (then ring by ring)."""
+    g, p = cluster.gpus_per_node, len(rings[0])
+    ring = np.asarray(rings, dtype=np.int64)
+    nodes = ring // g
+    one_node = (nodes == nodes[:, :1]).all(axis=1)
+    if one_node.any():
+        single_cycle = cluster.intra.kind != "mesh" or p < 3
+        if not single_cycle or not (np.diff(ring[one_node], axis=1) > 0).all():
+            return None
+    nxt = np.roll(ring, -1, axis=1)
+    src = np.concatenate([ring, nxt], axis=1).ravel()
+    dst = np.concatenate([nxt, ring], axis=1).ravel()
+    coef = np.full(src.shape, frac * 1.0 / p / 2)  # as _ring_flows(ring, frac * share / len(r)), share 1
+    return src, dst, coef, np.arange(len(rings)) * (2 * p)
+
+
+def _rings_phase_arrays(rings, kind, frac, cluster, table, src, dst, coef, starts) -> list[_Affine]:
+    g = cluster.gpus_per_node
+    if src.min() < 0 or max(src.max(), dst.max()) >= cluster.num_devices:
+        cluster.route(int(src.min()), int(dst.max()))  # raises the cluster's own error
+    cls = _route_class(src, dst, g)
+    side, cap = table.side[cls], table.cap[cls]
+    node = np.where(side == 0, (src // g)[:, None], (dst // g)[:, None])
+    link = node * table.per_node + table.local[cls]
+    valid = side >= 0
+    load = np.bincount(link[valid], minlength=1)
+    per_link = np.where(valid, cap / np.where(valid, load[np.where(valid, link, 0)], 1), np.inf)
+    bw = per_link.min(axis=1)
+    beta = np.maximum.reduceat(coef / bw, starts)
+    alpha = np.maximum.reduceat(table.latency[cls], starts)
+    reduces = kind != "allgather"
+    out = []
+    for ring, a, b in zip(rings, alpha.tolist(), beta.tolist()):
+        p, steps = len(ring), _STEPS[kind](len(ring))
+        gamma = (p - 1) / p * frac * cluster.gamma_s_per_byte if reduces else 0.0
+        out.append(_Affine(steps * a, steps * max(0.0, b) + gamma))
+    return out
+
+
+def _rings_phase_scalar(rings: Sequence[tuple[int, ...]], kind: str, frac: float,
+                        cluster: Cluster) -> list[_Affine]:
     per_ring = [[f for order, share in _node_cycles(r, cluster) for f in _ring_flows(order, frac * share / len(r))]
                 for r in rings]
     load = Counter(link for flows in per_ring for s, d, _ in flows for link in cluster.route(s, d).links)
@@ -251,14 +430,62 @@ def _phase_time(parts: Sequence[_Affine], n: float) -> float:
     return max((x.at(n) for x in parts), default=0.0)
 
 
+_CHECKED: dict[int, tuple[object, tuple[tuple[int, ...], ...]]] = {}
+
+
 def _groups_key(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    # the planner asks about the same group tuples thousands of times: check each object once
+    hit = _CHECKED.get(id(groups))
+    if hit is not None and hit[0] is groups:
+        return hit[1]
     out = []
     for g in groups:
         t = tuple(g)
         if len(set(t)) != len(t):
             raise ValueError(f"a collective group lists a rank twice: {t}")
         out.append(t)
-    return tuple(out)
+    key = tuple(out)
+    if isinstance(groups, tuple):
+        if len(_CHECKED) > 50_000:
+            _CHECKED.clear()
+        _CHECKED[id(groups)] = (groups, key)  # holds `groups`, so its id is not reused
+    return key
+
+
+def _check_disjoint(key: tuple[tuple[int, ...], ...]) -> None:
+    hit = _CHECKED.get(id(key))
+    if hit is not None and hit[0] is key and hit[1] == ():
+        return
+    seen: set[int] = set()
+    for g in key:
+        if seen & set(g):
+            raise ValueError("concurrent allreduce groups must be disjoint")
+        seen |= set(g)
+    _CHECKED[id(key)] = (key, ())
+
+
+def _ring_orders(groups: Sequence[Sequence[int]], cluster: Cluster) -> list[tuple[int, ...]]:
+    """`ring_order` of every group. Groups that are translates of one another by whole nodes (the
+    planner's filter, channel and shard groups) have translated ring orders: one is computed per
+    translation class, the rest are shifted copies."""
+    if len(groups) < 8 or len({len(g) for g in groups}) != 1:
+        return [ring_order(g, cluster) for g in groups]
+    arr = np.asarray(groups, dtype=np.int64)
+    off = arr[:, :1] - arr[:1, :1]
+    if arr.min() < 0 or arr.max() >= cluster.num_devices or not (arr == arr[:1] + off).all():
+        return [ring_order(g, cluster) for g in groups]
+    g = cluster.gpus_per_node
+    out: list[tuple[int, ...]] = []
+    reps: dict[int, tuple[int, np.ndarray]] = {}  # offset mod g -> (offset, ring order)
+    for i, o in enumerate(off[:, 0].tolist()):
+        rep = reps.get(o % g)
+        if rep is None:
+            order = ring_order(groups[i], cluster)
+            reps[o % g] = (o, np.asarray(order, dtype=np.int64))
+            out.append(order)
+        else:
+            out.append(tuple((rep[1] + (o - rep[0])).tolist()))
+    return out
 
 
 def _base(cluster: Cluster, groups: Sequence[Sequence[int]]) -> float:
@@ -268,18 +495,18 @@ def _base(cluster: Cluster, groups: Sequence[Sequence[int]]) -> float:
 # -- allreduce -------------------------------------------------------------------------------------
 
 def _ring_allreduce(groups, cluster) -> list[list[_Affine]]:
-    rings = [ring_order(g, cluster) for g in groups]
+    rings = _ring_orders(groups, cluster)
     return [_rings_phase(rings, "allreduce", 1.0, cluster)]
 
 
 def _hier_allreduce(groups, cluster) -> list[list[_Affine]] | None:
     """Reduce-scatter inside each node, allreduce across nodes per local position, allgather inside."""
     intra_rings, inter_rings, frac = [], [], 1.0
-    for g in groups:
-        ordered = ring_order(g, cluster)
+    per_node = cluster.gpus_per_node
+    for ordered in _ring_orders(groups, cluster):  # checked ranks: node_of is r // per_node
         by_node: dict[int, list[int]] = {}
         for r in ordered:
-            by_node.setdefault(cluster.node_of(r), []).append(r)
+            by_node.setdefault(r // per_node, []).append(r)
         if len(by_node) < 2 or max(len(v) for v in by_node.values()) < 2:
             return None  # one node, or one rank per node: nothing hierarchical about it
         width = max(len(v) for v in by_node.values())
@@ -352,11 +579,7 @@ def concurrent_allreduce_time(bytes_: float, groups: Sequence[Sequence[int]], cl
     channel/filter parallelism): every group's transfers share the links they use; the result is the
     slowest group. algo: ring, hierarchical (tree only for a single group); auto = fastest."""
     key = _groups_key(groups)
-    seen: set[int] = set()
-    for g in key:
-        if seen & set(g):
-            raise ValueError("concurrent allreduce groups must be disjoint")
-        seen |= set(g)
+    _check_disjoint(key)
     if all(len(g) <= 1 for g in key) or bytes_ <= 0:
         return 0.0
     if algo == "auto" and (t := _measured("allreduce", bytes_, key, cluster)) is not None:
@@ -412,7 +635,7 @@ def concurrent_collective_time(kind: str, bytes_: float, groups: Sequence[Sequen
     if (t := _measured(kind, bytes_, key, cluster)) is not None:
         return t
     parts = _cached(("rc", cluster.cache_key, key, kind),
-                    lambda: _rings_phase([ring_order(g, cluster) for g in key], kind, 1.0, cluster))
+                    lambda: _rings_phase(_ring_orders(key, cluster), kind, 1.0, cluster))
     return _phase_time(parts, bytes_) + _base(cluster, key)
 
 

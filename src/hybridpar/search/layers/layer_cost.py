@@ -76,6 +76,9 @@ class CostContext:
         self.elem = DTYPE_BYTES[dtype]
         self._coll = collectives
         self._memo: dict[tuple, float] = {}
+        # layer costs by what decides them (shapes, FLOPs, attributes, layout), not by node name:
+        # ResNet-50's 16 bottleneck blocks have 10 distinct shapes between them
+        self.layer_memo: dict[tuple, LayerCost] = {}
 
     def _time(self, kind: str, bytes_: int, key, groups) -> float:
         k = (kind, bytes_, key)
@@ -120,6 +123,20 @@ class CostContext:
         ring_one = co.allreduce_time(bytes_, groups[0], cl, algo="ring")
         alone = co.allreduce_time(bytes_, groups[0], cl)
         return min(shared, alone * max(1.0, ring_many / ring_one if ring_one > 0 else 1.0))
+
+
+def node_signature(node: Node) -> tuple:
+    """Everything a node's cost depends on: all but its name, module, input names and scope, with
+    parameters named by their last component only (the cost model asks whether one is a weight or a
+    bias)."""
+    attrs = tuple((k, v) for k, v in node.attrs if k != "scope")
+    try:
+        hash(attrs)
+    except TypeError:  # an unhashable attribute value (a list): its text stands for it
+        attrs = repr(attrs)
+    params = tuple((name.rsplit(".", 1)[-1], tuple(shape)) for name, shape in node.param_shapes)
+    return (node.op, node.in_shapes, node.out_shape, params, node.fwd_flops, node.bwd_data_flops,
+            node.bwd_weight_flops, attrs)
 
 
 def _per_sample(shape: Sequence[int]) -> int:

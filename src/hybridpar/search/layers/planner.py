@@ -228,25 +228,32 @@ def runtime_layouts(ranks: int, batch: int) -> dict[int, list[LayerLayout]]:
 
 # -- problem and prediction --------------------------------------------------------------------
 
-def _problem(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext, grad_weight: float) -> ChoiceProblem:
+def _problem(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext, grad_weight: float,
+             edge_cost: tuple[np.ndarray, ...] | None = None) -> ChoiceProblem:
     node_cost = tuple(np.array([c.fwd_s + c.bwd_s + c.comm_fwd_s + c.comm_bwd_s + grad_weight * c.grad_sync_s
                                 for c in vo.costs]) for vo in opts)
     node_mem = tuple(np.array([c.memory_bytes for c in vo.costs]) for vo in opts)
-    edge_cost = []
-    for e in lg.edges:
-        su, sv = opts[e.src], opts[e.dst]
-        numel = e.per_sample_numel * ctx.batch
-        cache: dict[tuple[Distribution, Distribution], float] = {}
-        m = np.empty((len(su.options), len(sv.options)))
-        for i in range(len(su.options)):
-            for j in range(len(sv.options)):
-                key = (su.dist(i), sv.dist(j))
-                if key not in cache:
-                    cache[key] = redistribution_time(numel, *key, ctx)
-                m[i, j] = cache[key]
-        edge_cost.append(m)
+    if edge_cost is None:
+        edge_cost = _edge_costs(lg, opts, ctx)
     names = tuple(vo.vertex.name for vo in opts)
-    return ChoiceProblem(names, node_cost, node_mem, tuple((e.src, e.dst) for e in lg.edges), tuple(edge_cost))
+    return ChoiceProblem(names, node_cost, node_mem, tuple((e.src, e.dst) for e in lg.edges), edge_cost)
+
+
+def _edge_costs(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext) -> tuple[np.ndarray, ...]:
+    """Redistribution time of every edge for every pair of its ends' options: computed once per pair
+    of distinct distributions (options of one distribution share rows and columns)."""
+    classes = []  # per vertex: its distinct distributions and each option's index among them
+    for vo in opts:
+        found: dict[Distribution, int] = {}
+        idx = np.array([found.setdefault(vo.dist(k), len(found)) for k in range(len(vo.options))], dtype=np.int64)
+        classes.append((list(found), idx))
+    out = []
+    for e in lg.edges:
+        (du, iu), (dv, iv) = classes[e.src], classes[e.dst]
+        numel = e.per_sample_numel * ctx.batch
+        small = np.array([[redistribution_time(numel, a, b, ctx) for b in dv] for a in du], dtype=float)
+        out.append(small[np.ix_(iu, iv)])
+    return tuple(out)
 
 
 def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext) -> list[CommOp]:
@@ -398,10 +405,11 @@ def _evaluate_uniform(s: _Setup, lay: LayerLayout, grad_sync: str):
 def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, grad_sync: str):
     """Best (choice, prediction, method, options) over one option space, or None if nothing fits."""
     opts = _options(s.lg, s.ctx, s.capacity, layouts, even_only)
+    edges = _edge_costs(s.lg, opts, s.ctx)
     best = None
     for w in GRAD_WEIGHTS:
         try:
-            sol = solve(_problem(s.lg, opts, s.ctx, w), s.capacity)
+            sol = solve(_problem(s.lg, opts, s.ctx, w, edges), s.capacity)
         except ValueError:
             continue
         pred, brk = predict_with_breakdown(s.lg, opts, sol.choice, s.ctx, grad_sync)
