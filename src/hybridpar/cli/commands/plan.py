@@ -112,11 +112,14 @@ def register(app: click.Group) -> None:
     def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample,
                  time_share, out, json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
-        from hybridpar.graph.models import parse_shape
         from hybridpar.search.layers.planner import plan_model
 
         limit = parse_bytes(memory_limit)
-        shape = parse_shape(input_shape)
+        shape = None
+        if input_shape:  # graph.models imports torch: only a file model's shape needs it (zoo graphs are cached)
+            from hybridpar.graph.models import parse_shape
+
+            shape = parse_shape(input_shape)
         status = None if json_ else err_console.status("planning", spinner="dots")
         if status is not None:
             status.start()
