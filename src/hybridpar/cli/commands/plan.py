@@ -88,6 +88,44 @@ def _print(res, gpus: int) -> None:
             console.print(f"note: {n}")
 
 
+def with_redistributions(res, model: str, shape, cluster):
+    """The plan's prediction plus what the dry run finds DTensor redistributing between our layers
+    (a softmax or mean over channels, a reshape of an unevenly split tensor ...): bytes per kind, and
+    their time, priced on consecutive ranks of the cluster (the sample group's), not overlapped."""
+    import dataclasses
+
+    from hybridpar.cluster import Cluster, load_cluster
+    from hybridpar.cost import collectives as cc
+    from hybridpar.graph.models import load_model
+    from hybridpar.runtime.dry_run import dry_run
+
+    plan = res.plan
+    if plan.mp > 1 or plan.default_layout.g_size == 1:
+        return res  # sample-only or model-parallel: no DTensor between layers
+    loaded = load_model(model, batch=plan.batch, input_shape=shape)
+    run = dry_run(loaded.module, plan, tuple(loaded.example_inputs), world_size=plan.world_size)
+    cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=plan.world_size)
+    price = {"allgather": cc.allgather_time, "reduce_scatter": cc.reduce_scatter_time,
+             "allreduce": cc.allreduce_time, "alltoall": cc.alltoall_time}
+    records = [r for r in run.dtensor if r["group_size"] > 1]
+    extra_s = sum(price.get(r["kind"], cc.allgather_time)(r["bytes"], tuple(range(r["group_size"])), cl)
+                  for r in records)
+    if not records:
+        return res
+    pr = res.prediction
+    comm = dict(pr.comm_bytes)
+    for k, v in run.dtensor_bytes.items():
+        comm[k] = comm.get(k, 0) + v
+    mods = sorted({r["module"] for r in records})
+    note = (f"dry run: DTensor redistributes between layers in {', '.join(mods[:4])}"
+            f"{' ...' if len(mods) > 4 else ''}: {len(records)} collective(s), {sum(run.dtensor_bytes.values()):,} "
+            f"bytes per step, +{extra_s * 1e3:.3f} ms (priced on consecutive ranks, not overlapped)")
+    pr = pr.model_copy(update={"comm_bytes": comm, "step_time_s": pr.step_time_s + extra_s,
+                               "comm_s": pr.comm_s + extra_s, "exposed_comm_s": pr.exposed_comm_s + extra_s})
+    plan = plan.model_copy(update={"predicted": pr, "notes": [*plan.notes, note]})
+    return dataclasses.replace(res, plan=plan, prediction=pr)
+
+
 def register(app: click.Group) -> None:
     @app.command("plan")
     @click.option("--model", required=True, help="zoo name or path/to/file.py:factory")
@@ -107,10 +145,14 @@ def register(app: click.Group) -> None:
     @click.option("--time-share", type=float, default=None,
                   help="measured slowdown of each rank's compute with all ranks running (default: the "
                        "cluster's; on localhost ranks/cores)")
+    @click.option("--dry-run/--no-dry-run", "dry", default=None,
+                  help="run the planned layout on meta tensors first (hybridpar.runtime.dry_run): refuse ops it "
+                       "cannot serve, and price DTensor's redistributions between layers (default: on for "
+                       "file models, whose code between layers may mix channels; off for the zoo)")
     @click.option("--out", "out", default=None, type=click.Path(dir_okay=False), help="write the Plan JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample,
-                 time_share, out, json_) -> None:
+                 time_share, dry, out, json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
         from hybridpar.search.layers.planner import plan_model
 
@@ -128,6 +170,10 @@ def register(app: click.Group) -> None:
                              input_shape=shape, grad_sync=grad_sync, free_sample=free_sample,
                              time_share=time_share,
                              progress=None if status is None else (lambda msg: status.update(msg)))
+            if dry if dry is not None else ":" in str(model):
+                if status is not None:
+                    status.update("dry run of the layout on meta tensors")
+                res = with_redistributions(res, model, shape, cluster)
         finally:
             if status is not None:
                 status.stop()
