@@ -297,3 +297,18 @@ def test_other_convolutions_equal_flop_counter(conv, shape):
     g = _same_flops(C(), (torch.randn(*shape),))
     node = next(n for n in g.nodes if n.module == "conv")
     assert node.op == ("conv2d" if isinstance(conv, nn.Conv2d) else "conv") and node.bwd_data_flops > 0
+
+
+def test_rebatch_keeps_nested_inputs_and_meta_tensors():
+    from hybridpar.graph.models import rebatch
+
+    ids = torch.arange(8).view(2, 4)
+    extra = {"mask": torch.ones(2, 4, dtype=torch.bool), "scale": torch.tensor(3.0)}
+    out = rebatch((ids, extra, "keep"), 5)
+    assert out[0].shape == (5, 4) and torch.equal(out[0][2], ids[0]) and torch.equal(out[0][3], ids[1])
+    assert out[1]["mask"].shape == (5, 4) and out[1]["mask"].dtype == torch.bool
+    assert out[1]["scale"].shape == () and out[2] == "keep"
+    meta = rebatch((torch.empty(2, 4, dtype=torch.int64, device="meta"),), 3)[0]
+    assert meta.is_meta and meta.shape == (3, 4) and meta.dtype == torch.int64
+    with pytest.raises(UserError, match="--input-shape"):
+        rebatch(("not a tensor",), 3, (3, 8, 8))
