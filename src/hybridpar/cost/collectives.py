@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -369,6 +369,20 @@ def _uniform_ring_flows(rings: Sequence[tuple[int, ...]], frac: float, cluster: 
     ring = np.asarray(rings, dtype=np.int64)
     nodes = ring // g
     one_node = (nodes == nodes[:, :1]).all(axis=1)
+    if one_node.all() and (ring % g == ring[:1] % g).all():
+        # rings inside one node each, alike in every node: the first ring's cycles, shifted node by node
+        shift = (nodes[:, :1] - nodes[0, 0]) * g
+        srcs, dsts, coefs = [], [], []
+        for order, share in _node_cycles(tuple(rings[0]), cluster):
+            cyc = np.asarray(order, dtype=np.int64)[None, :] + shift
+            nxt = np.roll(cyc, -1, axis=1)
+            srcs += [cyc, nxt]
+            dsts += [nxt, cyc]
+            coefs.append(np.full((len(rings), 2 * len(order)), frac * share / p / 2))  # as _ring_flows
+        src = np.concatenate(srcs, axis=1).ravel()
+        dst = np.concatenate(dsts, axis=1).ravel()
+        coef = np.concatenate(coefs, axis=1).ravel()
+        return src, dst, coef, np.arange(len(rings)) * (len(src) // len(rings))
     if one_node.any():
         single_cycle = cluster.intra.kind != "mesh" or p < 3
         if not single_cycle or not (np.diff(ring[one_node], axis=1) > 0).all():
@@ -400,6 +414,8 @@ def _rings_phase_arrays(rings, kind, frac, cluster, table, src, dst, coef, start
         p, steps = len(ring), _STEPS[kind](len(ring))
         gamma = (p - 1) / p * frac * cluster.gamma_s_per_byte if reduces else 0.0
         out.append(_Affine(steps * a, steps * max(0.0, b) + gamma))
+    if len(rings) > 1:  # a phase's time is its slowest ring: equal rings need evaluating once
+        out = list(dict.fromkeys(out))
     return out
 
 
@@ -637,6 +653,61 @@ def concurrent_collective_time(kind: str, bytes_: float, groups: Sequence[Sequen
     parts = _cached(("rc", cluster.cache_key, key, kind),
                     lambda: _rings_phase(_ring_orders(key, cluster), kind, 1.0, cluster))
     return _phase_time(parts, bytes_) + _base(cluster, key)
+
+
+def collective_time_fn(kind: str, groups: Sequence[Sequence[int]], cluster: Cluster,
+                       algo: Algo = "auto") -> Callable[[float], float]:
+    """`concurrent_collective_time(kind, n, groups, cluster)` (for an allreduce:
+    `concurrent_allreduce_time(n, groups, cluster, algo)`) as a function of the bytes n, with the
+    checks, ring orders and phases done once: the planner prices one group set at many sizes.
+    Returns the same floats."""
+    key = _groups_key(groups)
+    if kind == "allreduce":
+        _check_disjoint(key)
+    elif algo != "auto":
+        raise ValueError("algo applies to allreduce only")
+    if all(len(g) <= 1 for g in key):
+        return lambda n: 0.0
+    if kind in ("broadcast", "alltoall"):
+        return lambda n: 0.0 if n <= 0 else max(collective_time(kind, n, g, cluster) for g in key)
+    if kind != "allreduce" and kind not in _STEPS:
+        raise ValueError(f"unknown collective kind {kind!r}")
+    sizes = {len(g) for g in key}
+    fit = (cluster.measured_collective(kind, next(iter(sizes)))
+           if cluster.measured_collectives and len(sizes) == 1 and algo == "auto" else None)
+    base = _base(cluster, key)
+    if kind != "allreduce":
+        parts = _cached(("rc", cluster.cache_key, key, kind),
+                        lambda: _rings_phase(_ring_orders(key, cluster), kind, 1.0, cluster))
+
+        def ring_time(n: float) -> float:
+            if n <= 0:
+                return 0.0
+            return fit.time_s(n) if fit is not None else _phase_time(parts, n) + base
+
+        return ring_time
+    if algo == "tree" and len(key) > 1:
+        raise ValueError("tree allreduce is modelled for a single group only")
+    options = []
+    for name in _candidates(key) if algo == "auto" else [algo]:
+        phases = _allreduce_phases(key, cluster, name)
+        if phases is None:
+            if algo == "auto":
+                continue
+            phases = _allreduce_phases(key, cluster, "ring")  # hierarchical where it does not apply
+        options.append(phases)
+
+    def allreduce(n: float) -> float:
+        if n <= 0:
+            return 0.0
+        if fit is not None:
+            return fit.time_s(n)
+        best = math.inf
+        for phases in options:
+            best = min(best, _phases_time(phases, n))
+        return best + base
+
+    return allreduce
 
 
 def _ring_collective(n: float, ranks: Sequence[int], cluster: Cluster, kind: str) -> float:

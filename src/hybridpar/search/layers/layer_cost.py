@@ -76,6 +76,8 @@ class CostContext:
         self.elem = DTYPE_BYTES[dtype]
         self._coll = collectives
         self._memo: dict[tuple, float] = {}
+        self._fns: dict[tuple, object] = {}
+        self._ops: dict[tuple, tuple] = {}
         # layer costs by what decides them (shapes, FLOPs, attributes, layout), not by node name:
         # ResNet-50's 16 bottleneck blocks have 10 distinct shapes between them
         self.layer_memo: dict[tuple, LayerCost] = {}
@@ -89,11 +91,19 @@ class CostContext:
     def op(self, node: Node, s: int, channel_frac: float, filter_frac: float = 1.0):
         from hybridpar.cost.compute import op_time
 
+        # memo per node object (kept alive in the value): the followers of a layer cost the same
+        # under every (channel, filter) split with one product
+        k = (id(node), s, channel_frac, filter_frac)
+        hit = self._ops.get(k)
+        if hit is not None and hit[0] is node:
+            return hit[1]
         # batch norm over several sample groups runs the runtime's global-statistics function
         variant = "batchnorm_global" if node.op == "batchnorm" and s > 1 and self.bn_stats == "global" else None
-        return op_time(node, self.cluster.device, dtype=self.dtype, sample_frac=1.0 / s,
-                       channel_frac=channel_frac, filter_frac=filter_frac, calibration=self.calibration,
-                       variant=variant)
+        t = op_time(node, self.cluster.device, dtype=self.dtype, sample_frac=1.0 / s,
+                    channel_frac=channel_frac, filter_frac=filter_frac, calibration=self.calibration,
+                    variant=variant)
+        self._ops[k] = (node, t)
+        return t
 
     def comm_time(self, op: CommOp) -> float:
         key = (op.group, op.layout) if op.group else op.groups
@@ -104,24 +114,34 @@ class CostContext:
             return 0.0
         cl, co = self.cluster, self._coll
         if kind == "allreduce":
-            return self._segmented_allreduce(bytes_, groups)
+            return self._segmented_allreduce(bytes_, key, groups)
         if kind == "alltoall":
             return co.alltoall_time(bytes_, groups[0], cl)
-        return co.concurrent_collective_time(kind, bytes_, groups, cl)
+        return self._fn(kind, key, groups)(bytes_)
 
-    def _segmented_allreduce(self, bytes_: int, groups) -> float:
+    def _fn(self, kind: str, key, groups, algo: str = "auto", first: bool = False):
+        """The collective's time as a function of the bytes for one group set (its checks, ring
+        orders and phases computed once; `collective_time_fn`), memoised by the set's cache key.
+        `first`: the first group alone."""
+        k = (kind, key, algo, first)
+        fn = self._fns.get(k)
+        if fn is None:
+            fn = self._fns[k] = self._coll.collective_time_fn(kind, (groups[0],) if first else groups, self.cluster,
+                                                              algo=algo)
+        return fn
+
+    def _segmented_allreduce(self, bytes_: int, key, groups) -> float:
         """Concurrent allreduces. The cost model offers the tree algorithm for one group only, yet
         small (latency-bound) allreduces in many groups at once run as trees too (NCCL picks per
         communicator); so the best single-group time, stretched by the link contention the ring
         algorithm sees among these groups, is taken when it beats the concurrent ring/hierarchical.
         (Approximation: contention of concurrent trees = that of concurrent rings.)"""
-        cl, co = self.cluster, self._coll
-        shared = co.concurrent_allreduce_time(bytes_, groups, cl)
+        shared = self._fn("allreduce", key, groups)(bytes_)
         if len(groups) == 1:
             return shared
-        ring_many = co.concurrent_allreduce_time(bytes_, groups, cl, algo="ring")
-        ring_one = co.allreduce_time(bytes_, groups[0], cl, algo="ring")
-        alone = co.allreduce_time(bytes_, groups[0], cl)
+        ring_many = self._fn("allreduce", key, groups, "ring")(bytes_)
+        ring_one = self._fn("allreduce", key, groups, "ring", first=True)(bytes_)
+        alone = self._fn("allreduce", key, groups, first=True)(bytes_)
         return min(shared, alone * max(1.0, ring_many / ring_one if ring_one > 0 else 1.0))
 
 

@@ -9,8 +9,6 @@ same distribution), which keeps the edge variables few. With x integral, y is in
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from hybridpar.search.layers.sp_dp import ChoiceProblem, Solution
 
@@ -26,6 +24,10 @@ def _classes(mat: np.ndarray, axis: int) -> np.ndarray:
 
 def solve_ilp(problem: ChoiceProblem, memory_limit: float | None = None,
               time_limit_s: float = 30.0) -> Solution:
+    # scipy's optimiser takes most of a second to import: only when a plan needs the MILP
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
     offs = np.cumsum([0, *(len(c) for c in problem.node_cost)])
     nx = int(offs[-1])
     xc = np.concatenate(problem.node_cost)
