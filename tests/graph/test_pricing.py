@@ -312,3 +312,18 @@ def test_rebatch_keeps_nested_inputs_and_meta_tensors():
     assert meta.is_meta and meta.shape == (3, 4) and meta.dtype == torch.int64
     with pytest.raises(UserError, match="--input-shape"):
         rebatch(("not a tensor",), 3, (3, 8, 8))
+
+
+def test_vector_products_are_priced():
+    class V(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            m = torch.mv(x, self.w)  # (4, 8) @ (8,)
+            return m + torch.dot(x[0], x[1])
+
+    g = trace(V(), (torch.randn(4, 8),))
+    att = sorted(n.fwd_flops for n in g.nodes if n.op == "attention")
+    assert att == [2 * 8, 2 * 4 * 8]

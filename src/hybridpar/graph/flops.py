@@ -80,7 +80,7 @@ def _attention(ins, out, a, grads, has_w) -> Flops:
     # An activation x activation product (attention scores / context): out = A @ B over K; an einsum
     # carries its own count (graph/ops.py: einsum_flops). Each operand's gradient is a product of the
     # same size; a bias (baddbmm) needs none.
-    f = int(a["flops"]) if "flops" in a else 2 * _n(out) * int(a["k"])
+    f = int(a["flops"]) if "flops" in a else 2 * prod(out) * int(a["k"])  # prod(()) = 1: a dot product
     operands = grads[-2:] if len(grads) > 2 else grads
     data = sum(f for g in operands if g)
     return Flops(f, data, f if has_w else 0)

@@ -50,7 +50,14 @@ _FOLD = {
     "int", "double", "bfloat16", "requires_grad_", "_assert_tensor_metadata", "_assert_scalar",
     "sym_constrain_range_for_size", "scalar_tensor", "item", "eq", "ne", "lt", "le", "gt", "ge",
     "__and__", "__or__", "__invert__", "logical_and", "logical_or", "logical_not", "argmax", "argmin",
-    "flatten_dense_tensors",
+    "flatten_dense_tensors", "bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "logical_xor",
+    "isnan", "isinf", "isfinite", "any", "all", "nonzero", "one_hot", "scatter", "scatter_", "scatter_add",
+    "scatter_add_", "index_add", "index_add_", "index_put", "index_put_", "index_fill", "index_fill_",
+    "masked_scatter", "repeat_interleave", "unsqueeze_", "squeeze_", "transpose_", "t_", "detach_", "fill",
+    "resize_", "lift", "_local_scalar_dense", "sym_numel", "sym_stride", "sym_storage_offset", "stride",
+    "expand_copy", "view_copy", "permute_copy", "slice_copy", "select_copy", "unsqueeze_copy",
+    "squeeze_copy", "transpose_copy", "t_copy", "alias_copy", "_unsafe_index", "_unsafe_index_put",
+    "unfold_copy", "split_copy", "unbind_copy", "narrow_copy", "diagonal_copy", "as_strided_copy",
 }
 
 _KINDS = {
@@ -61,7 +68,9 @@ _KINDS = {
     "scaled_dot_product_attention": "sdpa", "_scaled_dot_product_flash_attention_for_cpu": "sdpa",
     "_scaled_dot_product_flash_attention": "sdpa", "_scaled_dot_product_efficient_attention": "sdpa",
     "_scaled_dot_product_cudnn_attention": "sdpa",
-    "matmul": "matmul", "mm": "matmul", "bmm": "matmul", "baddbmm": "matmul", "einsum": "einsum",
+    "matmul": "matmul", "mm": "matmul", "bmm": "matmul", "baddbmm": "matmul", "addbmm": "matmul",
+    "mv": "matmul", "addmv": "matmul", "dot": "matmul", "vdot": "matmul", "einsum": "einsum",
+    "outer": "mul", "ger": "mul",
     "batchnorm1d": "batchnorm", "batchnorm2d": "batchnorm", "batchnorm3d": "batchnorm", "syncbatchnorm": "batchnorm",
     "batch_norm": "batchnorm",
     "_native_batch_norm_legit_functional": "batchnorm", "_native_batch_norm_legit": "batchnorm",
@@ -122,12 +131,19 @@ _KINDS = {
     "upsample_trilinear3d": "pointwise", "interpolate": "pointwise", "upsample": "pointwise",
     "upsamplingbilinear2d": "pointwise",
     "upsamplingnearest2d": "pointwise", "grid_sample": "pointwise", "cumsum": "pointwise",
-    "cumprod": "pointwise", "softmax_": "softmax",
+    "cumprod": "pointwise", "softmax_": "softmax", "nan_to_num": "pointwise", "logit": "pointwise",
+    "exp2": "pointwise", "log10": "pointwise", "sinh": "pointwise", "cosh": "pointwise", "tan": "pointwise",
+    "atan": "pointwise", "atan2": "pointwise", "asin": "pointwise", "acos": "pointwise", "trunc": "pointwise",
+    "frac": "pointwise", "sgn": "pointwise", "hypot": "pointwise", "copysign": "pointwise",
+    "heaviside": "pointwise", "xlogy": "pointwise", "sigmoid_backward": "pointwise",
     # reductions over the input: 1 FLOP per input element each way
     "mean": "reduce", "sum": "reduce", "max": "reduce", "min": "reduce", "amax": "reduce", "amin": "reduce",
     "prod": "reduce", "std": "reduce", "var": "reduce", "var_mean": "reduce", "std_mean": "reduce",
     "norm": "reduce", "linalg_vector_norm": "reduce", "vector_norm": "reduce", "normalize": "reduce",
     "logsumexp": "reduce", "cosine_similarity": "reduce", "pairwise_distance": "reduce",
+    "cosinesimilarity": "reduce", "pairwisedistance": "reduce", "linalg_norm": "reduce",
+    "frobenius_norm": "reduce", "sum_to_size": "reduce", "topk": "reduce", "sort": "reduce", "argsort": "reduce",
+    "kthvalue": "reduce", "median": "reduce", "dist": "reduce", "cdist": "reduce", "aminmax": "reduce",
 }
 
 # Modules whose work is given by a measured FlopCounterMode run when they are leaves of the graph.
