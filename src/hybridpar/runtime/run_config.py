@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from hybridpar.errors import UserError
 from hybridpar.plans import Plan
@@ -55,18 +57,23 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
                checkpoint_every: int = 0, resume: str | bool = "no", overwrite: bool = False,
                deterministic: bool = False, optimizer: str = "sgd", lr_schedule: str = "constant",
                warmup_steps: int = 0, grad_clip: float | None = None, precision: str = "fp32",
-               metrics: str | None = None, launcher_world: int | None = None,
-               local_ranks: int | None = None) -> RunSetup:
+               metrics: str | None = None, workers: int | None = None, launcher_world: int | None = None,
+               local_ranks: int | None = None, place: Callable[[Plan, nn.Module], Plan] | None = None) -> RunSetup:
     """Validate a training run and return its RunSetup (UserError, with `param` set, on bad input).
 
     `plan`: a Plan or the path of a plan.json; exactly one of `plan` and `strategy`. `launcher_world`:
     the world a launcher (torchrun) already started (None: this call's ranks are spawned locally);
     `local_ranks`: how many of those share this machine (default: all of them). `resume`: "no",
     "yes" (continue from this run's newest good checkpoint; refuse when every checkpoint is damaged)
-    or "if-any" (start at step 0 then); True/False mean "yes"/"no"."""
+    or "if-any" (start at step 0 then); True/False mean "yes"/"no". `place(plan, module)`: returns a
+    model-parallel plan with its placement filled in (the caller's search, e.g.
+    hybridpar.cli.placement.with_placement; the runtime never searches); without it such a plan
+    must come with its placement."""
     resume = {True: "yes", False: "no", None: "no"}.get(resume, resume)  # type: ignore[arg-type]
     _check_counts(batch=batch, steps=steps, epochs=epochs, nproc=nproc, synthetic_size=synthetic_size,
                   micro_batches=micro_batches)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise UserError(f"workers must be an integer >= 0, got {workers!r}", param="workers")
     _check_numbers(lr=lr, momentum=momentum, weight_decay=weight_decay, seed=seed,
                    checkpoint_every=checkpoint_every)
     if (strategy is None) == (plan is None):
@@ -94,8 +101,14 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
     shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
     _check_sample_size(shape, batch)
     spec, act_bytes = _dry_run(loaded)
+    if the_plan.mp > 1 and the_plan.placement is None:
+        if place is None:
+            raise UserError("plan: a model-parallel plan needs its placement before launch (write one with "
+                            "`hybridpar place --out` or `hybridpar plan --out`)", param="plan")
+        the_plan = place(the_plan, loaded.module)
     _check_layout(loaded.module, the_plan, batch, micro_batches, precision)
-    n, sample_bytes = _data_size(data, shape, spec, synthetic_size, seed, loaded)
+    n, data_bytes = _data_size(data, shape, spec, synthetic_size, seed, loaded)
+    sample_bytes = math.prod(shape) * (8 if spec.vocab is not None else 4)
     if n < batch:
         raise UserError(f"data {data} has {n} samples, fewer than batch {batch}", param="data")
     if init_from is not None:
@@ -109,7 +122,7 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume != "no",
                       overwrite=overwrite, deterministic=deterministic, optimizer=optimizer,
                       lr_schedule=lr_schedule, warmup_steps=warmup_steps, grad_clip=grad_clip, precision=precision,
-                      metrics=metrics)
+                      metrics=metrics, workers=workers, local_ranks=local_ranks)
     cfg = replace(cfg, identity=run_identity(cfg))
     if metrics:
         cfg = replace(cfg, flops_per_step=_step_flops(loaded, batch), peak_flops=_peak(the_plan, precision))
@@ -117,7 +130,7 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
     if last < 1:
         raise UserError("nothing to train: 0 steps", param="steps")
 
-    per_rank = estimate_rank_memory(loaded.module, the_plan, batch, n * sample_bytes, act_bytes,
+    per_rank = estimate_rank_memory(loaded.module, the_plan, batch, data_bytes, act_bytes,
                                     optimizer_slots=2 if optimizer == "adamw" else 1 if momentum else 0,
                                     input_bytes=batch * sample_bytes)
     _check_memory(per_rank, local_ranks or world, launched=launcher_world is not None)
@@ -342,30 +355,26 @@ def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision:
 
 
 def _data_size(data: str, shape, spec, synthetic_size: int, seed: int, loaded) -> tuple[int, int]:
-    """(samples, bytes per sample as every rank holds them), without building large data sets here."""
+    """(samples, bytes of them that every rank holds in memory), without building large data sets here.
+    synthetic, digits and .pt files are held whole; image folders, .npy arrays (memory-mapped) and
+    factories' data sets are read batch by batch (their cost is in the batch, counted elsewhere)."""
     sample = math.prod(shape) * (8 if spec.vocab is not None else 4) + 8 * max(1, math.prod(spec.label_shape))
     if data == "synthetic":
-        return synthetic_size, sample
+        return synthetic_size, synthetic_size * sample
+    from hybridpar.runtime import data as data_mod
+
     if data == "digits":
         from sklearn.datasets import load_digits
 
         n = len(load_digits().target)
-        _check_data_memory(data, n * sample)
-    else:
-        from hybridpar.runtime import data as data_mod
-
-        if Path(data).is_file():
-            _check_data_memory(data, Path(data).stat().st_size)
-        opener = getattr(data_mod, "open_dataset", data_mod.load_dataset)
-        try:
-            ds = opener(data, shape, num_classes=spec.num_classes, size=synthetic_size, seed=seed,
-                        vocab=spec.vocab, label_shape=spec.label_shape)
-        except TypeError:  # an older data module without the example-inputs check
-            ds = data_mod.load_dataset(data, shape, num_classes=spec.num_classes, size=synthetic_size, seed=seed,
-                                       vocab=spec.vocab, label_shape=spec.label_shape)
-        n = len(ds)
-        _check_finite_data(data, ds)
-    return n, sample
+        _check_data_memory(data, n * sample)  # before the images are resized to the model's input
+    elif Path(data).is_file():
+        _check_data_memory(data, Path(data).stat().st_size)
+    ds = data_mod.open_dataset(data, shape, num_classes=spec.num_classes, size=synthetic_size, seed=seed,
+                               vocab=spec.vocab, label_shape=spec.label_shape, example_inputs=loaded.example_inputs)
+    n = len(ds)
+    _check_finite_data(data, ds)
+    return n, n * sample if isinstance(ds, data_mod.Dataset) else 0
 
 
 def _check_data_memory(data: str, nbytes: int) -> None:

@@ -59,6 +59,8 @@ class TrainConfig:
     deterministic: bool = False
     micro_batches: int = 1  # GPipe micro-batches per replica (MP plans only)
     gns: bool = False  # online gradient noise scale (hybridpar.runtime.grad_noise), one tiny allreduce/step
+    workers: int | None = None  # data loader processes per rank (None: runtime.data.default_workers)
+    local_ranks: int | None = None  # ranks sharing this machine (None: all), to share its cores among loaders
     # Optimizer, schedule, clipping and precision (hybridpar.runtime.optim):
     optimizer: str = "sgd"  # sgd | adamw | lars
     lr_schedule: str = "constant"  # constant | cosine | poly, after `warmup_steps` of linear warm-up
@@ -133,7 +135,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     (param bytes gathered from all ranks)."""
     from hybridpar.runtime import checkpoint as ckpt
     from hybridpar.runtime import faults
-    from hybridpar.runtime.data import batch_indices, data_spec, load_dataset
+    from hybridpar.runtime.data import batches, data_spec, default_workers, open_dataset
     from hybridpar.runtime.engine import make_engine
     from hybridpar.runtime.launch import current_device
     from hybridpar.runtime.metrics import peak_memory_bytes
@@ -148,8 +150,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     resumed = ckpt.load_checkpoint(info, loaded.module) if info else None  # weights, before sharding
     shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
     spec = data_spec(loaded)
-    ds = load_dataset(cfg.data, shape, num_classes=spec.num_classes, size=cfg.synthetic_size, seed=cfg.seed,
-                      vocab=spec.vocab, label_shape=spec.label_shape)
+    ds = open_dataset(cfg.data, shape, num_classes=spec.num_classes, size=cfg.synthetic_size, seed=cfg.seed,
+                      vocab=spec.vocab, label_shape=spec.label_shape, example_inputs=loaded.example_inputs)
     device = current_device()  # CUDA under torchrun+NCCL; batches move there step by step
     engine = make_engine(loaded.module.to(device), cfg.plan, bn_stats=cfg.bn_stats,
                          micro_batches=cfg.micro_batches)
@@ -172,11 +174,12 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     last = total_steps(cfg, len(ds))
     error, code = None, 0
     last_saved = start or None  # the newest good checkpoint: the one resumed from, then each one written
-    for step in range(start, last):
+    workers = default_workers(ds, cfg.local_ranks or dist.get_world_size()) if cfg.workers is None else cfg.workers
+    feed = batches(ds, cfg.batch, start=start, stop=last, seed=cfg.seed, shuffle=cfg.shuffle, workers=workers,
+                   device=device)  # the same global batches on every rank, read by loader workers
+    for step, x, y in feed:
         faults.maybe_inject_failure(step)
-        idx = batch_indices(len(ds), cfg.batch, step, shuffle=cfg.shuffle, seed=cfg.seed)
-        x, y = ds.take(idx) if hasattr(ds, "take") else (ds.x[idx], ds.y[idx])
-        x_loc, y_loc = engine.local_batch(_to(x, device), y.to(device))
+        x_loc, y_loc = engine.local_batch(x, y)
         lr = lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, last)
         set_lr(opt, lr)
         t0 = time.perf_counter()
@@ -217,6 +220,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
                 queue.put(info.to_dict())
             for cb in callbacks:
                 cb(info, engine, opt)
+    feed.close()  # stops the loader's workers when the loop ended early
     if rank == 0 and hasattr(queue, "join_thread"):  # a multiprocessing queue (spawn): every StepInfo
         queue.close()                                  # reaches the parent before this rank exits
         queue.join_thread()
@@ -251,14 +255,6 @@ def _resume_point(cfg: TrainConfig):
     if cfg.resume and cfg.checkpoint_dir:
         return ckpt.latest_checkpoint(cfg.checkpoint_dir, owner=checkpoint_meta(cfg).get("run_id"))
     return None
-
-
-def _to(x, device):
-    if torch.is_tensor(x):
-        return x.to(device)
-    from hybridpar.runtime.data import to_device
-
-    return to_device(x, device)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

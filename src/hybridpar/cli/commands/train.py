@@ -36,6 +36,8 @@ def register(app: click.Group) -> None:
                   help="batch-norm statistics over the global batch (= serial) or each rank's samples")
     @click.option("--synthetic-size", type=int, default=1024, show_default=True,
                   help="samples in --data synthetic")
+    @click.option("--workers", type=int, default=None,
+                  help="data loader processes per rank (default: none for data in memory, else the cores shared)")
     @click.option("--checkpoint-dir", type=click.Path(), default=None,
                   help="write sharded atomic checkpoints here (a directory every rank can reach; one run each)")
     @click.option("--checkpoint-every", type=int, default=0, show_default=True,
@@ -75,6 +77,7 @@ def register(app: click.Group) -> None:
 
         Exit status: 0 done (or nothing left to do), 1 a rank failed, 2 bad input (nothing started),
         3 a step's loss or gradients were NaN/Inf (nothing saved; the last good checkpoint is intact)."""
+        from hybridpar.cli.placement import with_placement
         from hybridpar.runtime import launch
         from hybridpar.runtime.run_config import claim_checkpoint_dir, run_config
 
@@ -87,7 +90,8 @@ def register(app: click.Group) -> None:
         launched = launch.under_launcher()
         setup = run_config(**options, shuffle=not no_shuffle, resume=resume or "no",
                            launcher_world=int(os.environ["WORLD_SIZE"]) if launched else None,
-                           local_ranks=_local_world() if launched else None)
+                           local_ranks=_local_world() if launched else None,
+                           place=None if launched else with_placement)  # ranks must agree: no search there
         rank0 = not launched or os.environ.get("RANK") == "0"
         if rank0:
             for note in setup.notes:
