@@ -108,6 +108,8 @@ def _step(flows: Sequence[_Flow], cluster: Cluster, load: Counter | None = None)
     `load` counts every transfer on each link in this step, including other groups' transfers."""
     if not flows:
         return _Affine(0.0, 0.0)
+    if load is None and len(flows) >= 16 and (table := _route_table(cluster)) is not None:
+        return _step_vectorised(flows, cluster, table)
     routes = [cluster.route(s, d) for s, d, _ in flows]
     if load is None:
         load = Counter(link for r in routes for link in r.links)
@@ -118,6 +120,35 @@ def _step(flows: Sequence[_Flow], cluster: Cluster, load: Counter | None = None)
             bw = min(cap / load[link] for link, cap in zip(r.links, r.capacities_Bps))
             beta = max(beta, coef / bw)
     return _Affine(alpha, beta)
+
+
+def _step_vectorised(flows: Sequence[_Flow], cluster: Cluster, table: _RouteTable) -> _Affine:
+    """`_step` on arrays (the same floats), for steps with many flows (a tree level over many nodes)."""
+    src = np.fromiter((f[0] for f in flows), dtype=np.int64, count=len(flows))
+    dst = np.fromiter((f[1] for f in flows), dtype=np.int64, count=len(flows))
+    coef = np.fromiter((f[2] for f in flows), dtype=float, count=len(flows))
+    (alpha,), (beta,) = _bottlenecks(cluster, table, src, dst, coef, np.zeros(1, dtype=np.int64))
+    return _Affine(alpha, max(0.0, beta))
+
+
+def _bottlenecks(cluster: Cluster, table: _RouteTable, src: np.ndarray, dst: np.ndarray, coef: np.ndarray,
+                 starts: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per group of flows (contiguous, from each start): the largest latency and the largest
+    coef / bandwidth, every link shared evenly by all the flows on it."""
+    g = cluster.gpus_per_node
+    if src.min() < 0 or max(src.max(), dst.max()) >= cluster.num_devices:
+        cluster.route(int(src.min()), int(dst.max()))  # raises the cluster's own error
+    cls = _route_class(src, dst, g)
+    side, cap = table.side[cls], table.cap[cls]
+    node = np.where(side == 0, (src // g)[:, None], (dst // g)[:, None])
+    link = node * table.per_node + table.local[cls]
+    valid = side >= 0
+    load = np.bincount(link[valid], minlength=1)
+    per_link = np.where(valid, cap / np.where(valid, load[np.where(valid, link, 0)], 1), np.inf)
+    bw = per_link.min(axis=1)
+    beta = np.maximum.reduceat(coef / bw, starts)
+    alpha = np.maximum.reduceat(table.latency[cls], starts)
+    return alpha.tolist(), beta.tolist()
 
 
 def _ring_flows(ring: Sequence[int], coef: float) -> list[_Flow]:
@@ -395,22 +426,10 @@ def _uniform_ring_flows(rings: Sequence[tuple[int, ...]], frac: float, cluster: 
 
 
 def _rings_phase_arrays(rings, kind, frac, cluster, table, src, dst, coef, starts) -> list[_Affine]:
-    g = cluster.gpus_per_node
-    if src.min() < 0 or max(src.max(), dst.max()) >= cluster.num_devices:
-        cluster.route(int(src.min()), int(dst.max()))  # raises the cluster's own error
-    cls = _route_class(src, dst, g)
-    side, cap = table.side[cls], table.cap[cls]
-    node = np.where(side == 0, (src // g)[:, None], (dst // g)[:, None])
-    link = node * table.per_node + table.local[cls]
-    valid = side >= 0
-    load = np.bincount(link[valid], minlength=1)
-    per_link = np.where(valid, cap / np.where(valid, load[np.where(valid, link, 0)], 1), np.inf)
-    bw = per_link.min(axis=1)
-    beta = np.maximum.reduceat(coef / bw, starts)
-    alpha = np.maximum.reduceat(table.latency[cls], starts)
+    alpha, beta = _bottlenecks(cluster, table, src, dst, coef, starts)
     reduces = kind != "allgather"
     out = []
-    for ring, a, b in zip(rings, alpha.tolist(), beta.tolist()):
+    for ring, a, b in zip(rings, alpha, beta):
         p, steps = len(ring), _STEPS[kind](len(ring))
         gamma = (p - 1) / p * frac * cluster.gamma_s_per_byte if reduces else 0.0
         out.append(_Affine(steps * a, steps * max(0.0, b) + gamma))
@@ -443,6 +462,8 @@ def _node_cycles(ring: tuple[int, ...], cluster: Cluster) -> list[tuple[tuple[in
 
 
 def _phase_time(parts: Sequence[_Affine], n: float) -> float:
+    if len(parts) == 1:
+        return parts[0].at(n)
     return max((x.at(n) for x in parts), default=0.0)
 
 
@@ -491,16 +512,15 @@ def _ring_orders(groups: Sequence[Sequence[int]], cluster: Cluster) -> list[tupl
     if arr.min() < 0 or arr.max() >= cluster.num_devices or not (arr == arr[:1] + off).all():
         return [ring_order(g, cluster) for g in groups]
     g = cluster.gpus_per_node
-    out: list[tuple[int, ...]] = []
-    reps: dict[int, tuple[int, np.ndarray]] = {}  # offset mod g -> (offset, ring order)
-    for i, o in enumerate(off[:, 0].tolist()):
-        rep = reps.get(o % g)
-        if rep is None:
-            order = ring_order(groups[i], cluster)
-            reps[o % g] = (o, np.asarray(order, dtype=np.int64))
-            out.append(order)
-        else:
-            out.append(tuple((rep[1] + (o - rep[0])).tolist()))
+    shift = off[:, 0]
+    out: list[tuple[int, ...]] = [()] * len(groups)
+    for r in np.unique(shift % g).tolist():  # one translation class at a time
+        idx = np.flatnonzero(shift % g == r)
+        first = int(idx[0])
+        order = np.asarray(ring_order(groups[first], cluster), dtype=np.int64)
+        shifted = (order[None, :] + (shift[idx] - shift[first])[:, None]).tolist()
+        for i, row in zip(idx.tolist(), shifted):
+            out[i] = tuple(row)
     return out
 
 

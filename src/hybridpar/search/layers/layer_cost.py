@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import ceil, prod
 
 from hybridpar.cost.collectives import CommOp
@@ -180,6 +181,7 @@ def channels_of(shape: Sequence[int]) -> int:
     return int(shape[1]) if len(shape) > 1 else 1
 
 
+@lru_cache(maxsize=4096)
 def _groups_of(name: str, layout: LayerLayout) -> tuple[Groups, LayerLayout]:
     """The concurrent rank groups a layout_comm group name stands for, and their cache key."""
     s, g = layout.sample, layout.channel * layout.filter
