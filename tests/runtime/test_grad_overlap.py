@@ -24,7 +24,10 @@ def _overlap(strategy: str) -> dict:
     sync.bucket_bytes = 1  # every parameter its own bucket: launched the moment its gradient is ready
     x = torch.randn(8, 3, 8, 8, requires_grad=True)
     stamps = {}
-    x.register_hook(lambda g: stamps.setdefault("input_grad", time.perf_counter()))  # the last backward op
+    def mark(_grad):  # the input's gradient is the last thing backward computes
+        stamps.setdefault("input_grad", time.perf_counter())
+
+    x.register_hook(mark)
     F.cross_entropy(model(x), torch.randint(0, 10, (8,))).backward()
     return {"launches": list(sync.launch_times), "input_grad": stamps["input_grad"],
             "synced": all(p.grad is not None for p in model.parameters())}

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpar.layout import GridPos, piece_offsets, piece_sizes, ranges
-from hybridpar.runtime.conv import ConvGeometry, weight_block
+from hybridpar.runtime.layers.conv import ConvGeometry, weight_block
 from hybridpar.runtime.state import ShardInfo, place
 
 

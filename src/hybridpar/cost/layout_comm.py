@@ -167,7 +167,7 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
 
 def _channel_concat(node: Node, S: int, G: int, g: int, input_grad: bool, b: int) -> list[CommOp]:
     """torch.cat along channels of channel-split inputs: an all-to-all in the sample group moving the
-    parts of the concatenation's piece that other ranks hold (hybridpar.runtime.channel_ops)."""
+    parts of the concatenation's piece that other ranks hold (hybridpar.runtime.layers.concat)."""
     ins = node.in_shapes
     if len(ins) < 2 or len(node.out_shape) < 2 or sum(s[1] for s in ins) != node.out_shape[1] \
             or any(s[2:] != node.out_shape[2:] for s in ins):

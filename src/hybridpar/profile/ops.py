@@ -145,7 +145,7 @@ def _global_bn(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) 
     """The runtime's global-statistics batch norm on a one-rank group: its local work, no allreduce."""
     from hybridpar.runtime.comm_log import CommLog
     from hybridpar.runtime.grid import Group
-    from hybridpar.runtime.norm import GlobalBatchNormFunction, NormComm
+    from hybridpar.runtime.layers.norm import GlobalBatchNormFunction, NormComm
 
     comm = NormComm(Group((0,), None, 0), CommLog(), "profile")
     return GlobalBatchNormFunction.apply(x, w, b, 1e-5, comm, x.new_zeros(x.shape[1]),

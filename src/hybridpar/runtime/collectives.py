@@ -22,7 +22,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def concat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     """torch.cat by copies: the runtime's own concatenations must not be mistaken for a model's
-    channel concatenation by hybridpar.runtime.channel_ops.ChannelCatMode."""
+    channel concatenation by hybridpar.runtime.layers.concat.ChannelCatMode."""
     shape = list(parts[0].shape)
     shape[dim] = sum(p.shape[dim] for p in parts)
     out = parts[0].new_empty(shape)

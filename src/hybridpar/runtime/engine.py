@@ -1,7 +1,10 @@
-"""The training engine contract (docs/INTERFACES.md, "Runtime engine") and the channel/filter/sample
-engine. `make_engine(module, plan)` hands plans with mp > 1 to hybridpar.runtime.mp.engine.MPEngine."""
+"""The training engine contract (`Engine`) and the channel/filter/sample engine.
+`make_engine(module, plan)` hands plans with mp > 1 to hybridpar.runtime.mp.engine.MPEngine."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,27 @@ from hybridpar.plans import LayerLayout, Plan
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.parallel_model import parallelize
 from hybridpar.runtime.state import gather_full_state
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What `hybridpar train`'s loop drives (ChannelFilterEngine, MPEngine)."""
+
+    comm_log: CommLog
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def local_batch(self, x, y) -> tuple: ...
+
+    def warm_up(self, sample_shape: tuple[int, ...]) -> None: ...
+
+    def train_step(self, x, y) -> float: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+
+    def param_bytes(self) -> int: ...
+
+    def param_bytes_by_type(self) -> dict[str, int]: ...
 
 
 def local_slice(t: torch.Tensor, grid, split_channels: bool = True) -> torch.Tensor:
@@ -56,8 +80,8 @@ class ChannelFilterEngine:
 
     def param_bytes_by_type(self) -> dict[str, int]:
         """This rank's parameter bytes per layer type (conv, linear, norm, other)."""
-        from hybridpar.runtime.conv import DistConv2d, DistLinear
-        from hybridpar.runtime.norm import DistBatchNorm
+        from hybridpar.runtime.layers.conv import DistConv2d, DistLinear
+        from hybridpar.runtime.layers.norm import DistBatchNorm
 
         kinds = ((nn.Conv2d, DistConv2d), "conv"), ((nn.Linear, DistLinear), "linear"), \
             ((nn.modules.batchnorm._BatchNorm, DistBatchNorm), "norm")

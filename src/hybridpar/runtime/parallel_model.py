@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from hybridpar.errors import UserError
-from hybridpar.layout import piece_sizes, ranges
 from hybridpar.plans import LayerLayout, Plan, parse_strategy
 from hybridpar.runtime.comm_log import CommLog
+from hybridpar.runtime.layers.styles import splits_as_conv
 
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 INPUT_MODES = ("global", "sample_shard")
 
 
@@ -94,12 +93,6 @@ def check_parallelizable(module: nn.Module, layouts: Layouts, batch: int | None 
                             "replicated over channel_filter in the default layout")
 
 
-def splits_as_conv(m: nn.Module) -> bool:
-    """A Conv2d our distributed convolution computes exactly (plain type: a subclass may override
-    forward, e.g. weight standardisation, and runs through DTensor's rules instead)."""
-    return type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros"
-
-
 @dataclass
 class ParallelState:
     """What parallelize did: the grids, and where each local tensor sits in the undistributed one."""
@@ -163,14 +156,14 @@ def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: st
         dtensor_rules.install(extra_ops)
         state.meshes = build_meshes(layouts.default, _device_type(module))
     for name, m in list(module.named_modules()):
-        new = _replacement(name, m, layouts.of(name), state, bn_stats)
+        new = _replacement(name, m, layouts.of(name), state)
         if new is not None:
             if state.meshes is not None:
                 new.meshes = state.meshes
             _set_submodule(module, name, new)
     if state.meshes is not None:
         _replicate_the_rest(module, state.meshes)
-        from hybridpar.runtime.channel_ops import install
+        from hybridpar.runtime.layers.concat import install
 
         install(module, state.grid, state.meshes)  # torch.cat along channels in the model's forward
     _install_io(module, state)
@@ -218,8 +211,8 @@ def _replicate_the_rest(module: nn.Module, meshes) -> None:
 
 
 def _parallel_layer_types():
-    from hybridpar.runtime.conv import DistConv2d, DistLinear
-    from hybridpar.runtime.norm import DistBatchNorm
+    from hybridpar.runtime.layers.conv import DistConv2d, DistLinear
+    from hybridpar.runtime.layers.norm import DistBatchNorm
 
     return (DistConv2d, DistLinear, DistBatchNorm)
 
@@ -260,60 +253,11 @@ def no_sync(module: nn.Module):
     return module.hybridpar.grad_sync.no_sync()
 
 
-def _replacement(name, m, lay: LayerLayout, state: ParallelState, bn_stats):
-    from hybridpar.layout import Split
-    from hybridpar.runtime.conv import ConvComm, DistConv2d, DistLinear, conv_geometry, weight_block
-    from hybridpar.runtime.norm import DistBatchNorm, NormComm
-    from hybridpar.runtime.state import ShardInfo
+def _replacement(name, m, lay: LayerLayout, state: ParallelState):
+    from hybridpar.runtime.layers.styles import style_for
 
-    outer = state.grid
-    if isinstance(m, BATCH_NORMS):  # follows the boundary layout
-        if outer.g_size == 1 and outer.sample == 1:
-            return None
-        sizes = piece_sizes(m.num_features, outer.g_size)
-        rng = tuple(ranges(sizes, [outer.g]))
-        off, n = rng[0]
-        new = DistBatchNorm(m, slice(off, off + n), NormComm(outer.replica_group, outer.comm_log, name),
-                              bn_stats)
-        vec = {"weight", "bias", "running_mean", "running_var"}
-        state.shard_fns[name] = lambda: {a: ShardInfo((m.num_features,), (rng,)) for a in vec
-                                         if getattr(new, a, None) is not None}
-        return new
-    if not (splits_as_conv(m) or type(m) is nn.Linear):
-        return None
-    key = (lay.sample, lay.channel * lay.filter)
-    grid = state.grids[key]
-    off_default = grid is not outer
-    if grid.g_size == 1 and not off_default:
-        return None
-    G = grid.g_size
-    pos = grid.pos(lay.channel, lay.filter)
-    fg, cg = grid.filter_group(lay.channel, lay.filter), grid.channel_group(lay.channel, lay.filter)
-    w, b = m.weight.detach(), (m.bias.detach() if m.bias is not None else None)
-    w_shape, b_shape = tuple(w.shape), (tuple(b.shape) if b is not None else None)
-    out_sizes = piece_sizes(w.shape[0], G)
-    rows = tuple(ranges(out_sizes, pos.out_piece_ids()))
-    bias_rng = tuple(ranges(out_sizes, [pos.g]))
-    if isinstance(m, nn.Conv2d):
-        in_sizes = piece_sizes(w.shape[1], G)
-        comm = ConvComm(pos, tuple(in_sizes), tuple(out_sizes), fg, cg, grid.comm_log, name)
-        wb = weight_block(w, pos, in_sizes, out_sizes)
-        bb = b[bias_rng[0][0]:bias_rng[0][0] + bias_rng[0][1]].clone() if b is not None else None
-        boundary = (Split(outer.sample, outer.g_size), Split(grid.sample, G)) if off_default else None
-        new = DistConv2d(wb, bb, conv_geometry(m), comm, boundary)
-        cols = tuple(ranges(in_sizes, pos.in_piece_ids()))
-        state.shard_fns[name] = lambda: {"weight": ShardInfo(w_shape, (rows, cols)),
-                                         **({"bias": ShardInfo(b_shape, (bias_rng,))} if b_shape else {})}
-        if off_default:
-            state.param_grid.update({id(p): key for p in new.parameters()})
-        return new
-    if off_default:
-        raise UserError(f"{name}: a Linear layer must use the default layout")
-    new = DistLinear(w, b, pos, fg, cg, grid.comm_log, name)
-    cols = tuple(ranges(new.in_sizes, pos.in_piece_ids()))
-    state.shard_fns[name] = lambda: {"weight": ShardInfo(w_shape, (rows, cols)),
-                                     **({"bias": ShardInfo(b_shape, (bias_rng,))} if b_shape else {})}
-    return new
+    style = style_for(m)
+    return None if style is None else style(name, m, lay, state)
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -169,6 +169,9 @@ class MPEngine:
         self.comm_log.record("allreduce", dist.get_world_size(), loss_local.element_size(), "loss")
         return float(loss_local)
 
+    def warm_up(self, sample_shape: tuple[int, ...]) -> None:
+        """Nothing to exchange before training (the Engine protocol's hook)."""
+
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """The state this rank owns, keyed by the undistributed state_dict's names (whole tensors:
         MP never splits a weight), e.g. for sharded checkpoints."""

@@ -8,9 +8,9 @@ from torch import nn
 
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.grid import Group
+from hybridpar.runtime.layers.norm import DistBatchNorm, NormComm
 from hybridpar.runtime.mp.layout import HybridLayout
 from hybridpar.runtime.mp.partition import Partition
-from hybridpar.runtime.norm import DistBatchNorm, NormComm
 
 
 def sync_batch_norms(module: nn.Module, part: Partition, layout: HybridLayout, pg, log: CommLog) -> int:

@@ -24,7 +24,7 @@ from hybridpar.layout import GridPos, Split, ranges
 from hybridpar.runtime.collectives import all_gather_dim, reduce_scatter_dim
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.grid import Group
-from hybridpar.runtime.redistribute import redistribute
+from hybridpar.runtime.layers.redistribute import redistribute
 
 
 @dataclass(frozen=True)
