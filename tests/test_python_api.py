@@ -33,9 +33,16 @@ def test_parallelize_is_exported():
 def test_api_names_are_plain_functions():
     import inspect
 
+    import hybridpar.graph.tracing
     import hybridpar.plans  # importing the Plan package must not shadow the function
+    import hybridpar.runtime.parallel_model  # nor the runtime's module the function
 
     assert inspect.isfunction(hybridpar.plan) and inspect.isfunction(hybridpar.place)
+    assert inspect.isfunction(hybridpar.parallelize) and inspect.isfunction(hybridpar.full_state_dict)
+    assert inspect.isfunction(hybridpar.runtime.parallelize) and inspect.isfunction(hybridpar.graph.trace)
+    from pathlib import Path
+
+    assert not (Path(hybridpar.__file__).parent / "_callable.py").exists()
 
 
 def test_plan_takes_a_module_and_a_cluster_object():
