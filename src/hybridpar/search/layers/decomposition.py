@@ -39,6 +39,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@lru_cache(maxsize=4096)
+def layout_of(sample: int, channel: int = 1, filter: int = 1) -> LayerLayout:
+    """A LayerLayout, built once per degrees (a frozen pydantic model: validating one costs more than
+    pricing a collective from the planner's caches)."""
+    return LayerLayout(sample=sample, channel=channel, filter=filter)
+
+
 def distribution_of(layout: LayerLayout) -> Distribution:
     return Distribution(layout.sample, layout.channel * layout.filter)
 

@@ -12,8 +12,9 @@ distribution. Its cost under a layout is:
   batch norm allreduces its statistics across the sample group (global-batch statistics);
 - the weight-gradient allreduce among the ranks holding the same shard: all c·f groups at once
   (`concurrent_allreduce_time`, the segmented allreduce, links shared);
-- memory per device: weights, gradients and momentum of the local shard, the activations kept for
-  backward (the gathered input too under stationary-y).
+- memory per device: hybridpar.cost.memory's per-layer terms (weights, gradients and optimizer state
+  of the local shard, activations kept for backward with the gathered input under stationary-y,
+  gradient buckets under sample > 1, and the layer's largest transient buffer).
 
 All groups of a collective (every channel group of a layer, every weight-shard group) run at once
 and share links (`concurrent_collective_time`, `concurrent_allreduce_time`).
@@ -27,6 +28,7 @@ from functools import lru_cache
 from math import ceil, prod
 
 from hybridpar.cost.collectives import CommOp
+from hybridpar.cost.memory import DEFAULT_OPTIMIZER, join_memory, weight_layer_memory
 from hybridpar.graph.types import DTYPE_BYTES, Node
 from hybridpar.plans import LayerLayout
 from hybridpar.search.layers.decomposition import (
@@ -34,13 +36,12 @@ from hybridpar.search.layers.decomposition import (
     Groups,
     channel_groups,
     filter_groups,
+    layout_of,
     shard_groups,
 )
 
 WEIGHT_OPS = ("conv2d", "linear")
 JOIN_OPS = ("add", "mul", "concat")
-# Bytes of optimizer state per parameter byte beyond weight + gradient (SGD momentum: one buffer).
-OPTIMIZER_STATE_COPIES = 1
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class LayerCost:
     comm_bytes: dict[str, int] = field(default_factory=dict)
     grad_bytes: int = 0  # local gradient bytes (weights and its batch norms) to allreduce
     grad_key: LayerLayout | None = None  # (sample, channel=c·f): names the shard groups they go to
+    transient_bytes: float = 0.0  # the layer's largest transient buffer (not summed over layers)
 
     @property
     def total_s(self) -> float:
@@ -65,8 +67,14 @@ class CostContext:
     """The cluster, dtype and global batch the costs are for, with memoised collective times."""
 
     def __init__(self, cluster, batch: int, ranks: int, dtype: str = "fp32", calibration=None,
-                 bn_stats: str = "global"):
+                 bn_stats: str = "global", optimizer: str = DEFAULT_OPTIMIZER, momentum: float = 0.0,
+                 weight_decay: float = 0.0):
         from hybridpar.cost import collectives
+        from hybridpar.cost.memory import framework_bytes_for, optimizer_state_copies
+
+        optimizer_state_copies(optimizer, momentum)  # validates the name
+        self.optimizer, self.momentum, self.weight_decay = optimizer, momentum, weight_decay
+        self.framework_bytes = framework_bytes_for(cluster.device, calibration)
 
         self.cluster = cluster
         self.batch = batch
@@ -190,9 +198,9 @@ def _groups_of(name: str, layout: LayerLayout) -> tuple[Groups, LayerLayout]:
     if name == "channel":
         return channel_groups(layout), layout
     if name == "sample":  # the G ranks of one sample group
-        key = LayerLayout(sample=s, channel=1, filter=g)
+        key = layout_of(s, 1, g)
         return filter_groups(key), key
-    key = LayerLayout(sample=s, channel=g)  # "replica": the S ranks holding the same shard
+    key = layout_of(s, g)  # "replica": the S ranks holding the same shard
     return shard_groups(key), key
 
 
@@ -223,10 +231,6 @@ def _follower_time(followers: Sequence[Node], dist: Distribution, ctx: CostConte
     return fwd, bwd
 
 
-def _kept_bytes(nodes: Sequence[Node], dist: Distribution, ctx: CostContext) -> float:
-    return sum(local_numel(n.out_shape, ctx.batch, dist) * ctx.elem for n in nodes if n.out_shape)
-
-
 def _summarise(ops: Sequence[CommOp], ctx: CostContext) -> tuple[float, float, float, dict[str, int]]:
     t = {"fwd": 0.0, "bwd": 0.0, "grad": 0.0}
     nbytes: dict[str, int] = {}
@@ -254,21 +258,18 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     ffwd, fbwd = _follower_time(followers, dist, ctx)
     ops = layout_collectives(node, followers, layout, ctx, input_grad=input_grad, in_pieces=in_pieces)
     cf, cb, grad, nbytes = _summarise(ops, ctx)
-    weights = (node.params + sum(n.params for n in followers)) / (c * f) * ctx.elem
-    kept = _kept_bytes([node, *followers], dist, ctx)
-    if f > 1:  # stationary-y keeps the input gathered over the filter group for dw
-        kept += local_numel(node.in_shapes[0], ctx.batch, dist) * f * ctx.elem
-    memory = weights * (2 + OPTIMIZER_STATE_COPIES) + kept
+    mem = weight_layer_memory(node, followers, layout, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
+                              momentum=ctx.momentum, input_grad=input_grad)
     grad_bytes = sum(op.bytes_ for op in ops if op.phase == "grad")
-    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, memory, nbytes, grad_bytes,
-                     LayerLayout(sample=s, channel=c * f))
+    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, mem.persistent_bytes, nbytes, grad_bytes,
+                     layout_of(s, c * f), mem.transient_bytes)
 
 
 def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerCost:
     t = ctx.op(node, dist.sample, piece_frac(channels_of(node.out_shape), dist.channel))
     ffwd, fbwd = _follower_time(followers, dist, ctx)
-    kept = _kept_bytes([node, *followers], dist, ctx)
-    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, kept, {})
+    mem = join_memory([node, *followers], batch=ctx.batch, sample=dist.sample, pieces=dist.channel, elem=ctx.elem)
+    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, mem.persistent_bytes, {})
 
 
 def redistribution(tensor_numel: int, src: Distribution, dst: Distribution, ctx: CostContext) -> CommOp | None:
@@ -281,7 +282,7 @@ def redistribution(tensor_numel: int, src: Distribution, dst: Distribution, ctx:
         return None
     per_rank = tensor_numel // ctx.ranks * ctx.elem
     return CommOp.placed("alltoall", "fwd", per_rank, (tuple(range(ctx.ranks)),), "world",
-                         LayerLayout(sample=ctx.ranks))
+                         layout_of(ctx.ranks))
 
 
 def redistribution_time(tensor_numel: int, src: Distribution, dst: Distribution, ctx: CostContext) -> float:

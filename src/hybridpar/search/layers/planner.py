@@ -31,6 +31,7 @@ from hybridpar.search.layers.decomposition import (
     distribution_of,
     distributions,
     filter_groups,
+    layout_of,
     layout_problem,
     shard_groups,
 )
@@ -262,14 +263,14 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
     pieces (when G > 1), then over the sample groups (when S > 1)."""
     last = opts[-1].dist(choice[-1])
     out_node = opts[-1].vertex.out_node
-    grid = LayerLayout(sample=last.sample, channel=1, filter=last.channel)
+    grid = layout_of(last.sample, 1, last.channel)
     per_sample = out_node.out_numel // max(out_node.out_shape[0], 1) if out_node.out_shape else 1
     ops = []
     if last.channel > 1:
         gathered = ctx.batch // last.sample * per_sample * ctx.elem
         ops.append(CommOp.placed("allgather", "fwd", gathered, filter_groups(grid), "filter", grid))
     if last.sample > 1:
-        key = LayerLayout(sample=last.sample, channel=last.channel)
+        key = layout_of(last.sample, last.channel)
         ops.append(CommOp.placed("allgather", "fwd", ctx.batch * per_sample * ctx.elem, shard_groups(key),
                                  "shard", key))
     return ops
@@ -328,7 +329,18 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     for c in costs:
         for k, b in c.comm_bytes.items():
             nbytes[k] = nbytes.get(k, 0) + b
-    mem = int(sum(c.memory_bytes for c in costs))
+    from hybridpar.cost.memory import LayerMemory, io_bytes, redistribution_transient_bytes, step_memory
+
+    redist_tmp = max((redistribution_transient_bytes(e.per_sample_numel * ctx.batch, ctx.ranks, ctx.elem)
+                      for e in lg.edges if opts[e.src].dist(choice[e.src]) != opts[e.dst].dist(choice[e.dst])),
+                     default=0.0)
+    # per layer its persistent bytes (LayerCost.memory_bytes) and transient; the step adds the largest
+    # transient (a layer's, a redistribution's, the optimizer step's), the input/output and the framework
+    rank_mem = step_memory([LayerMemory(activations_bytes=c.memory_bytes, transient_bytes=c.transient_bytes)
+                            for c in costs], framework_bytes=ctx.framework_bytes,
+                           io_bytes=io_bytes(lg.graph, ctx.batch, ctx.elem),
+                           extra_transient_bytes=max(redist_tmp, _step_tmp(opts, choice, ctx)))
+    mem = int(rank_mem.total_bytes)
     per_layer = {}
     for vo, c, r in zip(opts, costs, redist):
         key = vo.vertex.node.module or vo.vertex.name
@@ -352,9 +364,26 @@ class _Setup:
     model_name: str
 
 
+def _step_tmp(opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext) -> float:
+    """The optimizer step's temporary (hybridpar.cost.memory.optimizer_step_copies x local weights)."""
+    from hybridpar.cost.memory import optimizer_step_copies
+
+    copies = optimizer_step_copies(ctx.optimizer, ctx.weight_decay)
+    if not copies:
+        return 0.0
+    weights = 0.0
+    for vo, k in zip(opts, choice):
+        lay = vo.options[k]
+        if isinstance(lay, LayerLayout):
+            nodes = (vo.vertex.node, *vo.vertex.followers)
+            weights += sum(n.params for n in nodes) / (lay.channel * lay.filter) * ctx.elem
+    return copies * weights
+
+
 def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: float | None,
            dtype: str, input_shape: tuple[int, ...] | None, calibration,
-           time_share: float | None = None) -> _Setup:
+           time_share: float | None = None, optimizer: str = "sgd", momentum: float = 0.0,
+           weight_decay: float = 0.0) -> _Setup:
     if gpus < 1:
         raise UserError(f"gpus must be >= 1, got {gpus}", param="gpus")
     if batch < 1:
@@ -371,7 +400,9 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: f
     if not any(v.is_weight for v in lg.vertices):
         raise UserError(f"model {name!r} has no conv2d or linear layer to decompose")
     capacity = float(memory_limit) if memory_limit is not None else float(cl.device.memory_bytes)
-    return _Setup(lg, CostContext(cl, batch, gpus, dtype, calibration), capacity, shape, cl.name, name)
+    ctx = CostContext(cl, batch, gpus, dtype, calibration, optimizer=optimizer, momentum=momentum,
+                      weight_decay=weight_decay)
+    return _Setup(lg, ctx, capacity, shape, cl.name, name)
 
 
 def _to_plan(s: _Setup, opts: list[VertexOptions], choice: Sequence[int], pred: Prediction,
@@ -409,7 +440,7 @@ def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, gr
     best = None
     for w in GRAD_WEIGHTS:
         try:
-            sol = solve(_problem(s.lg, opts, s.ctx, w, edges), s.capacity)
+            sol = solve(_problem(s.lg, opts, s.ctx, w, edges), s.capacity - s.ctx.framework_bytes)
         except ValueError:
             continue
         pred, brk = predict_with_breakdown(s.lg, opts, sol.choice, s.ctx, grad_sync)
@@ -433,7 +464,8 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
                memory_limit: float | None = None, strategy: str | None = None, dtype: str = "fp32",
                input_shape: Sequence[int] | None = None, grad_sync: str = "flat", free_sample: bool = False,
                calibration=None, time_share: float | None = None,
-               progress: Callable[[str], None] | None = None) -> PlanResult:
+               progress: Callable[[str], None] | None = None, optimizer: str = "sgd", momentum: float = 0.0,
+               weight_decay: float = 0.0) -> PlanResult:
     """Plan `model` on `gpus` devices of `cluster` at global batch `batch` (or evaluate `strategy`).
 
     By default the space is the runtime's: one sample degree S for the model, each layer choosing
@@ -441,12 +473,15 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
     choose its own sample degree too, paying an all-to-all redistribution where neighbours differ
     (Dryden et al.'s full space; such a plan runs only if its sample degrees agree).
     `time_share` overrides how much slower each rank computes when all ranks run at once (the cluster
-    assumes ranks/cores on localhost; a machine shared with other jobs is slower: measure it)."""
+    assumes ranks/cores on localhost; a machine shared with other jobs is slower: measure it).
+    `optimizer`/`momentum`/`weight_decay`: the training run's (as `hybridpar train` takes them; default
+    its plain SGD), for the optimizer state in the per-device memory (hybridpar.cost.memory)."""
     import time
 
     t0 = time.perf_counter()
     s = _setup(model, cluster, gpus, batch, memory_limit, dtype,
-               tuple(input_shape) if input_shape else None, calibration, time_share)
+               tuple(input_shape) if input_shape else None, calibration, time_share, optimizer, momentum,
+               weight_decay)
     baseline, base_brk, note = None, None, ""
     if batch % gpus:
         note = f"data parallelism needs the batch ({batch}) divisible by {gpus}"

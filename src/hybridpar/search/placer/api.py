@@ -138,11 +138,13 @@ def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2,
 def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, solver: str = "ilp",
                 time_limit_s: float = 30.0, batch: int | None = None, coarsen: int | None = None,
                 input_shape=None, dtype: str = "fp32", workers: int = 2,
-                mem_capacity_bytes: float | None = None, time_chunks: int | None = None) -> PlaceOutcome:
+                mem_capacity_bytes: float | None = None, time_chunks: int | None = None,
+                seed: int = 0) -> PlaceOutcome:
     """Place `model` over `devices` devices (0..devices-1) of `cluster` at `batch` samples per step.
 
     Returns the placement (solver result with schedule and gap), the one-device step for the speedup,
-    every baseline's step, and a Plan (mp=devices, placement keyed by module name)."""
+    every baseline's step, and a Plan (mp=devices, placement keyed by module name). The ILP's answer
+    depends only on the inputs, `time_limit_s` (deterministic time), `workers` and `seed`."""
     from hybridpar.search.placer import BASELINES, SOLVERS, solve
 
     if solver not in SOLVERS:
@@ -152,7 +154,7 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
     prob, coarse, fine, cl, name = build_problem(model, cluster, devices, batch=batch, coarsen=coarsen,
                                                  input_shape=input_shape, dtype=dtype,
                                                  mem_capacity_bytes=mem_capacity_bytes, time_chunks=time_chunks)
-    result = solve(prob, solver, time_limit_s=time_limit_s, workers=workers)
+    result = solve(prob, solver, time_limit_s=time_limit_s, workers=workers, seed=seed)
     baselines: dict[str, float] = {}
     for bname, fn in BASELINES.items():
         with contextlib.suppress(InfeasibleError):  # a baseline that does not fit is left out
