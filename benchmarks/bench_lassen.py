@@ -4,7 +4,9 @@ parallelism for ResNet-50 and the widened ResNet-50s (x2, x4, x8).
 Two sweeps over GPUs: a fixed batch per GPU (weak scaling) and a fixed global batch (strong scaling).
 For each point: the planner's predicted step time and data parallelism's (or why DP cannot run),
 the training-time reduction (DP step / plan step) and the allreduce-time reduction (DP's gradient
-allreduce / the plan's segmented allreduce), beside the paper's "up to 4.1x" and "4x". Plots (PNG)
+allreduce / the plan's segmented allreduce), beside the paper's "up to 4.1x" and "4x". The training-time
+reduction is reported like for like (plan vs DP at the same GPU count and batch) and best vs best
+(strong scaling: the plan's fastest step at any GPU count vs DP's fastest at any count). Plots (PNG)
 go to docs/planner_img/ (or $HYBRIDPAR_BENCH_PLOTS).
 
     python benchmarks/bench_lassen.py [--quick]
@@ -82,6 +84,29 @@ def strong_vs_best_dp(rows: list[dict]) -> None:
             r["training_time_reduction_vs_best_dp"] = min(dp) / r["plan_step_s"]
 
 
+def like_for_like(rows: list[dict], scaling: str) -> list[dict]:
+    """Plan vs DP at the same GPU count and the same batch (points where DP runs)."""
+    return [{"scaling": scaling, "model": r["model"], "gpus": r["gpus"], "batch": r["batch"],
+             "plan_step_s": r["plan_step_s"], "dp_step_s": r["dp_step_s"], "reduction": r["training_time_reduction"]}
+            for r in rows if r.get("training_time_reduction")]
+
+
+def best_vs_best(rows: list[dict]) -> list[dict]:
+    """Strong scaling, per model: the plan's fastest step at any GPU count vs DP's fastest at any count
+    (DP cannot use more GPUs than samples, so its best is often at fewer GPUs than the plan's)."""
+    out = []
+    for m in dict.fromkeys(r["model"] for r in rows):
+        plans = [r for r in rows if r["model"] == m and r.get("plan_step_s")]
+        dps = [r for r in rows if r["model"] == m and r.get("dp_step_s")]
+        if plans and dps:
+            bp = min(plans, key=lambda r: r["plan_step_s"])
+            bd = min(dps, key=lambda r: r["dp_step_s"])
+            out.append({"model": m, "batch": bp["batch"], "plan_gpus": bp["gpus"], "plan_step_s": bp["plan_step_s"],
+                        "dp_gpus": bd["gpus"], "dp_step_s": bd["dp_step_s"],
+                        "reduction": bd["dp_step_s"] / bp["plan_step_s"]})
+    return out
+
+
 def table(title: str, rows: list[dict]) -> Table:
     t = Table(title=title, header_style="bold")
     for c in ("model", "GPUs", "batch", "plan", "DP", "time red.", "allreduce red.", "mem GiB", "layouts"):
@@ -152,6 +177,10 @@ def main() -> None:
     console.print(table(f"lassen, weak scaling ({PER_GPU_BATCH} samples/GPU)", weak))
     console.print(table(f"lassen, strong scaling (global batch {GLOBAL_BATCH}); * = vs DP's best at <= GPUs",
                         strong))
+    lfl = like_for_like(weak, "weak") + like_for_like(strong, "strong")
+    lfl_best = max(lfl, key=lambda r: r["reduction"])
+    bvb = best_vs_best(strong)
+    bvb_best = max(bvb, key=lambda r: r["reduction"])
     best_time = max((r.get("training_time_reduction") or r.get("training_time_reduction_vs_best_dp") or 0)
                     for r in weak + strong)
     best_ar = max((r.get("allreduce_time_reduction") or 0) for r in weak + strong)
@@ -160,11 +189,35 @@ def main() -> None:
     console.print(f"max training-time reduction over DP: {best_time:.2f}x (paper: up to "
                   f"{PAPER['training_time_reduction']}x); max allreduce-time reduction: {best_ar:.1f}x "
                   f"(paper: {PAPER['allreduce_time_reduction']}x)")
+    lt = Table(title="like for like: plan vs DP at the same GPU count and batch (best point per model)",
+               header_style="bold")
+    for c in ("model", "scaling", "GPUs", "batch", "plan", "DP", "reduction"):
+        lt.add_column(c, justify="left" if c in ("model", "scaling") else "right")
+    for m in dict.fromkeys(r["model"] for r in lfl):
+        r = max((q for q in lfl if q["model"] == m), key=lambda q: q["reduction"])
+        lt.add_row(m, r["scaling"], str(r["gpus"]), str(r["batch"]), f"{r['plan_step_s'] * 1e3:.1f} ms",
+                   f"{r['dp_step_s'] * 1e3:.1f} ms", f"{r['reduction']:.2f}x")
+    console.print(lt)
+    bt = Table(title=f"best vs best (strong scaling, global batch {GLOBAL_BATCH}): the plan's fastest step at any "
+                     "GPU count vs DP's fastest at any count", header_style="bold")
+    for c in ("model", "plan GPUs", "plan", "DP GPUs", "DP", "reduction"):
+        bt.add_column(c, justify="left" if c == "model" else "right")
+    for r in bvb:
+        bt.add_row(r["model"], str(r["plan_gpus"]), f"{r['plan_step_s'] * 1e3:.1f} ms", str(r["dp_gpus"]),
+                   f"{r['dp_step_s'] * 1e3:.1f} ms", f"{r['reduction']:.2f}x")
+    console.print(bt)
+    console.print(f"like for like (same GPUs, same batch): up to {lfl_best['reduction']:.2f}x ({lfl_best['model']}, "
+                  f"{lfl_best['gpus']} GPUs, batch {lfl_best['batch']}, {lfl_best['scaling']} scaling); best vs best: "
+                  f"up to {bvb_best['reduction']:.2f}x ({bvb_best['model']}: plan on {bvb_best['plan_gpus']} GPUs vs "
+                  f"DP on {bvb_best['dp_gpus']})")
     console.print(f"points where DP does not fit in memory but a channel/filter plan does: {dp_cannot_fit}")
     plots = plot(weak, strong, Path(os.environ.get("HYBRIDPAR_BENCH_PLOTS", ROOT / "docs" / "planner_img")))
-    summary = {"max_training_time_reduction": best_time, "max_allreduce_time_reduction": best_ar,
+    summary = {"like_for_like_training_time_reduction": lfl_best["reduction"],
+               "best_vs_best_training_time_reduction": bvb_best["reduction"],
+               "max_training_time_reduction": best_time, "max_allreduce_time_reduction": best_ar,
                "paper": PAPER, "dp_does_not_fit": [list(x) for x in dp_cannot_fit], "plots": plots,
-               "weak": weak, "strong": strong, "wall_s": time.perf_counter() - t0}
+               "like_for_like_best": lfl_best, "best_vs_best_best": bvb_best, "like_for_like": lfl,
+               "best_vs_best": bvb, "weak": weak, "strong": strong, "wall_s": time.perf_counter() - t0}
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:
         Path(out).write_text(json.dumps(summary, indent=2))

@@ -47,3 +47,15 @@ def test_unknown_model_and_bad_file(tmp_path):
                               "samples_per_epoch": 1000}))
     w = load_curve(ok)
     assert w.curve.epochs(100) == pytest.approx(4.0) and w.samples_per_epoch == 1000
+
+
+def test_every_published_point_has_a_source_and_borrowed_curves_record_the_search():
+    from hybridpar.convergence.builtin import _data
+
+    data = _data()
+    for wl in data["workloads"].values():
+        assert wl["points"] and all(str(p.get("source", "")).strip() for p in wl["points"])
+    for m in data["models"].values():
+        if m.get("borrowed"):
+            assert m["why"].startswith("BORROWED CURVE")
+            assert m.get("searched") and any("Shallue" in s for s in m["searched"])

@@ -82,3 +82,22 @@ def test_cnn_gets_channel_filter_points_from_the_planner(curve, capsys):
     cf = [p for p in out["points"] if p["family"] == "CF"]
     assert {p["strategy"] for p in cf} == {"CF2", "CF4", "CF8"}
     assert all(p["global_batch"] == 8 // p["mp"] * 32 for p in cf)
+
+
+def test_time_chunks_what_if_is_labelled_and_off_by_default(curve, capsys):
+    """By default DPxMP is priced as the MP runtime executes it (each LSTM whole); --time-chunks prices the
+    placer's time-step wavefront and says it is a what-if. The wavefront can only help the placer."""
+    base = ["project", "--model", "lstm2", "--gpus", "1,2,4", "--placer", "dp", "--convergence", str(curve),
+            "--batch-per-gpu", "32", "--json"]
+    assert main(base) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*base, "--time-chunks"]) == 0
+    chunked = json.loads(capsys.readouterr().out)
+    assert any("each recurrent layer whole" in n and "what-if" in n for n in whole["notes"])
+    assert not any(n.startswith("WHAT-IF") for n in whole["notes"])
+    assert any(n.startswith("WHAT-IF (--time-chunks)") for n in chunked["notes"])
+
+    def mp2(out):
+        return next(p for p in out["points"] if p["gpus"] == 2 and p["strategy"] == "DPxMP2")
+
+    assert mp2(whole)["step_s"] != mp2(chunked)["step_s"]

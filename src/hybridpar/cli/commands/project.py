@@ -30,6 +30,9 @@ def register(app: click.Group) -> None:
     @click.option("--mp", "mp_text", default="2,4,8", show_default=True, help="model-parallel degrees to try")
     @click.option("--placer", default="ilp", show_default=True, help="DLPlacer solver: ilp, dp, etf, greedy")
     @click.option("--placer-time-limit", type=float, default=3.0, show_default=True, help="seconds per ILP solve")
+    @click.option("--time-chunks/--no-time-chunks", default=False, show_default=True,
+                  help="what-if: price DPxMP with the placer's recurrent time-chunk wavefront (the MP runtime "
+                       "runs each recurrent layer whole, which is the default)")
     @click.option("--cf-max-gpus", type=int, default=32, show_default=True,
                   help="plan channel/filter layouts (CNNs) up to this many GPUs")
     @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16", "bf16"]))
@@ -41,8 +44,8 @@ def register(app: click.Group) -> None:
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def project_cmd(model: str, cluster: str, gpus: str, batch_per_gpu: int | None, curve_path: str | None,
                     samples_per_epoch: int | None, mp_text: str, placer: str, placer_time_limit: float,
-                    cf_max_gpus: int, dtype: str, budget: int | None, batch_options: str, plot: str | None,
-                    no_cache: bool, json_: bool) -> None:
+                    time_chunks: bool, cf_max_gpus: int, dtype: str, budget: int | None, batch_options: str,
+                    plot: str | None, no_cache: bool, json_: bool) -> None:
         """Project time to target and speedup over one GPU for every strategy and GPU count."""
         from dataclasses import replace
 
@@ -70,7 +73,7 @@ def register(app: click.Group) -> None:
             curve = replace(curve, samples_per_epoch=float(samples_per_epoch))
         costs = CostModelBackend(model, cluster, dtype=dtype, placer_solver=placer,
                                  placer_time_limit_s=placer_time_limit, cf_max_gpus=cf_max_gpus,
-                                 use_disk_cache=not no_cache)
+                                 use_disk_cache=not no_cache, time_chunks=time_chunks)
         kw: dict[str, Any] = {"model": model, "cluster": cluster, "mp_degrees": mps}
         with _progress(json_) as step:
             proj = project(costs, curve, counts, b, progress=step, **kw)

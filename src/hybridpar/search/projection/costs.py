@@ -75,13 +75,17 @@ class CostModelBackend:
     """`StepCosts` for a zoo model on a cluster preset (see hybridpar.search.projection)."""
 
     def __init__(self, model: str, cluster: str, *, dtype: str = "fp32", placer_solver: str = "ilp",
-                 placer_time_limit_s: float = 3.0, cf_max_gpus: int = 32, use_disk_cache: bool = True) -> None:
+                 placer_time_limit_s: float = 3.0, cf_max_gpus: int = 32, use_disk_cache: bool = True,
+                 time_chunks: bool = False) -> None:
         from hybridpar.cluster import load_cluster
         from hybridpar.graph.zoo import ZOO
 
         self.model, self.cluster_name, self.dtype = model, cluster, dtype
         self.placer_solver, self.placer_time_limit_s = placer_solver, placer_time_limit_s
         self.cf_max_gpus = cf_max_gpus
+        # What the MP runtime executes by default: each recurrent layer whole on one device. With
+        # time_chunks the placer also prices its time-chunk wavefront (a what-if the runtime cannot run).
+        self.time_chunks = time_chunks
         base = load_cluster(cluster)
         self.capacity_bytes = float(base.device.memory_bytes)
         self.gpus_per_node = int(base.gpus_per_node)
@@ -150,10 +154,20 @@ class CostModelBackend:
         return concurrent_allreduce_time(bytes_, groups, self.cluster(replicas * mp))
 
     def mp_step(self, mp: int, batch: int) -> MPStep:
-        res = self._cache.get(self._key("place", mp, batch, self.placer_solver, self.placer_time_limit_s),
+        res = self._cache.get(self._key("place", mp, batch, self.placer_solver, self.placer_time_limit_s,
+                                        "chunks" if self.time_chunks else "whole"),
                               lambda: self._place(mp, batch))
         if "infeasible" in res:
             raise InfeasibleError(res["infeasible"])
+        if res.get("recurrent"):
+            k = int(res.get("time_chunks", 0))
+            note = (f"WHAT-IF (--time-chunks): DPxMP prices each recurrent layer as {k} time chunks on a "
+                    "time-step wavefront; the MP runtime runs each recurrent layer whole, so these hybrid "
+                    "figures are not a schedule it executes" if k else
+                    "DPxMP as the MP runtime executes it: each recurrent layer whole on one device "
+                    "(--time-chunks prices the placer's time-step wavefront as a what-if)")
+            if note not in self.notes:
+                self.notes.append(note)
         # The placer's own 1-device step defines the unit: hybrid and DP then share one compute model
         # and the MP speedup is exactly the placer's ratio.
         scale = self.profile(batch).compute_s / res["single_step_s"]
@@ -162,15 +176,18 @@ class CostModelBackend:
 
     def _place(self, mp: int, batch: int) -> dict:
         from hybridpar.search.placer import place_model
+        from hybridpar.search.placer.unroll import has_recurrence
 
         g = self.graph(batch)
         try:
             out = place_model(g, self.cluster_name, mp, solver=self.placer_solver,
-                              time_limit_s=self.placer_time_limit_s, batch=batch, dtype=self.dtype)
+                              time_limit_s=self.placer_time_limit_s, batch=batch, dtype=self.dtype,
+                              time_chunks=None if self.time_chunks else 0)
         except InfeasibleError as err:
             return {"infeasible": f"{mp} devices at batch {batch}: {err}"}
         res = out.result
         return {"step_s": res.step_time_s, "single_step_s": out.single_step_s,
+                "recurrent": has_recurrence(g), "time_chunks": int(dict(out.graph.meta).get("time_chunks", 0)),
                 "memory_bytes": [int(x) for x in res.memory_bytes],
                 "solver": f"{res.solver} ({res.status})", "gap": res.gap,
                 "device_param_bytes": _device_param_bytes(g, res, mp, self.dtype)}
