@@ -68,3 +68,136 @@ def test_activations_match_what_autograd_saves(name):
     params = {p.untyped_storage().data_ptr() for p in m.module.parameters()}
     real = sum(v for k, v in saved.items() if k not in params)
     assert training_memory(g).activations_bytes == pytest.approx(real, rel=0.05)
+
+
+# -- one rank of the runtime: predict_rank_memory and the planner ------------------------------------
+
+from hybridpar.cost.memory import (  # noqa: E402
+    LOCALHOST_FRAMEWORK_BYTES,
+    conv_transient_bytes,
+    framework_bytes_for,
+    optimizer_state_copies,
+    optimizer_step_copies,
+    predict_rank_memory,
+)
+from hybridpar.layout import LayerLayout  # noqa: E402
+
+
+def test_optimizer_state_per_optimizer():
+    assert optimizer_state_copies("sgd") == 0  # train's default: --momentum 0 keeps no buffer
+    assert optimizer_state_copies("sgd", momentum=0.9) == 1
+    assert optimizer_state_copies("lars", momentum=0.9) == 1 and optimizer_state_copies("lars") == 0
+    assert optimizer_state_copies("adamw") == 2
+    assert optimizer_step_copies("adamw") == 1 and optimizer_step_copies("sgd") == 0
+    assert optimizer_step_copies("sgd", weight_decay=1e-4) == 1
+    with pytest.raises(ValueError):
+        optimizer_state_copies("lbfgs")
+
+
+def test_rank_memory_terms_by_layout():
+    g = _graph(batch=4)
+    params = 8 * 27 + 8 + 10 * 512 + 10
+    acts = 4 * (4 * 8 * 64 * 2 + 4 * 512 + 4 * 10)  # conv, relu, flatten, fc outputs (each layer's nodes)
+    io = 4 * (4 * 3 * 64 + 4 * 10)  # whole input batch and whole output on every rank
+    one = predict_rank_memory(g, "sample=1", framework_bytes=100)
+    assert one.weights_bytes == one.grads_bytes == 4 * params and one.optimizer_bytes == 0
+    assert one.buckets_bytes == 0 and one.framework_bytes == 100 and one.io_bytes == io
+    assert one.activations_bytes == acts
+    assert one.total_bytes == sum(v for k, v in one.breakdown().items() if k != "total_bytes")
+    dp = predict_rank_memory(g, "sample=2", framework_bytes=0)
+    assert dp.buckets_bytes == dp.grads_bytes == 4 * params  # every synced gradient in an in-flight bucket
+    assert dp.activations_bytes == acts / 2
+    ch = predict_rank_memory(g, LayerLayout(channel=2), framework_bytes=0)
+    assert ch.weights_bytes == 4 * params / 2 and ch.buckets_bytes == 0
+    fi = predict_rank_memory(g, "filter=2", framework_bytes=0)
+    # stationary-y keeps the input gathered over the filter group: whole channels of x and of flat
+    gathered = 4 * (4 * 2 * 64) * 2 + 4 * (4 * 256) * 2  # ceil(3/2)=2 channels of x, 256 features of flat
+    assert fi.activations_bytes == pytest.approx(acts / 2 + gathered)
+    adam = predict_rank_memory(g, "sample=1", optimizer="adamw", framework_bytes=0)
+    assert adam.optimizer_bytes == 2 * adam.weights_bytes and adam.transient_bytes == adam.weights_bytes
+
+
+def test_conv_transients_per_algorithm():
+    g = _graph(batch=4)
+    conv = g.node("conv")
+    # stationary-x: partial outputs for all 8 filters before the reduce-scatter, then in backward the
+    # gathered dy plus dx for this rank's 2 of 3 input channels
+    x = conv_transient_bytes(conv, LayerLayout(channel=2), 4, 4)
+    assert x == 4 * (4 * 8 * 64 + 4 * 2 * 64)
+    # stationary-y: no partial outputs; dx for all 3 (gathered) channels before its reduce-scatter
+    assert conv_transient_bytes(conv, LayerLayout(filter=2), 4, 4) == 4 * 4 * 3 * 64
+    assert conv_transient_bytes(conv, LayerLayout(filter=2), 4, 4, input_grad=False) == 0
+    assert conv_transient_bytes(conv, LayerLayout(sample=2, channel=2), 4, 4) == x / 2
+
+
+def test_framework_constant_from_the_calibration():
+    from hybridpar.cluster.calibration import Calibration
+    from hybridpar.cluster.model import DeviceSpec
+
+    cal = Calibration(cpu_count=2, peak_flops_fp32=1e9, mem_bw_Bps=1e9, framework_bytes=123 << 20)
+    assert framework_bytes_for(None, cal) == 123 << 20
+    assert framework_bytes_for(None, Calibration(cpu_count=2, peak_flops_fp32=1e9, mem_bw_Bps=1e9)) \
+        == LOCALHOST_FRAMEWORK_BYTES
+    gpu = DeviceSpec.model_validate({**_device_fields(), "kind": "gpu"})
+    assert framework_bytes_for(gpu, cal) == 0
+
+
+def _device_fields():
+    from hybridpar.cluster import load_cluster
+
+    return load_cluster("dgx1-v100").device.model_dump()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("strategy,gpus", [("sample=2", 2), ("channel=2", 2), ("filter=2", 2),
+                                           ("channel=2,filter=2", 4), ("sample=2,channel=2", 4)])
+def test_planner_states_predict_rank_memory(strategy, gpus, optimizer):
+    """`hybridpar plan --strategy S` states per device exactly what predict_rank_memory says."""
+    from hybridpar.search.graph_cache import traced_graph
+    from hybridpar.search.layers.planner import plan_model
+
+    graph, shape = traced_graph("small_resnet", None)
+    res = plan_model("small_resnet", "localhost", gpus, 8, strategy=strategy, optimizer=optimizer)
+    mine = predict_rank_memory(graph, strategy, batch=8, optimizer=optimizer)
+    assert res.plan.predicted.memory_bytes[0] == int(mine.total_bytes)
+    assert mine.framework_bytes > 0
+
+
+def test_memory_limit_is_kept_by_the_plan():
+    from hybridpar.errors import InfeasibleError
+    from hybridpar.search.layers.planner import plan_model
+
+    free = plan_model("small_resnet", "localhost", 4, 8)
+    need = free.plan.predicted.memory_bytes[0]
+    dp = predict_rank_memory(__import__("hybridpar.search.graph_cache", fromlist=["x"]).traced_graph(
+        "small_resnet", None)[0], "sample=4", batch=8)
+    limit = min(need, dp.total_bytes) - 1  # forbids the unconstrained choice and data parallelism
+    try:
+        res = plan_model("small_resnet", "localhost", 4, 8, memory_limit=limit)
+    except InfeasibleError:
+        return  # nothing fits: refused, not a plan over the limit
+    assert res.plan.predicted.memory_bytes[0] <= limit
+    with pytest.raises(InfeasibleError):
+        plan_model("small_resnet", "localhost", 4, 8, memory_limit=LOCALHOST_FRAMEWORK_BYTES / 2)
+
+
+def test_weights_grads_and_adamw_state_are_what_torch_holds():
+    """What predict_rank_memory counts for weights, gradients and AdamW's state equals the bytes of the
+    tensors torch holds after one real step of the undistributed model (sample=1)."""
+    import torch
+
+    from hybridpar.graph.models import load_model
+    from hybridpar.graph.tracing import trace
+
+    m = load_model("small_resnet", batch=4)
+    g = trace(m.module, m.example_inputs)
+    opt = torch.optim.AdamW(m.module.parameters(), lr=1e-3)
+    m.module(*m.example_inputs).sum().backward()
+    opt.step()
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    params = list(m.module.parameters())
+    state = [v for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    pred = predict_rank_memory(g, "sample=1", batch=4, optimizer="adamw", framework_bytes=0)
+    assert pred.weights_bytes == nbytes(params)
+    assert pred.grads_bytes == nbytes(p.grad for p in params)
+    assert pred.optimizer_bytes == nbytes(state)

@@ -93,6 +93,9 @@ class Calibration(_Model):
     gloo: dict[int, GlooFit] = {}
     collectives: list[CollectiveFit] = []  # per kind and group size, per world size
     ops: dict[str, OpRecord] = {}
+    # resident bytes of one initialised gloo rank holding no model: interpreter, torch, process groups,
+    # hybridpar's runtime (hybridpar.profile.framework_memory); the memory model adds it per rank
+    framework_bytes: int | None = Field(default=None, ge=0)
 
     def gloo_fit(self, world_size: int) -> GlooFit | None:
         """The fit at `world_size`, else the measured world size nearest to it."""

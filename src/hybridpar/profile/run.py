@@ -77,7 +77,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     torch.set_num_threads(1)  # one rank = one core: measure what one rank gets
     if specs is None:
         specs = op_specs(opts)
-    total = 2 + len(specs) + len(opts.ranks)
+    total = 3 + len(specs) + len(opts.ranks)
     step = progress or (lambda desc, total: None)
 
     step("matmul peak", total)
@@ -99,6 +99,10 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
         fits[p] = fit_alpha_beta(p, opts.sizes, measured[("allreduce", p)])
         colls += [fit_collective(kind, p, g, opts.sizes, times) for (kind, g), times in measured.items()]
 
+    step("framework memory", total)
+    from hybridpar.profile.framework_memory import measure_framework_bytes
+
+    framework = measure_framework_bytes(min(opts.ranks))
     path = Path(out).expanduser() if out is not None else default_calibration_path()
     old = _previous(path) if opts.merge else None
     if old is not None:
@@ -108,7 +112,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     cal = Calibration(created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                       hostname=platform.node(), cpu_count=physical_cores(), torch_version=torch.__version__,
                       threads_per_rank=1, peak_flops_fp32=peak, matmul=mm, mem_bw_Bps=bw, gloo=fits,
-                      collectives=colls, ops=records)
+                      collectives=colls, ops=records, framework_bytes=framework)
     return cal, save_calibration(cal, path)
 
 

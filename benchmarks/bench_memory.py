@@ -1,0 +1,215 @@
+"""Memory benchmark: measured peak resident memory per rank vs the planner's prediction (issue 17).
+
+For `resnet50_w8` at 3x32x32, batch 2, under sample=2, channel=2, filter=2 and channel=2,filter=2 (4
+ranks), one layout at a time (never two trainings at once: the model is 3.2 GB of fp32 weights):
+
+- runs `hybridpar train ... --metrics FILE` and samples, from outside, the resident set (VmRSS, and the
+  kernel's high-water mark VmHWM) of the launcher and of every rank process every `--interval` seconds;
+- start-up peak: each rank's VmHWM when rank 0 has written its first step record (the model built
+  whole on every rank before sharding is in it: issue 17 item 1 is not done);
+- steady peak: each rank's largest sampled VmRSS after that first step record (steps 2..N: weights,
+  gradients, optimizer state, activations, buffers of a training step);
+- prediction: `hybridpar plan --strategy S --cluster localhost --json` (the same layout), whose
+  memory is hybridpar.cost.memory.predict_rank_memory; the steady peak is compared with it (20%).
+
+    .venv/bin/python benchmarks/bench_memory.py [--steps 4] [--layouts channel=2,filter=2] [--out bench_memory.json]
+
+The machine may be shared with other work: the figures are resident memory of our processes only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL, SHAPE, BATCH = "resnet50_w8", "3,32,32", 2
+LAYOUTS = {"sample=2": 2, "channel=2": 2, "filter=2": 2, "channel=2,filter=2": 4}
+TOLERANCE = 0.20
+GiB = 2**30
+
+
+def _status(pid: int) -> dict[str, int] | None:
+    """VmRSS and VmHWM of a process in bytes (None when it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out if len(out) == 2 else None
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            kids += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def _is_rank(pid: int) -> bool:
+    """A rank: a spawned child running multiprocessing's spawn_main (not its resource tracker)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return "spawn_main" in cmd
+
+
+def _steps_done(metrics: Path) -> int:
+    try:
+        return sum(1 for line in metrics.read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+def measure(strategy: str, nproc: int, steps: int, interval: float) -> dict:
+    """One training run of `strategy`, sampled from outside; returns the per-rank figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        cmd = [sys.executable, "-m", "hybridpar.cli.main", "train", "--model", MODEL, "--input-shape", SHAPE,
+               "--batch", str(BATCH), "--steps", str(steps), "--strategy", strategy, "--nproc", str(nproc),
+               "--metrics", str(metrics), "--log-every", "1000", "--json"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        launcher: dict[str, int] = {}
+        ranks: dict[int, dict] = {}  # pid -> {"startup_hwm", "steady_rss", "hwm"}
+        first_step_at = None
+        while proc.poll() is None:
+            st = _status(proc.pid)
+            if st:
+                launcher = {"rss": max(launcher.get("rss", 0), st["VmRSS"]), "hwm": st["VmHWM"]}
+            done = _steps_done(metrics)
+            if done and first_step_at is None:
+                first_step_at = time.time() - t0
+            stack = _children(proc.pid)
+            while stack:
+                pid = stack.pop()
+                stack += _children(pid)
+                if not _is_rank(pid):
+                    continue
+                st = _status(pid)
+                if st is None:
+                    continue
+                r = ranks.setdefault(pid, {"startup_hwm": 0, "steady_rss": 0, "hwm": 0, "samples_after": 0})
+                r["hwm"] = max(r["hwm"], st["VmHWM"])
+                if not done:
+                    r["startup_hwm"] = r["hwm"]
+                else:
+                    r["steady_rss"] = max(r["steady_rss"], st["VmRSS"])
+                    r["samples_after"] += 1
+            time.sleep(interval)
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"train {strategy} failed ({proc.returncode}): {err[-2000:]}")
+        recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return {"strategy": strategy, "nproc": nproc, "steps": steps, "wall_s": time.time() - t0,
+            "first_step_s": first_step_at, "launcher_peak_bytes": launcher.get("hwm", 0),
+            "ranks": sorted(ranks.values(), key=lambda r: -r["steady_rss"]),
+            "rank0_reported_peak_bytes": recs[-1].get("peak_memory_bytes") if recs else None}
+
+
+def predict(strategy: str, nproc: int) -> dict:
+    """`hybridpar plan --strategy` for the same layout on localhost (per-rank memory), and its breakdown
+    from hybridpar.cost.memory.predict_rank_memory (the same sum; tests/cost/test_memory.py checks they
+    agree). Where `plan` refuses the layout, the breakdown's total stands for it (said in `source`)."""
+    from hybridpar.cost.memory import predict_rank_memory
+    from hybridpar.search.graph_cache import traced_graph
+
+    graph, _ = traced_graph(MODEL, tuple(int(x) for x in SHAPE.split(",")))
+    rank = predict_rank_memory(graph, strategy, batch=BATCH)
+    whole = predict_rank_memory(graph, "sample=1", batch=BATCH)
+    cmd = [sys.executable, "-m", "hybridpar.cli.main", "plan", "--model", MODEL, "--input-shape", SHAPE,
+           "--batch", str(BATCH), "--gpus", str(nproc), "--strategy", strategy, "--cluster", "localhost", "--json"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if res.returncode == 0:
+        memory, source = json.loads(res.stdout)["predicted"]["memory_bytes_per_device"], "hybridpar plan"
+    else:
+        memory = rank.total_bytes
+        source = f"predict_rank_memory (plan refused: {res.stderr.strip().splitlines()[-1][:120]})"
+    return {"memory_bytes": memory, "source": source, "breakdown": rank.breakdown(),
+            "whole_model_bytes": whole.weights_bytes, "framework_bytes": rank.framework_bytes}
+
+
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def needed_bytes(p: dict, nproc: int) -> float:
+    """What a run needs at once today: the launcher builds the whole model and keeps it; each rank
+    builds it whole before sharding (issue 17 item 1), then holds its predicted peak."""
+    whole = p["whole_model_bytes"] + p["framework_bytes"]
+    return whole + nproc * max(p["memory_bytes"], whole + p["breakdown"]["weights_bytes"])
+
+
+def main() -> None:
+    global MODEL
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--interval", type=float, default=0.05)
+    ap.add_argument("--layouts", default=";".join(LAYOUTS), help="';'-separated strategies (default: all four)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--model", default=MODEL, help="zoo model (default resnet50_w8)")
+    args = ap.parse_args()
+    MODEL = args.model
+    rows = []
+    for strategy in [s for s in args.layouts.split(";") if s]:
+        nproc = LAYOUTS.get(strategy) or 2
+        p = predict(strategy, nproc)
+        need, avail = needed_bytes(p, nproc), _available_bytes()
+        if need > 0.9 * avail:
+            print(f"{strategy:>20} ({nproc} ranks): predicted {p['memory_bytes'] / GiB:6.2f} GiB per rank; NOT RUN: "
+                  f"needs about {need / GiB:.1f} GiB at once, {avail / GiB:.1f} GiB available", flush=True)
+            rows.append({"strategy": strategy, "nproc": nproc, "predicted_bytes": p["memory_bytes"],
+                         "predicted_source": p["source"], "predicted_breakdown": p["breakdown"], "skipped": True,
+                         "needed_bytes": need, "available_bytes": avail})
+            continue
+        m = measure(strategy, nproc, args.steps, args.interval)
+        steady = max(r["steady_rss"] for r in m["ranks"])
+        startup = max(r["startup_hwm"] for r in m["ranks"])
+        err = steady / p["memory_bytes"] - 1 if p["memory_bytes"] else float("nan")
+        rows.append({**m, "predicted_bytes": p["memory_bytes"], "predicted_breakdown": p["breakdown"],
+                     "predicted_source": p["source"],
+                     "steady_peak_bytes": steady, "startup_peak_bytes": startup, "rel_error": err,
+                     "within_tolerance": abs(err) <= TOLERANCE})
+        per_rank = ", ".join(f"{r['steady_rss'] / GiB:.2f}" for r in m["ranks"])
+        print(f"{strategy:>20} ({nproc} ranks): predicted {p['memory_bytes'] / GiB:6.2f} GiB  steady "
+              f"{steady / GiB:6.2f} GiB ({err:+.0%})  start-up {startup / GiB:6.2f} GiB  launcher "
+              f"{m['launcher_peak_bytes'] / GiB:5.2f} GiB  ranks steady "
+              f"[{per_rank}]", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+    print("\n| layout | ranks | predicted / rank | measured steady peak / rank (max) | error | start-up peak / rank "
+          "| launcher peak |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("skipped"):
+            print(f"| `{r['strategy']}` | {r['nproc']} | {r['predicted_bytes'] / GiB:.2f} GiB | not run: needs "
+                  f"{r['needed_bytes'] / GiB:.1f} GiB at once, {r['available_bytes'] / GiB:.1f} GiB available | | | |")
+            continue
+        print(f"| `{r['strategy']}` | {r['nproc']} | {r['predicted_bytes'] / GiB:.2f} GiB | "
+              f"{r['steady_peak_bytes'] / GiB:.2f} GiB | {r['rel_error']:+.0%} | "
+              f"{r['startup_peak_bytes'] / GiB:.2f} GiB | {r['launcher_peak_bytes'] / GiB:.2f} GiB |")
+    bad = [r["strategy"] for r in rows if not r.get("skipped") and not r["within_tolerance"]]
+    if bad:
+        print(f"\nover {TOLERANCE:.0%} off: {', '.join(bad)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The memory of the framework itself: resident set of an initialised gloo rank that holds no model.
+
+A rank of `hybridpar train` on this machine holds, before any weight: the Python interpreter, torch
+(its libraries, the CPU kernels' code and allocator), the gloo process group with its sub-groups, and
+hybridpar's runtime modules. `measure_framework_bytes(world)` starts `world` such ranks as separate
+processes (as `hybridpar train` does), has each import what a training rank imports, join a gloo world,
+create the per-dimension sub-groups and run one small allreduce in each, and report its VmRSS; the
+largest is the constant that the memory model adds per rank (hybridpar.cost.memory,
+`Calibration.framework_bytes`).
+
+Run as `python -m hybridpar.profile.framework_memory --world W --rank R --port P --out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hybridpar.errors import UserError
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """VmRSS of a process (Linux /proc), else the peak resident set of this process (getrusage)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+
+
+def _worker(world: int, rank: int, port: int, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import hybridpar.runtime.train_loop  # noqa: F401 - what a training rank imports
+    from hybridpar.runtime import parallel_model  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    try:
+        groups = [None]
+        for size in sorted({g for g in range(2, world) if world % g == 0}):
+            for start in range(0, world, size):
+                pg = dist.new_group(list(range(start, start + size)))
+                if start <= rank < start + size:
+                    groups.append(pg)
+        for pg in groups:
+            dist.all_reduce(torch.ones(1024), group=pg)
+        dist.barrier()
+        (out / f"rank{rank}.json").write_text(json.dumps({"rss_bytes": resident_bytes()}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_framework_bytes(world: int = 2, timeout_s: float = 300.0) -> int:
+    """The largest resident set over `world` initialised gloo ranks holding no model (bytes)."""
+    from hybridpar.profile.gloo import _free_port
+
+    if world < 1:
+        raise UserError(f"world must be >= 1, got {world}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory(prefix="hybridpar-fwmem-") as tmp:
+        cmd = [sys.executable, "-m", "hybridpar.profile.framework_memory", "--world", str(world),
+               "--port", str(_free_port()), "--out", tmp]
+        procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for r in range(world)]
+        deadline = time.monotonic() + timeout_s
+        errors = []
+        try:
+            for p in procs:
+                _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                if p.returncode != 0:
+                    errors.append(err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}")
+        except subprocess.TimeoutExpired:
+            raise UserError(f"framework memory probe with {world} ranks did not finish in {timeout_s:.0f} s") from None
+        finally:
+            for p in procs:  # only our own children, by handle
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        files = sorted(Path(tmp).glob("rank*.json"))
+        if errors or len(files) != world:
+            raise UserError(f"framework memory probe failed: {errors[0] if errors else 'no output'}")
+        return max(int(json.loads(f.read_text())["rss_bytes"]) for f in files)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    _worker(a.world, a.rank, a.port, Path(a.out))
+
+
+if __name__ == "__main__":
+    main()
