@@ -210,3 +210,32 @@ def test_config_file_metrics_and_progress_lines(tmp_path, capsys):
     umask = os.umask(0)
     os.umask(umask)
     assert metrics.stat().st_mode & 0o777 == 0o666 & ~umask  # the umask's mode, not 0600
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_image_folder_adamw_bf16_cosine_with_metrics(tmp_path, capsys):
+    """Issue 14's acceptance run: an image folder written here, 30 steps of AdamW in bf16 with a cosine
+    schedule after 3 warm-up steps on 2 ranks; the loss falls and the metrics file has every step."""
+    from PIL import Image
+
+    rng = torch.Generator().manual_seed(0)
+    for k, name in enumerate(["red", "green", "blue"]):
+        (tmp_path / "pics" / name).mkdir(parents=True)
+        for i in range(16):
+            arr = (torch.rand(24, 28, 3, generator=rng) * 110).to(torch.uint8)
+            arr[..., k] += 120
+            Image.fromarray(arr.numpy()).save(tmp_path / "pics" / name / f"{i}.png")
+    metrics = tmp_path / "m.jsonl"
+    code = main(["train", "--model", "small_cnn", "--strategy", "sample=2", "--nproc", "2", "--data",
+                 f"imagefolder:{tmp_path / 'pics'}", "--batch", "8", "--steps", "30", "--optimizer", "adamw",
+                 "--lr", "0.003", "--precision", "bf16", "--lr-schedule", "cosine", "--warmup-steps", "3",
+                 "--metrics", str(metrics), "--json"])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    losses = [s["loss"] for s in json.loads(cap.out)["steps"]]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    records = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(30))
+    assert all(0 < r["mfu"] <= 1 for r in records)
+    assert records[2]["lr"] == pytest.approx(0.003) and records[-1]["lr"] < 1e-4
