@@ -1,0 +1,31 @@
+"""The framework constant of the memory model: resident set of an initialised gloo rank holding no model."""
+
+import pytest
+
+from hybridpar.cluster.calibration import Calibration, load_calibration, save_calibration
+from hybridpar.profile.framework_memory import measure_framework_bytes, resident_bytes
+
+
+def test_resident_bytes_sees_touched_memory():
+    import torch
+
+    before = resident_bytes()
+    t = torch.ones(64 << 18)  # 64 MiB, written
+    after = resident_bytes()
+    assert after - before >= 48 << 20
+    del t
+
+
+@pytest.mark.timeout(240)
+def test_an_initialised_gloo_rank_holds_torch_and_nothing_of_a_model():
+    fw = measure_framework_bytes(1)
+    # torch's libraries alone are over 100 MiB resident; a rank holding no model stays well under 2 GiB
+    assert 100 << 20 < fw < 2 << 30
+
+
+def test_calibration_file_keeps_the_constant(tmp_path):
+    cal = Calibration(cpu_count=2, peak_flops_fp32=1e9, mem_bw_Bps=1e9, framework_bytes=300 << 20)
+    path = save_calibration(cal, tmp_path / "c.json")
+    assert load_calibration(path).framework_bytes == 300 << 20
+    old = Calibration(cpu_count=2, peak_flops_fp32=1e9, mem_bw_Bps=1e9)  # files written before the field
+    assert load_calibration(save_calibration(old, tmp_path / "o.json")).framework_bytes is None
