@@ -69,7 +69,8 @@ def test_vectorised_step_equals_the_scalar_one(name):
 def test_collective_time_fn_equals_the_direct_call(name):
     cl = load_cluster(name, 256)
     lay = LayerLayout(sample=64, channel=2, filter=2)
-    for groups in (dec.filter_groups(lay), dec.channel_groups(lay), dec.shard_groups(LayerLayout(sample=64, channel=4))):
+    replica = dec.shard_groups(LayerLayout(sample=64, channel=4))
+    for groups in (dec.filter_groups(lay), dec.channel_groups(lay), replica):
         for n in (0, 1, 1000, 10**6, 10**9):
             assert co.collective_time_fn("allgather", groups, cl)(n) == co.concurrent_collective_time(
                 "allgather", n, groups, cl)
