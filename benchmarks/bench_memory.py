@@ -7,8 +7,9 @@ ranks), one layout at a time (never two trainings at once: the model is 3.2 GB o
   kernel's high-water mark VmHWM) of the launcher and of every rank process every `--interval` seconds;
 - start-up peak: each rank's VmHWM when rank 0 has written its first step record (the model built
   whole on every rank before sharding is in it: issue 17 item 1 is not done);
-- steady peak: each rank's largest sampled VmRSS after that first step record (steps 2..N: weights,
-  gradients, optimizer state, activations, buffers of a training step);
+- steady peak: each rank's peak after that first step record (steps 2..N: weights, gradients,
+  optimizer state, activations, buffers of a training step): its VmHWM reset at that moment
+  ("5" > /proc/PID/clear_refs) and read until it exits, and its largest sampled VmRSS, whichever is larger;
 - prediction: `hybridpar plan --strategy S --cluster localhost --json` (the same layout), whose
   memory is hybridpar.cost.memory.predict_rank_memory; the steady peak is compared with it (20%).
 
@@ -47,6 +48,15 @@ def _status(pid: int) -> dict[str, int] | None:
         if key in ("VmRSS", "VmHWM"):
             out[key] = int(rest.split()[0]) * 1024
     return out if len(out) == 2 else None
+
+
+def _reset_hwm(pid: int) -> bool:
+    """Reset a process's VmHWM to its current resident set (Linux >= 4.0: "5" > /proc/PID/clear_refs)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def _children(pid: int) -> list[int]:
@@ -104,11 +114,16 @@ def measure(strategy: str, nproc: int, steps: int, interval: float) -> dict:
                 st = _status(pid)
                 if st is None:
                     continue
-                r = ranks.setdefault(pid, {"startup_hwm": 0, "steady_rss": 0, "hwm": 0, "samples_after": 0})
+                r = ranks.setdefault(pid, {"startup_hwm": 0, "steady_rss": 0, "hwm": 0, "samples_after": 0,
+                                           "hwm_reset": False, "steady_hwm": 0})
                 r["hwm"] = max(r["hwm"], st["VmHWM"])
                 if not done:
                     r["startup_hwm"] = r["hwm"]
                 else:
+                    if not r["hwm_reset"]:  # from here VmHWM is the peak of the steady steps
+                        r["hwm_reset"] = _reset_hwm(pid)
+                    elif st["VmHWM"] < r["startup_hwm"]:
+                        r["steady_hwm"] = max(r["steady_hwm"], st["VmHWM"])
                     r["steady_rss"] = max(r["steady_rss"], st["VmRSS"])
                     r["samples_after"] += 1
             time.sleep(interval)
@@ -118,7 +133,8 @@ def measure(strategy: str, nproc: int, steps: int, interval: float) -> dict:
         recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return {"strategy": strategy, "nproc": nproc, "steps": steps, "wall_s": time.time() - t0,
             "first_step_s": first_step_at, "launcher_peak_bytes": launcher.get("hwm", 0),
-            "ranks": sorted(ranks.values(), key=lambda r: -r["steady_rss"]),
+            "ranks": sorted(({**r, "steady_rss": max(r["steady_rss"], r["steady_hwm"])} for r in ranks.values()),
+                            key=lambda r: -r["steady_rss"]),
             "rank0_reported_peak_bytes": recs[-1].get("peak_memory_bytes") if recs else None}
 
 
@@ -195,6 +211,14 @@ def main() -> None:
               f"[{per_rank}]", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
+    ran = [r for r in rows if not r.get("skipped")]
+    summary = {"model": MODEL, "rows": rows,
+               "worst_rel_error": max((abs(r["rel_error"]) for r in ran), default=None),
+               **{f"{r['strategy']}.steady_vs_predicted_error": r["rel_error"] for r in ran},
+               **{f"{r['strategy']}.startup_vs_predicted_ratio": r["startup_peak_bytes"] / r["predicted_bytes"]
+                  for r in ran}}
+    if os.environ.get("HYBRIDPAR_BENCH_OUT"):  # benchmarks/run_all.py's contract
+        Path(os.environ["HYBRIDPAR_BENCH_OUT"]).write_text(json.dumps(summary, indent=2))
     print("\n| layout | ranks | predicted / rank | measured steady peak / rank (max) | error | start-up peak / rank "
           "| launcher peak |")
     print("|---|---|---|---|---|---|---|")

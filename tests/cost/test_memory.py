@@ -201,3 +201,18 @@ def test_weights_grads_and_adamw_state_are_what_torch_holds():
     assert pred.weights_bytes == nbytes(params)
     assert pred.grads_bytes == nbytes(p.grad for p in params)
     assert pred.optimizer_bytes == nbytes(state)
+
+
+def test_memory_report_warns_over_the_tolerance():
+    from hybridpar.cost.memory import memory_report
+
+    g = _graph()
+    pred = predict_rank_memory(g, "sample=2", framework_bytes=1000)
+    total = pred.total_bytes
+    ok = memory_report([total * 1.1, total * 0.9], pred)
+    assert ok["warning"] is None and ok["worst_ratio"] == pytest.approx(1.1)
+    assert ok["predicted_bytes"] == int(total) and ok["predicted_breakdown"]["framework_bytes"] == 1000
+    bad = memory_report([total * 0.9, total * 1.3, None], pred)
+    assert bad["warning"] is not None and "rank 1 " in bad["warning"] and "30%" in bad["warning"]
+    assert bad["ranks"][2] == {"rank": 2, "peak_bytes": None, "ratio": None}
+    assert memory_report([total * 1.3], total, tolerance=0.5)["warning"] is None

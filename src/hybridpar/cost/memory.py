@@ -373,3 +373,31 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
     fw = framework_bytes_for() if framework_bytes is None else float(framework_bytes)
     return step_memory(per_layer, framework_bytes=fw, io_bytes=io_bytes(graph, batch, elem), optimizer=optimizer,
                        weight_decay=weight_decay)
+
+
+MEMORY_TOLERANCE = 0.20  # `hybridpar train` warns when a rank's measured peak exceeds the plan's by more
+
+
+def memory_report(measured_by_rank: Sequence[int | float | None], predicted: RankMemory | float,
+                  tolerance: float = MEMORY_TOLERANCE) -> dict:
+    """Each rank's measured peak beside the prediction, as `hybridpar train --json` reports it:
+    {"predicted_bytes", "predicted_breakdown", "ranks": [{"rank", "peak_bytes", "ratio"}], "worst_ratio",
+    "warning"}; `warning` is a sentence when some rank's peak exceeds the prediction by more than
+    `tolerance` (else None). Ranks that measured nothing (None) are listed without a ratio."""
+    total = predicted.total_bytes if isinstance(predicted, RankMemory) else float(predicted)
+    ranks = []
+    for r, peak in enumerate(measured_by_rank):
+        ratio = float(peak) / total if peak is not None and total > 0 else None
+        ranks.append({"rank": r, "peak_bytes": None if peak is None else int(peak), "ratio": ratio})
+    ratios = [x["ratio"] for x in ranks if x["ratio"] is not None]
+    worst = max(ratios, default=None)
+    warning = None
+    if worst is not None and worst > 1 + tolerance:
+        over = [x["rank"] for x in ranks if x["ratio"] is not None and x["ratio"] > 1 + tolerance]
+        peak = max(x["peak_bytes"] for x in ranks if x["rank"] in over)
+        warning = (f"rank{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} peaked at "
+                   f"{peak / 2**30:.2f} GiB, {worst - 1:.0%} over the plan's {total / 2**30:.2f} GiB per rank "
+                   f"(tolerance {tolerance:.0%})")
+    return {"predicted_bytes": int(total),
+            "predicted_breakdown": predicted.breakdown() if isinstance(predicted, RankMemory) else None,
+            "ranks": ranks, "worst_ratio": worst, "warning": warning}
