@@ -58,11 +58,19 @@ def test_first_layer_has_no_input_gradient_exchange():
     assert ops  # the rest of the model communicates too
 
 
-def test_sample_only_is_gradients_bn_and_output():
+def test_sample_only_is_gradients_bn_and_loss():
     g = _graph()
     totals = bytes_by_kind(model_collectives(g, LayerLayout(sample=4)))
     params = sum(n.params for n in g.nodes) * 4
+    assert set(totals) == {"allreduce"}
+    assert totals["allreduce"] == params + 8 * 4 * 2 + 2 * 8 * 4 + 4  # grads, BN fwd, BN bwd, loss
+
+
+def test_whole_outputs_gather_over_the_sample_groups():
+    """The API's global form (whole outputs on every rank) instead of hybridpar train's loss allreduce."""
+    g = _graph()
+    totals = bytes_by_kind(model_collectives(g, LayerLayout(sample=4), whole_outputs=True))
+    params = sum(n.params for n in g.nodes) * 4
     last = [n for n in g.nodes if n.op not in ("input", "output")][-1]
-    assert set(totals) == {"allreduce", "allgather"}
-    assert totals["allreduce"] == params + 8 * 4 * 2 + 2 * 8 * 4  # grads, BN fwd, BN bwd
-    assert totals["allgather"] == math.prod(last.out_shape) * 4  # the whole output on every rank
+    assert totals["allreduce"] == params + 8 * 4 * 2 + 2 * 8 * 4
+    assert totals["allgather"] == math.prod(last.out_shape) * 4

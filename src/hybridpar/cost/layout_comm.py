@@ -15,9 +15,11 @@ boundary tensors split into G channel pieces (uneven: torch.chunk's, as DTensor'
   batchnorm         (global statistics, S > 1) fwd: 1 allreduce of 2 C_g floats (shifted sum and sum
                     of squares); bwd: 1 allreduce of 2 C_g floats; grad: allreduce of the 2 C_g affine
                     parameters. "local" statistics: only the grad allreduce.
-  model output      made whole on every rank (the loss is computed the same everywhere): allgather of
-                    the channel-split output over the G ranks of a sample group, then of the
-                    sample-split output over the S sample groups.
+  model output      allgather of the channel-split output over the G ranks of a sample group; with
+                    whole_outputs (the API's inputs="global": whole outputs on every rank), then of
+                    the sample-split output over the S sample groups.
+  loss              (hybridpar train, whole_outputs=False) allreduce of the scalar loss over the S
+                    sample groups (reporting); gradients are averaged in the segmented allreduce.
   concat            (channels, G > 1) all-to-all in the sample group of the concatenation's parts
                     that other ranks hold, forward and backward.
   redistribution    a conv whose layout has another (S, G) than the plan's default: alltoall of its
@@ -123,7 +125,8 @@ def _layout_for(spec: Plan | LayerLayout, node: Node) -> LayerLayout:
 
 
 def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int = 0, rank: int | None = None,
-                      bn_stats: str = "global", dtype_bytes: int = FP32) -> list[tuple[str, CommOp]]:
+                      bn_stats: str = "global", dtype_bytes: int = FP32,
+                      whole_outputs: bool = False) -> list[tuple[str, CommOp]]:
     """(node name, op) for every collective of one training step of `graph` (global batch =
     graph input batch) on `rank` (default: `position`, a rank of sample group 0), as
     hybridpar.runtime issues them. Layers keep the default layout's grid position rank % G; a conv
@@ -156,12 +159,14 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
                                     in_pieces=pieces, bn_stats=bn_stats, dtype_bytes=dtype_bytes):
             out.append((node.name, op))
     outputs = [n for n in graph.nodes if n.op not in ("input", "output") and not succ.get(n.name)]
-    for node in outputs:  # made whole on every rank: channels in the sample group, then samples
+    for node in outputs:  # channels gathered in the sample group (each group's samples' outputs whole)
         whole = prod(node.out_shape) * dtype_bytes
         if G > 1:
             out.append((node.name, CommOp("allgather", G, whole // S, "sample", "fwd")))
-        if S > 1:
+        if S > 1 and whole_outputs:  # the API's global form: then over the sample groups
             out.append((node.name, CommOp("allgather", S, whole, "replica", "fwd")))
+    if S > 1 and not whole_outputs:  # hybridpar train: each group's mean loss, allreduced to report it
+        out.append(("loss", CommOp("allreduce", S, FP32, "replica", "loss")))
     return out
 
 

@@ -58,18 +58,22 @@ def default_loss(out, y):
 
 
 def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size: int,
-            loss_fn=default_loss, train: bool = True) -> DryRun:
+            loss_fn=default_loss, train: bool = True, inputs: str = "sample_shard") -> DryRun:
     """Run `module` (not modified: a meta copy is used) under `spec` (strategy string, LayerLayout or
     Plan) on `world_size` fake ranks. `example_inputs`: a tensor or tuple, the global batch.
     `targets`: labels for `loss_fn`; without them the backward starts from the sum of the outputs.
     It runs as the last rank first (the one holding torch.chunk's short or empty pieces, where an op
-    that cannot take an empty input fails on that rank alone), then as rank 0, whose record it returns."""
+    that cannot take an empty input fails on that rank alone), then as rank 0, whose record it returns.
+    `inputs`: "sample_shard" (as `hybridpar train` runs: each sample group its own rows, a per-group
+    mean loss) or "global" (the API's default: the whole batch in, whole outputs on every rank)."""
+    args = (module, spec, example_inputs, targets, world_size)
     if world_size > 1:
-        _one_rank(module, spec, example_inputs, targets, world_size, world_size - 1, loss_fn, train)
-    return _one_rank(module, spec, example_inputs, targets, world_size, 0, loss_fn, train)
+        _one_rank(*args, world_size - 1, loss_fn, train, inputs)
+    return _one_rank(*args, 0, loss_fn, train, inputs)
 
 
-def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int, loss_fn, train: bool) -> DryRun:
+def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int, loss_fn, train: bool,
+              inputs: str) -> DryRun:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -79,24 +83,33 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
 
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (run it before launching ranks)")
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    batch = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     model = copy.deepcopy(module).to("meta")
     model.train(train)
     _clear_dtensor_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        parallelize(model, spec)
-        log = model.hybridpar.grid.comm_log
+        parallelize(model, spec, inputs=inputs)
+        grid = model.hybridpar.grid
+        if inputs == "sample_shard":
+            from hybridpar.runtime.sample_io import split_samples
+
+            batch, targets = split_samples(batch, grid), split_samples(targets, grid)
+        log = grid.comm_log
         log.mark_step()
         with recording(log) as rec:
             try:
-                out = model(*_meta(inputs))
+                out = model(*_meta(batch))
                 outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
                 if targets is not None:
                     loss = loss_fn(outs[0], _meta(targets))
                 else:
                     loss = sum(o.float().sum() for o in outs if o.is_floating_point())
                 loss.backward()
+                if inputs == "sample_shard" and grid.sample > 1:  # hybridpar train reports the global loss
+                    from hybridpar.runtime.collectives import all_reduce_
+
+                    all_reduce_(loss.detach().reshape(1), grid.replica_group, log, "loss")
             except UserError:
                 raise
             except Exception as err:  # noqa: BLE001 - every failure becomes one line naming op and module

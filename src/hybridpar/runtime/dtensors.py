@@ -141,15 +141,15 @@ class _GatherWhole(torch.autograd.Function):
     the backward is this rank's slice of the gradient, with no communication."""
 
     @staticmethod
-    def forward(ctx, local, grid, cdim: int, channels: int, n: int):
+    def forward(ctx, local, grid, cdim: int, channels: int, n: int, samples: bool = True):
         from hybridpar.runtime.collectives import all_gather_dim
 
-        ctx.cdim, ctx.channels, ctx.n, ctx.grid = cdim, channels, n, grid
+        ctx.cdim, ctx.channels, ctx.n, ctx.grid, ctx.samples = cdim, channels, n, grid, samples
         t = local
         if cdim >= 0:
             t = all_gather_dim(t.contiguous(), cdim, grid.sample_group, piece_sizes(channels, grid.g_size),
                                grid.comm_log, "output:fwd")
-        if grid.sample > 1:
+        if grid.sample > 1 and samples:
             t = all_gather_dim(t.contiguous(), 0, grid.replica_group, piece_sizes(n, grid.sample),
                                grid.comm_log, "output:fwd")
         return t
@@ -157,20 +157,24 @@ class _GatherWhole(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d):
         grid = ctx.grid
-        if grid.sample > 1:
+        if grid.sample > 1 and ctx.samples:
             d = d.narrow(0, piece_offsets(ctx.n, grid.sample)[grid.s], piece_sizes(ctx.n, grid.sample)[grid.s])
         if ctx.cdim >= 0:
             d = d.narrow(ctx.cdim, piece_offsets(ctx.channels, grid.g_size)[grid.g],
                          piece_sizes(ctx.channels, grid.g_size)[grid.g])
-        return d.contiguous(), None, None, None, None
+        return d.contiguous(), None, None, None, None, None
 
 
 def gather_output(out, meshes: Meshes, grid, *, sample_shard: bool):
     """The model's outputs as ordinary tensors: whole (same on every rank), or this rank's samples."""
     def one(t: DTensor):
-        if sample_shard and t.dim() > 0 and t.placements[0] == Shard(0):
-            return t.redistribute(meshes.act, [Shard(0), Replicate()]).to_local()
         p0, p1 = t.placements
+        if sample_shard and t.dim() > 0 and p0 == Shard(0):
+            if isinstance(p1, Shard) or p1 == Replicate():
+                cdim = p1.dim if isinstance(p1, Shard) else -1
+                local = t.to_local(grad_placements=t.placements)
+                return _GatherWhole.apply(local, grid, cdim, t.shape[cdim] if cdim >= 0 else 0, t.shape[0], False)
+            return t.redistribute(meshes.act, [Shard(0), Replicate()]).to_local()
         if t.dim() > 0 and p0 in (Shard(0), Replicate()) and (isinstance(p1, Shard) or p1 == Replicate()) \
                 and (p0 == Shard(0) or grid.sample == 1):
             cdim = p1.dim if isinstance(p1, Shard) else -1

@@ -13,6 +13,7 @@ from torch import nn
 from hybridpar.errors import UserError
 from hybridpar.layout import piece_offsets, piece_sizes
 from hybridpar.plans import LayerLayout, Plan
+from hybridpar.runtime.collectives import all_reduce_
 from hybridpar.runtime.comm_log import CommLog
 from hybridpar.runtime.parallel_model import parallelize
 from hybridpar.runtime.state import gather_full_state
@@ -66,10 +67,11 @@ class ChannelFilterEngine:
     def __init__(self, module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: str = "global",
                  comm_log: CommLog | None = None, grid=None, extra_ops=()):
         self.module = parallelize(module, plan, bn_stats=bn_stats, comm_log=comm_log, grid=grid,
-                                  extra_ops=extra_ops)
+                                  extra_ops=extra_ops, inputs="sample_shard")
         self.state = module.hybridpar
         self.grid = self.state.grid
         self.comm_log: CommLog = self.grid.comm_log
+        self._dtensor_records: list[dict] | None = None
 
     def parameters(self):
         return self.module.parameters()
@@ -93,9 +95,11 @@ class ChannelFilterEngine:
                 out[kind] = out.get(kind, 0) + b
         return out
 
-    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a step takes: the global batch itself (the model splits it)."""
-        return x, y
+    def local_batch(self, x, y) -> tuple:
+        """This rank's sample group's rows of the global batch (x may be a tuple or dict of inputs)."""
+        from hybridpar.runtime.sample_io import split_samples
+
+        return split_samples(x, self.grid), split_samples(y, self.grid)
 
     def warm_up(self, sample_shape: tuple[int, ...]) -> None:
         """Nothing to exchange any more: global shapes are known to every rank."""
@@ -108,21 +112,29 @@ class ChannelFilterEngine:
             return self.module(*x)
         return self.module(x)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward, cross-entropy (mean over the global batch), backward (gradients synchronised).
-        Returns the global-batch mean loss (same on every rank)."""
+    def train_step(self, x, y) -> float:
+        """Forward, cross-entropy (mean over this sample group's samples), backward (gradients averaged
+        over sample groups: the global batch's mean). Returns the global-batch mean loss (every rank)."""
         self.comm_log.mark_step()
         self.module.train()
-        if self.state.meshes is None:
+        if self.state.meshes is None or self._dtensor_records is not None:
             loss = task_loss(self.forward(x), y)
             loss.backward()
-            return float(loss.detach())
-        from hybridpar.runtime.dtensor_log import recording
+            for r in self._dtensor_records or ():  # same shapes and placements each step: same collectives
+                if r["group_size"] > 1:
+                    self.comm_log.record(r["kind"], r["group_size"], r["bytes"], f"dtensor:{r['module']}")
+        else:
+            from hybridpar.runtime.dtensor_log import recording
 
-        with recording(self.comm_log):  # DTensor's own redistributions, logged beside ours
-            loss = task_loss(self.forward(x), y)
-            loss.backward()
-        return float(loss.detach())
+            # DTensor's own redistributions, logged beside ours: watched on the first step only (a
+            # dispatch mode on every op costs), then replayed into the log
+            with recording(self.comm_log) as rec:
+                loss = task_loss(self.forward(x), y)
+                loss.backward()
+            self._dtensor_records = list(rec.records)
+        value = loss.detach().clone().reshape(1) / self.grid.sample
+        all_reduce_(value, self.grid.replica_group, self.comm_log, "loss")  # for reporting only
+        return float(value.item())
 
     def sync_gradients(self) -> None:
         """Gradients are synchronised during backward; kept for the engine protocol."""

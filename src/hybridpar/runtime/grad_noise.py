@@ -58,7 +58,10 @@ class GradNoiseProbe:
         dist.all_reduce(sums)
         self.engine.comm_log.record("gns", dist.get_world_size(), GNS_BYTES, "gns")
         s = self.groups
-        local_mean = float(sums[0]) / s * s * s  # mean over groups of |S * g_rank-group|^2
+        # mean over groups of |g_group|^2: a rank's pre-sync gradient is its group's mean gradient times
+        # `pre_sync_scale` (1 when its loss is its samples' mean, 1/S when it is divided by the global batch)
+        scale = getattr(self.engine, "pre_sync_scale", 1.0 / s)
+        local_mean = float(sums[0]) / s / (scale * scale)
         global_sq = float(sums[1]) / s  # every group holds the same synced gradient
         self.estimator.update(local_mean, global_sq, self.batch // s, self.batch)
         value = self.estimator.estimate()

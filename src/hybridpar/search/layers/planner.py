@@ -31,7 +31,6 @@ from hybridpar.search.layers.decomposition import (
     distribution_of,
     distributions,
     filter_groups,
-    layout_of,
     layout_problem,
     shard_groups,
 )
@@ -258,21 +257,20 @@ def _edge_costs(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext) -> 
 
 
 def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext) -> list[CommOp]:
-    """Per-step collectives outside the layers (hybridpar.runtime): the model's output made whole on
-    every rank, so that every rank computes the same loss: gathered over the sample group's channel
-    pieces (when G > 1), then over the sample groups (when S > 1)."""
+    """Per-step collectives outside the layers, as `hybridpar train` issues them: each sample group's
+    outputs gathered over its channel pieces (when G > 1), and the loss (each group's mean) allreduced
+    over the sample groups for reporting (hybridpar.runtime.engine)."""
     last = opts[-1].dist(choice[-1])
     out_node = opts[-1].vertex.out_node
-    grid = layout_of(last.sample, 1, last.channel)
-    per_sample = out_node.out_numel // max(out_node.out_shape[0], 1) if out_node.out_shape else 1
+    grid = LayerLayout(sample=last.sample, channel=1, filter=last.channel)
     ops = []
     if last.channel > 1:
+        per_sample = out_node.out_numel // max(out_node.out_shape[0], 1) if out_node.out_shape else 1
         gathered = ctx.batch // last.sample * per_sample * ctx.elem
         ops.append(CommOp.placed("allgather", "fwd", gathered, filter_groups(grid), "filter", grid))
     if last.sample > 1:
-        key = layout_of(last.sample, last.channel)
-        ops.append(CommOp.placed("allgather", "fwd", ctx.batch * per_sample * ctx.elem, shard_groups(key),
-                                 "shard", key))
+        key = LayerLayout(sample=last.sample, channel=last.channel)
+        ops.append(CommOp.placed("allreduce", "fwd", ctx.elem, shard_groups(key), "shard", key))
     return ops
 
 
