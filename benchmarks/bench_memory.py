@@ -13,7 +13,11 @@ ranks), one layout at a time (never two trainings at once: the model is 3.2 GB o
 - prediction: `hybridpar plan --strategy S --cluster localhost --json` (the same layout), whose
   memory is hybridpar.cost.memory.predict_rank_memory; the steady peak is compared with it (20%).
 
-    .venv/bin/python benchmarks/bench_memory.py [--steps 4] [--layouts channel=2,filter=2] [--out bench_memory.json]
+    .venv/bin/python benchmarks/bench_memory.py [--models resnet50_w8,resnet50_w4] [--steps 4]
+        [--layouts "channel=2;filter=2"] [--out bench_memory.json]
+
+A layout whose run would not fit this machine's free memory today (the launcher and every rank build
+the whole model first) is left out with the figure it would need, after waiting `--wait-s` for memory.
 
 The machine may be shared with other work: the figures are resident memory of our processes only.
 """
@@ -155,23 +159,67 @@ def predict(strategy: str, nproc: int) -> dict:
         memory, source = json.loads(res.stdout)["predicted"]["memory_bytes_per_device"], "hybridpar plan"
     else:
         memory = rank.total_bytes
-        source = f"predict_rank_memory (plan refused: {res.stderr.strip().splitlines()[-1][:120]})"
+        lines = res.stderr.strip().splitlines() or ["no message"]
+        why = next((ln.strip() for ln in lines if "error" in ln.lower() and "Traceback" not in ln), lines[-1])
+        source = f"predict_rank_memory (plan refused: {why[:120]})"
     return {"memory_bytes": memory, "source": source, "breakdown": rank.breakdown(),
             "whole_model_bytes": whole.weights_bytes, "framework_bytes": rank.framework_bytes}
 
 
-def _available_bytes() -> int:
+def _available_bytes(field: str = "MemAvailable:") -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(field):
             return int(line.split()[1]) * 1024
     return 0
 
 
+STARTUP_SLACK = 0.75 * GiB  # start-up beyond whole model + framework + shard: 0.7 GiB measured for channel=2
+
+
 def needed_bytes(p: dict, nproc: int) -> float:
     """What a run needs at once today: the launcher builds the whole model and keeps it; each rank
-    builds it whole before sharding (issue 17 item 1), then holds its predicted peak."""
+    builds it whole before sharding (issue 17 item 1) and at start-up holds it beside its shard and
+    some more (5.49 GiB measured per rank for channel=2 on resnet50_w8), then its predicted peak."""
     whole = p["whole_model_bytes"] + p["framework_bytes"]
-    return whole + nproc * max(p["memory_bytes"], whole + p["breakdown"]["weights_bytes"])
+    startup = whole + p["breakdown"]["weights_bytes"] + STARTUP_SLACK
+    return whole + nproc * max(p["memory_bytes"], startup)
+
+
+def _wait_for(need: float, wait_s: float) -> float:
+    """Available memory once it covers `need` with 10% to spare, or after `wait_s` (other jobs share
+    this machine: their memory comes and goes)."""
+    total = _available_bytes("MemTotal:")
+    deadline = time.time() + (wait_s if need <= 0.9 * total else 0.0)  # never fits: no wait
+    avail = _available_bytes()
+    while need > 0.9 * avail and time.time() < deadline:
+        time.sleep(5)
+        avail = _available_bytes()
+    return avail
+
+
+def run_layout(strategy: str, args) -> dict:
+    nproc = LAYOUTS.get(strategy) or 2
+    p = predict(strategy, nproc)
+    need = needed_bytes(p, nproc)
+    avail = _wait_for(need, args.wait_s)
+    tag = f"{MODEL} {strategy} ({nproc} ranks)"
+    if need > 0.9 * avail:
+        print(f"{tag:>40}: predicted {p['memory_bytes'] / GiB:6.2f} GiB per rank; NOT RUN: "
+              f"needs about {need / GiB:.1f} GiB at once, {avail / GiB:.1f} GiB available", flush=True)
+        return {"model": MODEL, "strategy": strategy, "nproc": nproc, "predicted_bytes": p["memory_bytes"],
+                "predicted_source": p["source"], "predicted_breakdown": p["breakdown"], "skipped": True,
+                "needed_bytes": need, "available_bytes": avail}
+    m = measure(strategy, nproc, args.steps, args.interval)
+    steady = max(r["steady_rss"] for r in m["ranks"])
+    startup = max(r["startup_hwm"] for r in m["ranks"])
+    err = steady / p["memory_bytes"] - 1 if p["memory_bytes"] else float("nan")
+    per_rank = ", ".join(f"{r['steady_rss'] / GiB:.2f}" for r in m["ranks"])
+    print(f"{tag:>40}: predicted {p['memory_bytes'] / GiB:6.2f} GiB  steady {steady / GiB:6.2f} GiB ({err:+.0%})  "
+          f"start-up {startup / GiB:6.2f} GiB  launcher {m['launcher_peak_bytes'] / GiB:5.2f} GiB  ranks steady "
+          f"[{per_rank}]", flush=True)
+    return {**m, "model": MODEL, "predicted_bytes": p["memory_bytes"], "predicted_breakdown": p["breakdown"],
+            "predicted_source": p["source"], "steady_peak_bytes": steady, "startup_peak_bytes": startup,
+            "rel_error": err, "within_tolerance": abs(err) <= TOLERANCE}
 
 
 def main() -> None:
@@ -181,56 +229,36 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=0.05)
     ap.add_argument("--layouts", default=";".join(LAYOUTS), help="';'-separated strategies (default: all four)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--model", default=MODEL, help="zoo model (default resnet50_w8)")
+    ap.add_argument("--models", default=MODEL,
+                    help="comma-separated zoo models, each under every layout (default resnet50_w8)")
+    ap.add_argument("--wait-s", type=float, default=120.0,
+                    help="wait this long for enough free memory before leaving a layout out")
     args = ap.parse_args()
-    MODEL = args.model
     rows = []
-    for strategy in [s for s in args.layouts.split(";") if s]:
-        nproc = LAYOUTS.get(strategy) or 2
-        p = predict(strategy, nproc)
-        need, avail = needed_bytes(p, nproc), _available_bytes()
-        if need > 0.9 * avail:
-            print(f"{strategy:>20} ({nproc} ranks): predicted {p['memory_bytes'] / GiB:6.2f} GiB per rank; NOT RUN: "
-                  f"needs about {need / GiB:.1f} GiB at once, {avail / GiB:.1f} GiB available", flush=True)
-            rows.append({"strategy": strategy, "nproc": nproc, "predicted_bytes": p["memory_bytes"],
-                         "predicted_source": p["source"], "predicted_breakdown": p["breakdown"], "skipped": True,
-                         "needed_bytes": need, "available_bytes": avail})
-            continue
-        m = measure(strategy, nproc, args.steps, args.interval)
-        steady = max(r["steady_rss"] for r in m["ranks"])
-        startup = max(r["startup_hwm"] for r in m["ranks"])
-        err = steady / p["memory_bytes"] - 1 if p["memory_bytes"] else float("nan")
-        rows.append({**m, "predicted_bytes": p["memory_bytes"], "predicted_breakdown": p["breakdown"],
-                     "predicted_source": p["source"],
-                     "steady_peak_bytes": steady, "startup_peak_bytes": startup, "rel_error": err,
-                     "within_tolerance": abs(err) <= TOLERANCE})
-        per_rank = ", ".join(f"{r['steady_rss'] / GiB:.2f}" for r in m["ranks"])
-        print(f"{strategy:>20} ({nproc} ranks): predicted {p['memory_bytes'] / GiB:6.2f} GiB  steady "
-              f"{steady / GiB:6.2f} GiB ({err:+.0%})  start-up {startup / GiB:6.2f} GiB  launcher "
-              f"{m['launcher_peak_bytes'] / GiB:5.2f} GiB  ranks steady "
-              f"[{per_rank}]", flush=True)
+    for model in [m for m in args.models.split(",") if m]:
+        MODEL = model
+        rows += [run_layout(strategy, args) for strategy in args.layouts.split(";") if strategy]
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     ran = [r for r in rows if not r.get("skipped")]
-    summary = {"model": MODEL, "rows": rows,
-               "worst_rel_error": max((abs(r["rel_error"]) for r in ran), default=None),
-               **{f"{r['strategy']}.steady_vs_predicted_error": r["rel_error"] for r in ran},
-               **{f"{r['strategy']}.startup_vs_predicted_ratio": r["startup_peak_bytes"] / r["predicted_bytes"]
-                  for r in ran}}
+    summary = {"rows": rows, "worst_rel_error": max((abs(r["rel_error"]) for r in ran), default=None),
+               **{f"{r['model']}.{r['strategy']}.steady_vs_predicted_error": r["rel_error"] for r in ran},
+               **{f"{r['model']}.{r['strategy']}.startup_vs_predicted_ratio":
+                  r["startup_peak_bytes"] / r["predicted_bytes"] for r in ran}}
     if os.environ.get("HYBRIDPAR_BENCH_OUT"):  # benchmarks/run_all.py's contract
         Path(os.environ["HYBRIDPAR_BENCH_OUT"]).write_text(json.dumps(summary, indent=2))
-    print("\n| layout | ranks | predicted / rank | measured steady peak / rank (max) | error | start-up peak / rank "
-          "| launcher peak |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| model | layout | ranks | predicted / rank | measured steady peak / rank (max) | error "
+          "| start-up peak / rank | launcher peak |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        head = f"| {r['model']} | `{r['strategy']}` | {r['nproc']} | {r['predicted_bytes'] / GiB:.2f} GiB |"
         if r.get("skipped"):
-            print(f"| `{r['strategy']}` | {r['nproc']} | {r['predicted_bytes'] / GiB:.2f} GiB | not run: needs "
-                  f"{r['needed_bytes'] / GiB:.1f} GiB at once, {r['available_bytes'] / GiB:.1f} GiB available | | | |")
+            print(f"{head} not run: needs ~{r['needed_bytes'] / GiB:.1f} GiB at once, "
+                  f"{r['available_bytes'] / GiB:.1f} GiB free | | | |")
             continue
-        print(f"| `{r['strategy']}` | {r['nproc']} | {r['predicted_bytes'] / GiB:.2f} GiB | "
-              f"{r['steady_peak_bytes'] / GiB:.2f} GiB | {r['rel_error']:+.0%} | "
+        print(f"{head} {r['steady_peak_bytes'] / GiB:.2f} GiB | {r['rel_error']:+.0%} | "
               f"{r['startup_peak_bytes'] / GiB:.2f} GiB | {r['launcher_peak_bytes'] / GiB:.2f} GiB |")
-    bad = [r["strategy"] for r in rows if not r.get("skipped") and not r["within_tolerance"]]
+    bad = [f"{r['model']} {r['strategy']}" for r in ran if not r["within_tolerance"]]
     if bad:
         print(f"\nover {TOLERANCE:.0%} off: {', '.join(bad)}")
 
