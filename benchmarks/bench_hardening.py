@@ -239,9 +239,10 @@ def _complete(ck: Path) -> bool:
 
 
 def _finish(name: str, ck: Path, out: Path, ref: dict, how: str) -> Outcome:
-    """After a fault: the newest checkpoint is complete and --resume reaches the reference weights."""
-    if not _complete(ck):
-        return Outcome(name, False, f"{how}; no complete checkpoint left")
+    """After a fault: the newest checkpoint is complete (or, for a fault before the first one, there is
+    none at all) and --resume reaches the reference weights."""
+    if not _complete(ck) and ck.is_dir() and any(p.name.startswith("step-") for p in ck.iterdir()):
+        return Outcome(name, False, f"{how}; checkpoints left, none of them complete")
     run = _train(["--checkpoint-dir", str(ck), "--checkpoint-every", str(EVERY), "--resume", "--save", str(out)])
     if run.returncode != 0:
         return Outcome(name, False, f"{how}; resume exit {run.returncode}: {run.stderr.strip()[-200:]}")
