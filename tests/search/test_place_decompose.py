@@ -8,9 +8,9 @@ import itertools
 import random
 
 import pytest
-from test_place_ilp import US, brute_force, exact_schedule, random_problem, tied
+from test_place_ilp import CASES, US, brute_force, exact_schedule, random_problem, tied
 
-from hybridpar.search.placer import PlacementProblem, Task, solve, uniform_links
+from hybridpar.search.placer import PlacementProblem, Task, ilp, solve, uniform_links
 from hybridpar.search.placer.decompose import _automorphisms, solve_decomposed, split
 from hybridpar.search.placer.ilp import canonical
 from hybridpar.search.placer.schedule import build_ops
@@ -67,7 +67,7 @@ def test_decomposition_is_exact_without_side_tasks(m, seed):
     sp = split(p)
     assert sp is not None and not sp.side and len(sp.segments) >= 2
     opt = brute_force(p)
-    dec = solve_decomposed(p, _q, budget=20)
+    dec = solve_decomposed(p, _q, budget=20, max_share=1.0)
     assert dec.optimal_segments == dec.solves
     assert dec.lower == opt
     assert dec.upper == opt
@@ -83,7 +83,7 @@ def test_decomposition_bound_is_a_bound_with_a_side_output(seed):
     sp = split(p)
     assert sp is not None
     opt = brute_force(p)
-    dec = solve_decomposed(p, _q, budget=20)
+    dec = solve_decomposed(p, _q, budget=20, max_share=1.0)
     assert dec.lower <= opt
     r = solve(p, "ilp", time_unit_s=US, time_limit_s=20, workers=1)
     assert r.status == "optimal" and round(r.step_time_s / US) == opt
@@ -96,7 +96,7 @@ def test_decomposition_uses_device_symmetries_exactly():
     assert not p.devices_interchangeable
     assert sorted(_automorphisms(p)) == [(0, 1, 2), (2, 1, 0)]
     opt = brute_force_any(p)
-    dec = solve_decomposed(p, _q, budget=20)
+    dec = solve_decomposed(p, _q, budget=20, max_share=1.0)
     assert dec.lower == dec.upper == opt
 
 
@@ -118,3 +118,14 @@ def test_ilp_answer_is_deterministic(make):
     assert runs[0].assignment == runs[1].assignment
     assert runs[0].step_time_s == runs[1].step_time_s
     assert runs[0].bound_s == runs[1].bound_s
+
+
+@pytest.mark.parametrize("n,m,seed", CASES[::3])
+def test_ilp_through_the_decomposition_matches_brute_force(n, m, seed, monkeypatch):
+    # the solver decomposes only when no segment holds over half the tasks; here it always does
+    monkeypatch.setattr(ilp, "DECOMPOSE_MAX_SHARE", 1.0)
+    p = random_problem(n, m, seed, shared_links=seed % 2 == 1)
+    assert split(p) is not None
+    r = solve(p, "ilp", time_unit_s=US, time_limit_s=20, workers=1)
+    assert any(note.startswith("decomposition") for note in r.notes)
+    assert r.status == "optimal" and round(r.step_time_s / US) == brute_force(p)

@@ -46,6 +46,7 @@ WALL_MARGIN = 2.0
 WALL_SLACK_S = 10.0
 INTERLEAVE = True  # several workers search in deterministic interleaved batches
 MAX_DECOMPOSE_DEVICES = 8  # segment solves per boundary pair grow as M^2
+DECOMPOSE_MAX_SHARE = 0.5  # decompose only when no segment holds more than this share of the tasks
 
 
 def default_time_unit(problem: PlacementProblem) -> float:
@@ -343,8 +344,8 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     if decompose and 1 < m <= MAX_DECOMPOSE_DEVICES:
         from hybridpar.search.placer.decompose import solve_decomposed
 
-        dec = solve_decomposed(problem, q, budget=time_limit_s / 2, seed=seed,
-                               deadline=deadline)
+        dec = solve_decomposed(problem, q, budget=time_limit_s / 2, seed=seed, deadline=deadline,
+                               max_share=DECOMPOSE_MAX_SHARE)
         if dec is not None:
             polish = time_limit_s / 2
             lower = max(lower, dec.lower)
