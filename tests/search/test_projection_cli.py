@@ -93,6 +93,7 @@ def test_time_chunks_what_if_is_labelled_and_off_by_default(curve, capsys):
     whole = json.loads(capsys.readouterr().out)
     assert main([*base, "--time-chunks"]) == 0
     chunked = json.loads(capsys.readouterr().out)
+    assert whole["time_chunks"] is False and chunked["time_chunks"] is True
     assert any("each recurrent layer whole" in n and "what-if" in n for n in whole["notes"])
     assert not any(n.startswith("WHAT-IF") for n in whole["notes"])
     assert any(n.startswith("WHAT-IF (--time-chunks)") for n in chunked["notes"])

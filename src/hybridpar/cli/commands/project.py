@@ -87,6 +87,7 @@ def register(app: click.Group) -> None:
         if plot:
             _plot(proj, plot)
         out = proj.to_dict()
+        out["time_chunks"] = time_chunks  # True: DPxMP priced with the wavefront what-if, not as the runtime runs
         out["sensitivity"] = sens
         out["joint"] = joint.to_dict() if joint else None
         if json_:
