@@ -60,9 +60,12 @@ def task_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 class ChannelFilterEngine:
-    """`hybridpar train`'s loop body over the public API: the parallelized model takes the global
-    batch and returns whole outputs on every rank; the loss is computed the same everywhere and the
-    gradients are synchronised during backward (hybridpar.runtime.parallel_model)."""
+    """`hybridpar train`'s loop body over the public API (hybridpar.runtime.parallel_model) in its
+    cheaper input form, as DDP runs: each sample group takes its own samples (`local_batch`), computes
+    the mean loss of its samples, and the gradients are averaged over sample groups during backward, so
+    no rank gathers the whole batch's outputs; the reported loss is the global batch's mean."""
+
+    pre_sync_scale = 1.0  # a rank's gradient before the sync is its sample group's mean (grad_noise)
 
     def __init__(self, module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: str = "global",
                  comm_log: CommLog | None = None, grid=None, extra_ops=()):

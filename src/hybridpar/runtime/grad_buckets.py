@@ -49,6 +49,7 @@ class GradSync:
         self._open: dict[int, _Bucket] = {}
         self._inflight: list[tuple[object, _Bucket, torch.Tensor]] = []
         self._seen: set[int] = set()
+        self._alone: list = []  # parameters whose group is this rank alone (no collective)
         self._queued = False
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
         self.launch_times: list[float] = []  # perf_counter() at each bucket launch (tests, benchmarks)
@@ -74,6 +75,7 @@ class GradSync:
             return  # few and small (norm weights, scales): reduced by placement at the end
         group = self.group_of(p)
         if group is None or group.size == 1:
+            self._alone.append(p)  # nothing to sum; still averaged (its samples span every group's loss)
             return
         b = self._open.setdefault(id(group), _Bucket(group))
         b.params.append(p)
@@ -100,7 +102,9 @@ class GradSync:
             group = self.group_of(p)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if group is not None and group.size > 1:
+            if group is None or group.size == 1:
+                self._alone.append(p)
+            else:
                 b = self._open.setdefault(id(group), _Bucket(group))
                 b.params.append(p)
                 b.grads.append(p.grad)
@@ -114,6 +118,10 @@ class GradSync:
             for g, synced in zip(b.grads, _unflatten_dense_tensors(flat, b.grads)):
                 g.copy_(synced)
         self._inflight.clear()
+        if self.average_over > 1:
+            for p in self._alone:
+                p.grad.div_(self.average_over)
+        self._alone.clear()
         self._reduce_dtensor_grads()
         self._seen.clear()
 
