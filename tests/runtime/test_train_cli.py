@@ -83,6 +83,9 @@ def test_plan_alone_gives_batch_and_rank_count(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert (doc["world_size"], doc["batch"], len(doc["steps"])) == (2, 8, 2)
     assert doc["param_bytes_per_rank"] and len(doc["param_bytes_per_rank"]) == 2
+    mem = doc["memory"]  # each rank's measured steady peak beside the cost model's prediction
+    assert mem["predicted_bytes"] > 0 and [r["rank"] for r in mem["ranks"]] == [0, 1]
+    assert all(r["peak_bytes"] > 0 and 0.3 < r["ratio"] < 3 for r in mem["ranks"])
 
 
 def test_run_config_is_the_library_face(tmp_path):

@@ -81,11 +81,34 @@ def progress_line(info: dict, total: int) -> str:
 
 
 def peak_memory_bytes(device) -> int:
-    """This process's peak memory: CUDA allocations on a GPU, else the resident set's high-water mark."""
+    """This process's peak memory since the last reset_peak_memory: CUDA allocations on a GPU, else the
+    resident set's high-water mark (VmHWM; the process's maximum RSS where /proc is missing)."""
     import torch
 
     if getattr(device, "type", "cpu") == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak_memory(device) -> None:
+    """Start measuring the peak afresh (after the first step: the steady state, without one-time
+    start-up costs such as imports and first-touch allocator growth)."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset VmHWM to the current RSS
+    except OSError:
+        pass

@@ -130,9 +130,13 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
     if last < 1:
         raise UserError("nothing to train: 0 steps", param="steps")
 
-    per_rank = estimate_rank_memory(loaded.module, the_plan, batch, data_bytes, act_bytes,
-                                    optimizer_slots=2 if optimizer == "adamw" else 1 if momentum else 0,
-                                    input_bytes=batch * sample_bytes)
+    predicted = _predicted_memory(loaded, the_plan, batch, optimizer, momentum, weight_decay)
+    if predicted is not None:  # the cost model's figure for this layout, plus the data set held whole
+        per_rank = int(predicted) + data_bytes
+    else:
+        per_rank = estimate_rank_memory(loaded.module, the_plan, batch, data_bytes, act_bytes,
+                                        optimizer_slots=2 if optimizer == "adamw" else 1 if momentum else 0,
+                                        input_bytes=batch * sample_bytes)
     _check_memory(per_rank, local_ranks or world, launched=launcher_world is not None)
 
     notes: list[str] = []
@@ -412,6 +416,24 @@ def _check_init(module, path: str) -> None:
         lines = str(err).splitlines()
         first = lines[1].strip() if len(lines) > 1 else str(err)
         raise UserError(f"init_from {path} does not match the model: {first}", param="init_from") from None
+
+
+def _predicted_memory(loaded, plan: Plan, batch: int, optimizer: str, momentum: float,
+                      weight_decay: float) -> float | None:
+    """One rank's peak in a step as the cost model predicts it (hybridpar.cost.memory, the planner's
+    own sum) from the model's graph, or None where it does not apply (model-parallel plans, a model
+    the tracer cannot read)."""
+    if plan.mp > 1:
+        return None
+    from hybridpar.cost.memory import predict_rank_memory
+    from hybridpar.graph import trace
+
+    try:
+        graph = trace(loaded.module, loaded.example_inputs)
+        return predict_rank_memory(graph, plan.default_layout, layers=plan.layers, batch=batch, optimizer=optimizer,
+                                   momentum=momentum, weight_decay=weight_decay).total_bytes
+    except Exception:  # noqa: BLE001 - then the coarser estimate below
+        return None
 
 
 def _step_flops(loaded, batch: int) -> int | None:

@@ -103,6 +103,7 @@ class TrainResult:
     start_step: int = 0  # the first step this run took (> 0 when resumed)
     error: str | None = None  # why the run stopped early (every rank agrees), else None
     exit_code: int = 0  # NONFINITE_EXIT for a non-finite step, 1 for other stops, else 0
+    peak_memory_bytes_per_rank: list[int] = field(default_factory=list)  # each rank's peak (see metrics)
 
 
 def total_steps(cfg: TrainConfig, n_samples: int) -> int:
@@ -138,7 +139,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     from hybridpar.runtime.data import batches, data_spec, default_workers, open_dataset
     from hybridpar.runtime.engine import make_engine
     from hybridpar.runtime.launch import current_device
-    from hybridpar.runtime.metrics import peak_memory_bytes
+    from hybridpar.runtime.metrics import peak_memory_bytes, reset_peak_memory
     from hybridpar.runtime.optim import WholeNorms, autocast, clip_grad_norm, lr_at, make_optimizer, set_lr
 
     if cfg.deterministic:
@@ -215,6 +216,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
                         engine.comm_log.step_seconds_by_kind(), b_noise, lr,
                         peak_memory_bytes(device) if rank == 0 else None, gnorm)
         infos.append(info)
+        if step == start:
+            reset_peak_memory(device)  # from now on the steady state's peak
         if rank == 0:
             if queue is not None:
                 queue.put(info.to_dict())
@@ -236,13 +239,13 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
                 _save_weights(state, cfg.save)
             saved = cfg.save
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (engine.param_bytes(), engine.param_bytes_by_type()))
+    dist.all_gather_object(per_rank, (engine.param_bytes(), engine.param_bytes_by_type(), peak_memory_bytes(device)))
     note = probe.reason if probe is not None else None
     if probe is not None:
         probe.close()
     return TrainResult(infos, [p[0] for p in per_rank], [p[1] for p in per_rank],
                        infos[-1].loss if infos else float("nan"), saved, dist.get_world_size(),
-                       gns_epochs, note, start, error, code)
+                       gns_epochs, note, start, error, code, [p[2] for p in per_rank])
 
 
 def _resume_point(cfg: TrainConfig):

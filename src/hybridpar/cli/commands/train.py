@@ -110,7 +110,7 @@ def register(app: click.Group) -> None:
         if result.error:
             err_console.print(f"hybridpar: error: {result.error}", markup=False, highlight=False, soft_wrap=True)
             raise click.exceptions.Exit(result.exit_code or 1)
-        _report(result, setup.config, json_)
+        _report(result, setup, json_)
 
 
 def _check_flag_combinations(options: dict, resume: str | None) -> None:
@@ -244,14 +244,18 @@ def _with_config(path: str, options: dict) -> dict:
     return out
 
 
-def _report(result, cfg, json_: bool) -> None:
+def _report(result, setup, json_: bool) -> None:
+    from hybridpar.cost.memory import memory_report
+
+    cfg = setup.config
     steps = [s.to_dict() for s in result.steps]
+    memory = memory_report(result.peak_memory_bytes_per_rank, setup.memory_per_rank)
     if json_:
         print_json(_finite({"model": cfg.model, "strategy": _strategy(cfg), "world_size": result.world_size,
                             "batch": cfg.batch, "steps": steps, "start_step": result.start_step,
                             "final_loss": result.final_loss, "param_bytes_per_rank": result.param_bytes_per_rank,
                             "param_bytes_by_type_per_rank": result.param_bytes_by_type_per_rank,
-                            "saved": result.saved, **_gns_summary(result, cfg)}))
+                            "saved": result.saved, "memory": memory, **_gns_summary(result, cfg)}))
         return
     last = steps[-1]
     rows = [[k, human_bytes(v)] for k, v in last["comm_bytes"].items()]
@@ -262,6 +266,8 @@ def _report(result, cfg, json_: bool) -> None:
         console.print(table("communication per step (rank 0)", ["kind", "bytes"], rows,
                             justify_right=lambda c: c == "bytes"))
     console.print("parameter memory per rank: " + ", ".join(human_bytes(b) for b in result.param_bytes_per_rank))
+    console.print(f"peak memory per rank: {', '.join(human_bytes(b) for b in result.peak_memory_bytes_per_rank)} "
+                  f"(predicted {human_bytes(setup.memory_per_rank)})")
     if cfg.gns:
         g = _gns_summary(result, cfg)
         values = ", ".join("-" if v is None else f"{v:.3g}" for v in g["gns_b_noise_per_epoch"])
