@@ -209,7 +209,15 @@ def run_layout(strategy: str, args) -> dict:
         return {"model": MODEL, "strategy": strategy, "nproc": nproc, "predicted_bytes": p["memory_bytes"],
                 "predicted_source": p["source"], "predicted_breakdown": p["breakdown"], "skipped": True,
                 "needed_bytes": need, "available_bytes": avail}
-    m = measure(strategy, nproc, args.steps, args.interval)
+    try:
+        m = measure(strategy, nproc, args.steps, args.interval)
+    except RuntimeError as err:  # a layout the runtime refuses: said in the table, the others still run
+        why = next((ln.strip() for ln in str(err).splitlines() if "error" in ln.lower()), str(err)[-200:])
+        print(f"{tag:>40}: predicted {p['memory_bytes'] / GiB:6.2f} GiB per rank; TRAIN FAILED: {why[:160]}",
+              flush=True)
+        return {"model": MODEL, "strategy": strategy, "nproc": nproc, "predicted_bytes": p["memory_bytes"],
+                "predicted_source": p["source"], "predicted_breakdown": p["breakdown"], "skipped": True,
+                "failed": why}
     steady = max(r["steady_rss"] for r in m["ranks"])
     startup = max(r["startup_hwm"] for r in m["ranks"])
     err = steady / p["memory_bytes"] - 1 if p["memory_bytes"] else float("nan")
@@ -252,6 +260,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         head = f"| {r['model']} | `{r['strategy']}` | {r['nproc']} | {r['predicted_bytes'] / GiB:.2f} GiB |"
+        if r.get("failed"):
+            print(f"{head} train failed: {r['failed'][:100]} | | | |")
+            continue
         if r.get("skipped"):
             print(f"{head} not run: needs ~{r['needed_bytes'] / GiB:.1f} GiB at once, "
                   f"{r['available_bytes'] / GiB:.1f} GiB free | | | |")

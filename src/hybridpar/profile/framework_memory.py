@@ -1,12 +1,15 @@
 """The memory of the framework itself: resident set of an initialised gloo rank that holds no model.
 
-A rank of `hybridpar train` on this machine holds, before any weight: the Python interpreter, torch
-(its libraries, the CPU kernels' code and allocator), the gloo process group with its sub-groups, and
-hybridpar's runtime modules. `measure_framework_bytes(world)` starts `world` such ranks as separate
-processes (as `hybridpar train` does), has each import what a training rank imports, join a gloo world,
-create the per-dimension sub-groups and run one small allreduce in each, and report its VmRSS; the
-largest is the constant that the memory model adds per rank (hybridpar.cost.memory,
-`Calibration.framework_bytes`).
+A rank of `hybridpar train` on this machine holds, besides its model's bytes: the Python interpreter,
+torch (its libraries, the CPU kernels' code it has run, the allocator), the gloo process group with
+its sub-groups, and hybridpar's runtime. `measure_framework_bytes(world)` starts `world` such ranks as
+separate processes (as `hybridpar train` does); each imports what a training rank imports, joins a gloo
+world, creates the per-dimension sub-groups and runs one small allreduce in each, then trains a tiny
+model (small_cnn, channel parallel) for two steps through the runtime so that the kernels and the
+DTensor/autograd machinery a training rank uses are paged in, and reports its VmRSS less that model's
+weights and gradients. The largest is the constant the memory model adds per rank
+(hybridpar.cost.memory, `Calibration.framework_bytes`). Without the tiny training (an initialised rank
+that imported torch and ran collectives only) it was 300 MiB here.
 
 Run as `python -m hybridpar.profile.framework_memory --world W --rank R --port P --out DIR`.
 """
@@ -39,7 +42,34 @@ def resident_bytes(pid: int | str = "self") -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
 
 
-def _worker(world: int, rank: int, port: int, out: Path) -> None:
+TINY_MODEL = "small_cnn"
+
+
+def _tiny_training(world: int) -> int:
+    """Two training steps of a tiny zoo model through the runtime (channel parallel over the world):
+    pages in the kernels, DTensor dispatch and autograd machinery a training rank uses. Returns the
+    bytes the model itself still holds (weights and gradients), which are not the framework's."""
+    import torch
+
+    from hybridpar.graph.models import load_model
+    from hybridpar.runtime.parallel_model import parallelize
+
+    torch.manual_seed(0)
+    loaded = load_model(TINY_MODEL, batch=2 * world)
+    model = parallelize(loaded.module, f"channel={world}" if world > 1 else "sample=1")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(2):
+        out = model(*loaded.example_inputs)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        out.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep the gradients: counted below, as the model's
+    params = list(model.parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return sum(2 * t.numel() * t.element_size() for t in local)
+
+
+def _worker(world: int, rank: int, port: int, out: Path, tiny_model: bool = True) -> None:
     import torch
     import torch.distributed as dist
 
@@ -57,8 +87,9 @@ def _worker(world: int, rank: int, port: int, out: Path) -> None:
                     groups.append(pg)
         for pg in groups:
             dist.all_reduce(torch.ones(1024), group=pg)
+        own = _tiny_training(world) if tiny_model else 0
         dist.barrier()
-        (out / f"rank{rank}.json").write_text(json.dumps({"rss_bytes": resident_bytes()}))
+        (out / f"rank{rank}.json").write_text(json.dumps({"rss_bytes": resident_bytes() - own}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
