@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from hybridpar.errors import UserError
-from hybridpar.layout import GridPos
+from hybridpar.layout import GridPos, LayerLayout
+from hybridpar.layout.groups import channel_groups, filter_groups, group_of, sample_groups, shard_groups
 from hybridpar.runtime.comm_log import CommLog
 
 
@@ -66,44 +67,38 @@ class ProcessGrid:
         except KeyError:
             raise RuntimeError(f"process group {ranks} was not created by build_grid") from None
 
+    def _layout(self, channel: int = 0, filter_: int = 1) -> LayerLayout:
+        return LayerLayout(sample=self.sample, channel=channel or self.g_size, filter=filter_)
+
     @property
     def sample_group(self) -> Group:
-        base = self.s * self.g_size
-        return self.group(tuple(range(base, base + self.g_size)))
+        return self.group(group_of(self.rank, sample_groups(self._layout())))
 
     @property
     def replica_group(self) -> Group:
-        return self.group(tuple(s * self.g_size + self.g for s in range(self.sample)))
+        return self.group(group_of(self.rank, shard_groups(self._layout())))
 
     def filter_group(self, channel: int, filter_: int) -> Group:
-        p = self.pos(channel, filter_)
-        base = self.s * self.g_size + p.i * filter_
-        return self.group(tuple(base + j for j in range(filter_)))
+        self.pos(channel, filter_)  # checks channel * filter == G
+        return self.group(group_of(self.rank, filter_groups(self._layout(channel, filter_))))
 
     def channel_group(self, channel: int, filter_: int) -> Group:
-        p = self.pos(channel, filter_)
-        base = self.s * self.g_size + p.j
-        return self.group(tuple(base + i * filter_ for i in range(channel)))
+        self.pos(channel, filter_)
+        return self.group(group_of(self.rank, channel_groups(self._layout(channel, filter_))))
 
 
 def _rank_sets(sample: int, g_size: int, factorizations) -> list[tuple[int, ...]]:
     """Every multi-rank group of the grid, in one deterministic order (all ranks must create every
     group in the same order, members or not)."""
-    sets: list[tuple[int, ...]] = []
-    for s in range(sample):
-        base = s * g_size
-        sets.append(tuple(range(base, base + g_size)))
-        for c, f in factorizations:
-            for i in range(c):
-                sets.append(tuple(base + i * f + j for j in range(f)))
-            for j in range(f):
-                sets.append(tuple(base + i * f + j for i in range(c)))
-    for g in range(g_size):
-        sets.append(tuple(s * g_size + g for s in range(sample)))
+    sets: list[tuple[int, ...]] = list(sample_groups(LayerLayout(sample=sample, channel=g_size)))
+    for c, f in factorizations:
+        lay = LayerLayout(sample=sample, channel=c, filter=f)
+        sets += [*filter_groups(lay), *channel_groups(lay)]
+    sets += shard_groups(LayerLayout(sample=sample, channel=g_size))
     seen: dict[tuple[int, ...], None] = {}
     for r in sets:
         if len(r) > 1:
-            seen.setdefault(r, None)
+            seen.setdefault(tuple(r), None)
     return list(seen)
 
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from hybridpar.layout import LayerLayout
+from hybridpar.layout.groups import shard_groups
+
 
 @dataclass(frozen=True)
 class HybridLayout:
@@ -30,8 +33,9 @@ class HybridLayout:
         return replica * self.mp + device
 
     def dp_ranks(self, device: int) -> list[int]:
-        """Ranks holding the same weights (device `device` of every replica)."""
-        return [self.rank_of(k, device) for k in range(self.dp)]
+        """Ranks holding the same weights (device `device` of every replica): the shard groups of the
+        layout vocabulary, with the M devices of a replica in the place of a sample group's G ranks."""
+        return list(shard_groups(LayerLayout(sample=self.dp, filter=self.mp))[device])
 
 
 def dp_group(layout: HybridLayout):

@@ -16,8 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
-
+from hybridpar.layout.groups import (  # noqa: F401 - the one vocabulary's rank groups, re-exported here
+    Groups,
+    channel_groups,
+    filter_groups,
+    rank_of,
+    shard_groups,
+)
 from hybridpar.plans import LayerLayout
 
 
@@ -89,35 +94,3 @@ def distributions(ranks: int, batch: int, channels: int) -> list[Distribution]:
     return [Distribution(ranks // p, p) for p in divisors(ranks)
             if batch % (ranks // p) == 0 and channels % p == 0]
 
-
-def rank_of(i_s: int, i_c: int, i_f: int, layout: LayerLayout) -> int:
-    return (i_s * layout.channel + i_c) * layout.filter + i_f
-
-
-Groups = tuple[tuple[int, ...], ...]
-
-
-def _as_groups(ranks: np.ndarray) -> Groups:
-    return tuple(map(tuple, ranks.tolist()))
-
-
-@lru_cache(maxsize=1024)
-def filter_groups(layout: LayerLayout) -> Groups:
-    """f consecutive ranks: same sample group, same grid row."""
-    n, f = layout.size, layout.filter
-    return _as_groups(np.arange(n).reshape(n // f, f))
-
-
-@lru_cache(maxsize=1024)
-def channel_groups(layout: LayerLayout) -> Groups:
-    """c ranks f apart: same sample group, same grid column."""
-    s, c, f = layout.size // (layout.channel * layout.filter), layout.channel, layout.filter
-    # rank = (i_s c + i_c) f + i_f; a group fixes (i_s, i_f) and runs over i_c
-    return _as_groups(np.arange(layout.size).reshape(s, c, f).transpose(0, 2, 1).reshape(s * f, c))
-
-
-@lru_cache(maxsize=1024)
-def shard_groups(layout: LayerLayout) -> Groups:
-    """Ranks holding the same weight shard (and the same channel slice): the segmented allreduce."""
-    g = layout.channel * layout.filter
-    return _as_groups(np.arange(layout.size).reshape(layout.size // g, g).T)
