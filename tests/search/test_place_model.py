@@ -90,7 +90,8 @@ def test_infeasible_memory_is_one_line_naming_the_bottleneck(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1 and "alone needs" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("args", [["--devices", "0"], ["--devices", "99"], ["--solver", "magic"],
+@pytest.mark.parametrize("args", [["--devices", "0"], ["--cluster", "dgx1-v100", "--devices", "99"],
+                                  ["--solver", "magic"],
                                   ["--coarsen", "1"], ["--time-limit", "0"], ["--batch", "0"]])
 def test_bad_input_exits_2(args, capsys):
     assert main(["place", "--model", "small_cnn", *args]) == 2
