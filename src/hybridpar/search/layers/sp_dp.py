@@ -154,9 +154,18 @@ def _minplus(a: np.ndarray, mid: np.ndarray, b: np.ndarray) -> tuple[np.ndarray,
     return np.take_along_axis(cube, arg[:, None, :], axis=1)[:, 0, :], arg
 
 
+_STRUCTURE: dict[tuple, dict] = {}  # (n, edges) -> memo of cuts and components (pure graph structure)
+
+
 class _SPSolver:
     def __init__(self, problem: ChoiceProblem):
         self.p = problem
+        # the planner solves one layer graph many times (every space, every gradient weight): its
+        # series/parallel structure is the same each time
+        key = (problem.n, problem.edges)
+        if key not in _STRUCTURE and len(_STRUCTURE) > 64:
+            _STRUCTURE.clear()
+        self._memo = _STRUCTURE.setdefault(key, {})
 
     def between(self, s: int, t: int, interior: frozenset[int], include_direct: bool) -> tuple[np.ndarray, Recon]:
         """Best cost matrix over the interior's vertices and the edges among interior ∪ {s, t}."""
@@ -196,6 +205,13 @@ class _SPSolver:
 
     def _cuts(self, s: int, t: int, interior: frozenset[int], include_direct: bool) -> list[int]:
         """Interior vertices on every s-t path: in topological order, no edge jumps over them."""
+        key = ("cuts", s, t, interior, include_direct)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._find_cuts(s, t, interior, include_direct)
+        return hit
+
+    def _find_cuts(self, s: int, t: int, interior: frozenset[int], include_direct: bool) -> list[int]:
         order = self._order(s, t, interior)
         pos = {v: k for k, v in enumerate(order)}
         cover = np.zeros(len(order) + 1, dtype=int)
@@ -206,6 +222,13 @@ class _SPSolver:
         return [v for k, v in enumerate(order) if 0 < k < len(order) - 1 and jumped[k] == 0]
 
     def _components(self, interior: frozenset[int]) -> list[frozenset[int]]:
+        key = ("components", interior)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._find_components(interior)
+        return hit
+
+    def _find_components(self, interior: frozenset[int]) -> list[frozenset[int]]:
         parent = {v: v for v in interior}
 
         def find(x: int) -> int:
