@@ -206,18 +206,18 @@ def run_layout(strategy: str, args) -> dict:
     if need > 0.9 * avail:
         print(f"{tag:>40}: predicted {p['memory_bytes'] / GiB:6.2f} GiB per rank; NOT RUN: "
               f"needs about {need / GiB:.1f} GiB at once, {avail / GiB:.1f} GiB available", flush=True)
-        return {"model": MODEL, "strategy": strategy, "nproc": nproc, "predicted_bytes": p["memory_bytes"],
-                "predicted_source": p["source"], "predicted_breakdown": p["breakdown"], "skipped": True,
-                "needed_bytes": need, "available_bytes": avail}
+        return {"model": MODEL, "batch": BATCH, "strategy": strategy, "nproc": nproc,
+                "predicted_bytes": p["memory_bytes"], "predicted_source": p["source"],
+                "predicted_breakdown": p["breakdown"], "skipped": True, "needed_bytes": need, "available_bytes": avail}
     try:
         m = measure(strategy, nproc, args.steps, args.interval)
     except RuntimeError as err:  # a layout the runtime refuses: said in the table, the others still run
         why = next((ln.strip() for ln in str(err).splitlines() if "error" in ln.lower()), str(err)[-200:])
         print(f"{tag:>40}: predicted {p['memory_bytes'] / GiB:6.2f} GiB per rank; TRAIN FAILED: {why[:160]}",
               flush=True)
-        return {"model": MODEL, "strategy": strategy, "nproc": nproc, "predicted_bytes": p["memory_bytes"],
-                "predicted_source": p["source"], "predicted_breakdown": p["breakdown"], "skipped": True,
-                "failed": why}
+        return {"model": MODEL, "batch": BATCH, "strategy": strategy, "nproc": nproc,
+                "predicted_bytes": p["memory_bytes"], "predicted_source": p["source"],
+                "predicted_breakdown": p["breakdown"], "skipped": True, "failed": why}
     steady = max(r["steady_rss"] for r in m["ranks"])
     startup = max(r["startup_hwm"] for r in m["ranks"])
     err = steady / p["memory_bytes"] - 1 if p["memory_bytes"] else float("nan")
@@ -225,13 +225,14 @@ def run_layout(strategy: str, args) -> dict:
     print(f"{tag:>40}: predicted {p['memory_bytes'] / GiB:6.2f} GiB  steady {steady / GiB:6.2f} GiB ({err:+.0%})  "
           f"start-up {startup / GiB:6.2f} GiB  launcher {m['launcher_peak_bytes'] / GiB:5.2f} GiB  ranks steady "
           f"[{per_rank}]", flush=True)
-    return {**m, "model": MODEL, "predicted_bytes": p["memory_bytes"], "predicted_breakdown": p["breakdown"],
-            "predicted_source": p["source"], "steady_peak_bytes": steady, "startup_peak_bytes": startup,
+    return {**m, "model": MODEL, "batch": BATCH, "predicted_bytes": p["memory_bytes"],
+            "predicted_breakdown": p["breakdown"], "predicted_source": p["source"], "steady_peak_bytes": steady,
+            "startup_peak_bytes": startup,
             "rel_error": err, "within_tolerance": abs(err) <= TOLERANCE}
 
 
 def main() -> None:
-    global MODEL
+    global MODEL, BATCH
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--interval", type=float, default=0.05)
@@ -239,9 +240,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--models", default=MODEL,
                     help="comma-separated zoo models, each under every layout (default resnet50_w8)")
+    ap.add_argument("--batch", type=int, default=BATCH, help="global batch (default 2)")
     ap.add_argument("--wait-s", type=float, default=120.0,
                     help="wait this long for enough free memory before leaving a layout out")
     args = ap.parse_args()
+    BATCH = args.batch
     rows = []
     for model in [m for m in args.models.split(",") if m]:
         MODEL = model
@@ -255,11 +258,12 @@ def main() -> None:
                   r["startup_peak_bytes"] / r["predicted_bytes"] for r in ran}}
     if os.environ.get("HYBRIDPAR_BENCH_OUT"):  # benchmarks/run_all.py's contract
         Path(os.environ["HYBRIDPAR_BENCH_OUT"]).write_text(json.dumps(summary, indent=2))
-    print("\n| model | layout | ranks | predicted / rank | measured steady peak / rank (max) | error "
+    print("\n| model | layout | ranks | batch | predicted / rank | measured steady peak / rank (max) | error "
           "| start-up peak / rank | launcher peak |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        head = f"| {r['model']} | `{r['strategy']}` | {r['nproc']} | {r['predicted_bytes'] / GiB:.2f} GiB |"
+        head = (f"| {r['model']} | `{r['strategy']}` | {r['nproc']} | {r['batch']} | "
+                f"{r['predicted_bytes'] / GiB:.2f} GiB |")
         if r.get("failed"):
             print(f"{head} train failed: {r['failed'][:100]} | | | |")
             continue
