@@ -29,3 +29,15 @@ def test_calibration_file_keeps_the_constant(tmp_path):
     assert load_calibration(path).framework_bytes == 300 << 20
     old = Calibration(cpu_count=2, peak_flops_fp32=1e9, mem_bw_Bps=1e9)  # files written before the field
     assert load_calibration(save_calibration(old, tmp_path / "o.json")).framework_bytes is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_profile_writes_the_constant(tmp_path):
+    from hybridpar.cost.memory import framework_bytes_for
+    from hybridpar.profile.run import ProfileOptions, run_profile
+
+    opts = ProfileOptions(ranks=(2,), sizes=(4096, 65536), model=None, repeats=1, warmup=0)
+    cal, path = run_profile(opts, tmp_path / "cal.json")
+    assert 100 << 20 < load_calibration(path).framework_bytes < 2 << 30
+    assert framework_bytes_for(None, path) == cal.framework_bytes  # what the memory model then adds
