@@ -106,7 +106,7 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
             raise UserError("plan: a model-parallel plan needs its placement before launch (write one with "
                             "`hybridpar place --out` or `hybridpar plan --out`)", param="plan")
         the_plan = place(the_plan, loaded.module)
-    _check_layout(loaded.module, the_plan, batch, micro_batches, precision)
+    _check_layout(loaded.module, the_plan, batch, micro_batches, precision, tuple(loaded.example_inputs))
     n, data_bytes = _data_size(data, shape, spec, synthetic_size, seed, loaded)
     sample_bytes = math.prod(shape) * (8 if spec.vocab is not None else 4)
     if n < batch:
@@ -294,6 +294,21 @@ def _load(model: str, shape):
         raise UserError(f"model {model}: loading it called sys.exit({err.code})", param="model") from None
 
 
+def _layout_dry_run(module, plan: Plan, batch: int, examples) -> None:
+    """The channel/filter layout run on meta tensors over a fake world of the plan's ranks
+    (hybridpar.runtime.dry_run): an op the layout cannot serve is one line naming op and module, here,
+    before any rank starts. Skipped inside an initialised world (under torchrun each rank has one)."""
+    import torch.distributed as dist
+
+    from hybridpar.runtime.dry_run import dry_run
+
+    if not examples or (dist.is_available() and dist.is_initialized()):
+        return
+    inputs = tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device="meta")
+                   for t in examples if isinstance(t, torch.Tensor))
+    dry_run(module, plan, inputs, world_size=plan.world_size)
+
+
 def _dry_run(loaded) -> tuple:
     """One eval-mode forward of one example sample (data_spec's): a model that raises or returns
     something that is not logits is refused here, not in every rank. Also measures the bytes of every
@@ -336,7 +351,7 @@ def _shape_text(loaded) -> str:
     return ",".join(map(str, first.shape[1:])) if torch.is_tensor(first) else "?"
 
 
-def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision: str = "fp32") -> None:
+def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision: str = "fp32", examples=()) -> None:
     if plan.mp == 1:
         from hybridpar.runtime.parallel_model import as_layouts, check_parallelizable
 
@@ -349,6 +364,8 @@ def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision:
             raise UserError(f"micro_batches {micro_batches} needs a model-parallel plan (mp > 1)",
                             param="micro_batches")
         check_parallelizable(module, as_layouts(plan), batch)
+        if plan.default_layout.g_size > 1:
+            _layout_dry_run(module, plan, batch, examples)
         return
     from hybridpar.runtime.mp import check_mp_plan
 
