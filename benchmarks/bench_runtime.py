@@ -1,12 +1,12 @@
 """Runtime benchmark: step-time ratios measured side by side in one run on this machine.
 
-Per strategy (sample=P, sample=2,channel=2, sample=2,filter=2, channel=2,filter=2, channel=4) on
-small_resnet: our step against PyTorch DistributedDataParallel on the same model and data, and
-against the runtime of an earlier commit (`--baseline REV`, default the last commit before the
-global-semantics runtime), built in a git worktree and imported from there. Trials alternate
-between the two runtimes (each trial is one gloo world measuring DDP and every strategy in turn),
-so drifting load on a shared machine hits both alike; medians are reported. Only ratios mean
-anything here, not absolute times.
+Per strategy (sample=P with local and with global batch-norm statistics, sample=2,channel=2,
+sample=2,filter=2, channel=2,filter=2, channel=4) on small_resnet: our step against PyTorch
+DistributedDataParallel on the same model and data, and against the runtime of an earlier commit
+(`--baseline REV`, default the last commit before the global-semantics runtime), built in a git
+worktree and imported from there. Each measurement is a fresh gloo world holding DDP and one layout,
+steps interleaved between the two; trials alternate between the two runtimes, so drifting load on a
+shared machine hits both alike; medians are reported. Only ratios mean anything, not absolute times.
 
     .venv/bin/python benchmarks/bench_runtime.py [--nproc 4] [--trials 3] [--steps 4] [--baseline 767c6c5]
 """
@@ -32,7 +32,6 @@ CF_STRATEGIES = ["sample=2,channel=2", "sample=2,filter=2", "channel=2,filter=2"
 def _time_steps(step, steps: int) -> float:
     import torch.distributed as dist
 
-    step()  # warm-up (allocator, one-time exchanges)
     dist.barrier()
     times = []
     for _ in range(steps):
@@ -81,7 +80,6 @@ def _ddp(model, x, y):
 
 def world_trial(args) -> dict:
     import torch
-    import torch.distributed as dist
 
     from hybridpar.graph.zoo.small import small_resnet
 
@@ -90,13 +88,15 @@ def world_trial(args) -> dict:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, 3, args.hw, args.hw, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
-    world = dist.get_world_size()
-    contenders = {"ddp": _ddp(model, x, y),
-                  f"sample={world} (local BN)": _ours(model, f"sample={world}", x, y, "local"),
-                  f"sample={world}": _ours(model, f"sample={world}", x, y, "global")}
-    for s in CF_STRATEGIES:
-        contenders[s] = _ours(model, s, x, y, "global")
-    return {k: _time_steps(step, args.steps) for k, step in contenders.items()}
+    layout, bn = args.layout.split("/") if "/" in args.layout else (args.layout, "global")
+    contenders = {"ddp": _ddp(model, x, y), "ours": _ours(model, layout, x, y, bn)}
+    for step in contenders.values():
+        step()  # warm-up (allocator, one-time exchanges)
+    times = {k: [] for k in contenders}
+    for _ in range(args.steps):  # interleaved: DDP's step, then ours
+        for k, step in contenders.items():
+            times[k].append(_time_steps(step, 1))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def worker_main(args) -> None:
@@ -114,10 +114,10 @@ def _worktree(rev: str) -> Path:
     return path / "src"
 
 
-def _trial(src: Path, args) -> dict:
+def _trial(src: Path, args, layout: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, __file__, "--worker", "--nproc", str(args.nproc), "--steps", str(args.steps),
-           "--width", str(args.width), "--hw", str(args.hw), "--batch", str(args.batch)]
+           "--width", str(args.width), "--hw", str(args.hw), "--batch", str(args.batch), "--layout", layout]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", timeout=1800)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -128,39 +128,45 @@ def _trial(src: Path, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--hw", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--baseline", default=BASELINE, help="git revision of the runtime to compare with")
+    ap.add_argument("--layout", default="sample=4", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker_main(args)
 
     base_src = _worktree(args.baseline)
-    new, old = [], []
-    for t in range(args.trials):
-        print(f"trial {t + 1}/{args.trials} ...", file=sys.stderr, flush=True)
-        new.append(_trial(ROOT / "src", args))
-        old.append(_trial(base_src, args))
-    names = list(new[0])
-    med = {k: statistics.median(r[k] for r in new) for k in names}
-    med_old = {k: statistics.median(r[k] for r in old) for k in names if k in old[0]}
-    vs_ddp = {k: statistics.median(r[k] / r["ddp"] for r in new) for k in names}
-    vs_old = {k: statistics.median(n[k] / o[k] for n, o in zip(new, old)) for k in names if k != "ddp"}
+    layouts = [f"sample={args.nproc}/local", f"sample={args.nproc}", *CF_STRATEGIES]
+    rows = {}
+    for lay in layouts:
+        new, old = [], []
+        for t in range(args.trials):
+            print(f"{lay}: trial {t + 1}/{args.trials} ...", file=sys.stderr, flush=True)
+            new.append(_trial(ROOT / "src", args, lay))
+            old.append(_trial(base_src, args, lay))
+        name = lay.replace("/local", " (local BN)")
+        rows[name] = {"step_s": statistics.median(r["ours"] for r in new),
+                      "baseline_step_s": statistics.median(r["ours"] for r in old),
+                      "ddp_step_s": statistics.median(r["ddp"] for r in new),
+                      "vs_ddp": statistics.median(r["ours"] / r["ddp"] for r in new),
+                      "baseline_vs_ddp": statistics.median(r["ours"] / r["ddp"] for r in old),
+                      "vs_baseline": statistics.median(n["ours"] / o["ours"] for n, o in zip(new, old))}
     print(f"small_resnet(width={args.width}) {args.hw}x{args.hw}, global batch {args.batch}, {args.nproc} gloo "
-          f"ranks; median of {args.trials} alternating trials x {args.steps} steps; baseline {args.baseline}")
-    print(f"{'layout':28s} {'step ms':>8s} {'baseline ms':>12s} {'vs DDP':>7s} {'vs baseline':>12s}")
-    for k in names:
-        print(f"{k:28s} {med[k] * 1e3:8.1f} {med_old.get(k, float('nan')) * 1e3:12.1f} {vs_ddp[k]:7.2f} "
-              f"{vs_old.get(k, 1.0):12.2f}")
+          f"ranks; medians of {args.trials} alternating trials x {args.steps} steps interleaved with DDP; "
+          f"baseline {args.baseline}")
+    print(f"{'layout':28s} {'step ms':>8s} {'DDP ms':>7s} {'vs DDP':>7s} {'baseline vs DDP':>16s} {'vs baseline':>12s}")
+    for k, r in rows.items():
+        print(f"{k:28s} {r['step_s'] * 1e3:8.1f} {r['ddp_step_s'] * 1e3:7.1f} {r['vs_ddp']:7.2f} "
+              f"{r['baseline_vs_ddp']:16.2f} {r['vs_baseline']:12.2f}")
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:  # benchmarks/run_all.py collects this summary
-        Path(out).write_text(json.dumps({"step_s": med, "baseline_step_s": med_old, "vs_ddp": vs_ddp,
-                                         "vs_baseline": vs_old, "baseline": args.baseline,
-                                         "nproc": args.nproc}, indent=2))
+        Path(out).write_text(json.dumps({"layouts": rows, "baseline": args.baseline, "nproc": args.nproc},
+                                        indent=2))
 
 
 if __name__ == "__main__":

@@ -31,4 +31,5 @@ def test_the_library_speaks_its_own_words_and_the_cli_names_the_flag(capsys):
     assert main(["plan", "--model", "small_cnn", "--cluster", "localhost", "--gpus", "0", "--batch", "8"]) == 2
     assert main(["place", "--model", "small_cnn", "--devices", "2", "--time-limit", "0"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["hybridpar: error: --gpus must be >= 1, got 0", "hybridpar: error: --time-limit must be > 0, got 0.0"]
+    assert lines == ["hybridpar: error: --gpus must be >= 1, got 0",
+                     "hybridpar: error: --time-limit must be > 0, got 0.0"]

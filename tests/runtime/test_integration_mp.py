@@ -63,7 +63,7 @@ def test_synthetic_tokens_fit_the_model():
     assert (spec.vocab, spec.num_classes, spec.label_shape) == (64, 10, ())
     ds = load_dataset("synthetic", (16,), num_classes=spec.num_classes, size=256, vocab=spec.vocab)
     assert ds.x.dtype == torch.long and ds.x.shape == (256, 16)
-    assert 0 <= int(ds.x.min()) and int(ds.x.max()) < 64 and int(ds.x.max()) >= 32  # the whole vocabulary
+    assert int(ds.x.min()) >= 0 and int(ds.x.max()) < 64 and int(ds.x.max()) >= 32  # the whole vocabulary
     assert ds.y.shape == (256,) and int(ds.y.max()) < 10
 
 

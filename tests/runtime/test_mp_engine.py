@@ -90,8 +90,8 @@ def _run_cases(cases, init_dir: str) -> list[dict]:
         dist.all_gather_object(bytes_, eng.param_bytes())
         state = eng.full_state_dict()
         sync = eng._grad_sync
-        out.append({"overlapped": None if sync is None else sync.started_in_backward, "state": state, "losses": losses, "comm": kinds, "param_bytes": bytes_,
-                    "sent_per_rank": sent})
+        out.append({"overlapped": None if sync is None else sync.started_in_backward, "state": state,
+                    "losses": losses, "comm": kinds, "param_bytes": bytes_, "sent_per_rank": sent})
     return out
 
 

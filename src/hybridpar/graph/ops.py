@@ -289,7 +289,8 @@ def _lstm_attrs(mod, args, kwargs, ins, out) -> dict:
         raise UnpricedOp("a recurrent op outside nn.LSTM/nn.GRU/nn.RNN")
     return {"input_size": mod.input_size, "hidden": mod.hidden_size, "proj": getattr(mod, "proj_size", 0),
             "layers": mod.num_layers, "bidirectional": mod.bidirectional, "batch_first": mod.batch_first,
-            "bias": mod.bias, "cell": mod.mode.split("_")[0].lower() if mod.mode.startswith("RNN") else mod.mode.lower(),
+            "bias": mod.bias,
+            "cell": mod.mode.split("_")[0].lower() if mod.mode.startswith("RNN") else mod.mode.lower(),
             "gates": _GATES.get(mod.mode.split("_")[0], 1)}
 
 

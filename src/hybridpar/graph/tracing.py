@@ -154,7 +154,8 @@ def _lstm_outputs(lstm: nn.LSTM, x: torch.Tensor):
     dirs = 2 if lstm.bidirectional else 1
     width = lstm.proj_size or lstm.hidden_size
     out = x.new_empty((*x.shape[:-1], dirs * width))
-    lead = (lstm.num_layers * dirs,) if x.dim() == 2 else (lstm.num_layers * dirs, x.shape[0 if lstm.batch_first else 1])
+    layers = lstm.num_layers * dirs
+    lead = (layers,) if x.dim() == 2 else (layers, x.shape[0 if lstm.batch_first else 1])
     return out, (x.new_empty((*lead, width)), x.new_empty((*lead, lstm.hidden_size)))
 
 

@@ -355,11 +355,6 @@ def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision:
     if plan.mp == 1:
         from hybridpar.runtime.parallel_model import as_layouts, check_parallelizable
 
-        if precision != "fp32" and any(lay.g_size > 1 for lay in as_layouts(plan).all):
-            # runtime/conv.py's backward calls convolution_backward on the saved fp32 pieces with a bf16
-            # gradient, which oneDNN refuses (seen with torch 2.13 on CPU).
-            raise UserError(f"precision {precision} does not run with channel/filter layouts yet; use fp32, or a "
-                            "sample/model-parallel layout", param="precision")
         if micro_batches != 1:
             raise UserError(f"micro_batches {micro_batches} needs a model-parallel plan (mp > 1)",
                             param="micro_batches")

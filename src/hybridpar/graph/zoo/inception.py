@@ -188,7 +188,8 @@ def inception_v3(num_classes: int = 1000, aux_logits: bool = True) -> nn.Module:
 
 @register("inception_v3_noaux", kind="cnn", input_shape=(3, 299, 299), num_classes=1000,
           published_params=27_161_264 - 3_326_696,
-          reference=_TV + "; minus the aux head (conv0 768->128 + BN, conv1 128->768 5x5 + BN, fc 768x1000 + 1000 = 3,326,696)",
+          reference=_TV + "; minus the aux head (conv0 768->128 + BN, conv1 128->768 5x5 + BN, "
+                          "fc 768x1000 + 1000 = 3,326,696)",
           description="Inception-V3 without the auxiliary classifier (ImageNet, 299x299)")
 def inception_v3_noaux(num_classes: int = 1000) -> nn.Module:
     return InceptionV3(num_classes, aux_logits=False)
