@@ -65,6 +65,10 @@ def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, inp
         return _matmul_like(node, layout, position, input_grad, in_pieces, dtype_bytes)
     if node.op == "batchnorm":
         return _batchnorm(node, layout, position, input_grad, bn_stats, dtype_bytes)
+    if node.params and layout.sample > 1:
+        # any other layer with parameters (embedding, LSTM, LayerNorm, attention, free parameters):
+        # replicated on every rank, its gradient summed over the sample groups
+        return [CommOp("allreduce", layout.sample, node.params * dtype_bytes, "replica", "grad")]
     return []
 
 

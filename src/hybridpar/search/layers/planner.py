@@ -13,6 +13,7 @@ allreduce weighted 1, ½ and 0, the uniform layouts are added as candidates, and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,6 +23,7 @@ import numpy as np
 from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.cost.collectives import CommOp
 from hybridpar.errors import InfeasibleError, UserError
+from hybridpar.search import budget
 from hybridpar.graph.types import Graph
 from hybridpar.plans import LayerLayout, Plan, Prediction, parse_strategy
 from hybridpar.search.layers.decomposition import (
@@ -289,6 +291,12 @@ def predict(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ct
     return predict_with_breakdown(lg, opts, choice, ctx, grad_sync)[0]
 
 
+def _replicated_param_bytes(graph, elem: int) -> int:
+    """Parameters outside conv/linear/batch norm (embeddings, recurrent and attention layers, norms,
+    free parameters): whole on every rank, their gradient allreduced over the sample groups."""
+    return sum(n.params for n in graph.nodes if n.op not in ("conv2d", "linear", "batchnorm")) * elem
+
+
 def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
                            grad_sync: str = "flat") -> tuple[Prediction, StepBreakdown]:
     """Step time: forward in order, backward in reverse, then the weight-gradient allreduce.
@@ -313,6 +321,12 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     for c in costs:
         if c.grad_bytes and c.grad_key is not None:
             by_key[c.grad_key] = by_key.get(c.grad_key, 0) + c.grad_bytes
+    other = _replicated_param_bytes(lg.graph, ctx.elem)
+    if other:  # layers the runtime keeps whole on every rank: summed over the sample groups
+        d = opts[0].dist(choice[0])
+        key = LayerLayout(sample=d.sample, channel=d.channel)
+        if key.sample > 1:
+            by_key[key] = by_key.get(key, 0) + other
     if grad_sync == "overlap":
         grad = sum(c.grad_sync_s for c in costs)
         step = max(t, comm_free)
@@ -386,9 +400,11 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: f
         raise UserError(f"gpus must be >= 1, got {gpus}", param="gpus")
     if batch < 1:
         raise UserError(f"batch must be >= 1, got {batch}", param="batch")
+    # the least the plan does: one collective over all ranks (before enumerating layouts of `gpus`)
+    budget.check(f"plan on {gpus:,} GPUs", budget.collective_estimate(gpus), "plan fewer GPUs")
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=gpus)
     if time_share is not None:  # measured slowdown of each rank's compute when all ranks run at once
-        if time_share <= 0:
+        if not math.isfinite(time_share) or time_share <= 0:
             raise UserError(f"time_share must be positive, got {time_share}", param="time_share")
         cl = cl.model_copy(update={"device": cl.device.model_copy(update={"time_share": float(time_share)})})
     if cl.num_devices < gpus:
@@ -480,6 +496,15 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
     s = _setup(model, cluster, gpus, batch, memory_limit, dtype,
                tuple(input_shape) if input_shape else None, calibration, time_share, optimizer, momentum,
                weight_decay)
+    if strategy is not None:
+        spaces = {"fixed": [LayerLayout(sample=gpus)]}
+    elif free_sample:
+        spaces = {"free": [lay for lay in all_layouts(gpus) if batch % lay.sample == 0]}
+    else:
+        spaces = {f"S={k}": v for k, v in runtime_layouts(gpus, batch).items()}
+    budget.check(f"plan of {s.model_name} on {gpus:,} GPUs at batch {batch:,}",
+                 budget.layer_plan_estimate(len(s.lg.vertices), gpus, spaces),
+                 "plan fewer GPUs (and project larger counts with hybridpar project)")
     baseline, base_brk, note = None, None, ""
     if batch % gpus:
         note = f"data parallelism needs the batch ({batch}) divisible by {gpus}"
@@ -507,10 +532,6 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
         plan, rows = _to_plan(s, opts, choice, pred, strat.layout.to_strategy(), notes)
         return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0, brk, base_brk)
 
-    if free_sample:
-        spaces = {"free": [lay for lay in all_layouts(gpus) if batch % lay.sample == 0]}
-    else:
-        spaces = {f"S={k}": v for k, v in runtime_layouts(gpus, batch).items()}
     best, reasons = None, []
     for key, layouts in spaces.items():
         if progress:
