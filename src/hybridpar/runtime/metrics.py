@@ -5,7 +5,8 @@ record `--metrics FILE.jsonl` streams: step, loss, lr, samples_per_s, flops_per_
 model's forward+backward FLOPs of the global batch over the step's wall time), mfu (flops_per_s over
 the peak of every rank together for the run's dtype), peak_memory_bytes (rank 0's), grad_norm (when
 clipping), comm_s and comm_bytes by kind. `MetricsFile` appends one line per record and flushes it,
-so `tail -f` shows the run live; the file gets the umask's mode.
+so `tail -f` shows the run live; the file gets the umask's mode. `TensorBoardLog` writes the same
+records as TensorBoard scalars (`--tensorboard DIR`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,41 @@ class MetricsFile:
 
     def close(self) -> None:
         self.f.close()
+
+
+class TensorBoardLog:
+    """The same records as TensorBoard scalars (torch.utils.tensorboard; the optional `tensorboard`
+    package): loss, lr, samples_per_s, flops_per_s, mfu, peak_memory_bytes and grad_norm where known,
+    comm_bytes/KIND and comm_s/KIND, each at its step; flushed every step so TensorBoard shows the run live."""
+
+    SCALARS = ("loss", "lr", "samples_per_s", "step_time_s", "flops_per_s", "mfu", "peak_memory_bytes", "grad_norm")
+
+    def __init__(self, logdir: str | os.PathLike):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(logdir))
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        for key in self.SCALARS:
+            if isinstance(record.get(key), (int, float)):
+                self.writer.add_scalar(key, record[key], step)
+        for group in ("comm_bytes", "comm_s"):
+            for kind, value in (record.get(group) or {}).items():
+                self.writer.add_scalar(f"{group}/{kind}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def tensorboard_missing() -> str | None:
+    """Why `--tensorboard` cannot run here (the package is not installed), else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        return "needs the tensorboard package (pip install 'hybridpar[tensorboard]')"
+    return None
 
 
 def progress_line(info: dict, total: int) -> str:

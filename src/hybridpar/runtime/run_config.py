@@ -57,7 +57,9 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
                checkpoint_every: int = 0, resume: str | bool = "no", overwrite: bool = False,
                deterministic: bool = False, optimizer: str = "sgd", lr_schedule: str = "constant",
                warmup_steps: int = 0, grad_clip: float | None = None, precision: str = "fp32",
-               metrics: str | None = None, workers: int | None = None, launcher_world: int | None = None,
+               metrics: str | None = None, tensorboard: str | None = None,
+               profile_steps: str | tuple[int, int] | None = None, profile_dir: str | None = None,
+               workers: int | None = None, launcher_world: int | None = None,
                local_ranks: int | None = None, place: Callable[[Plan, nn.Module], Plan] | None = None) -> RunSetup:
     """Validate a training run and return its RunSetup (UserError, with `param` set, on bad input).
 
@@ -90,6 +92,19 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
                   precision=precision)
     _check_output_path(save, "save")
     _check_output_path(metrics, "metrics")
+    _check_output_dir(tensorboard, "tensorboard")
+    if tensorboard is not None:
+        from hybridpar.runtime.metrics import tensorboard_missing
+
+        if why := tensorboard_missing():
+            raise UserError(f"tensorboard {tensorboard}: {why}", param="tensorboard")
+    window = parse_profile_steps(profile_steps)
+    if profile_dir is not None and window is None:
+        raise UserError("profile_dir needs profile_steps", param="profile_dir")
+    if window is not None:
+        profile_dir = profile_dir or (os.path.join(checkpoint_dir, "profile") if checkpoint_dir
+                                      else "hybridpar-profile")
+        _check_output_dir(profile_dir, "profile_dir")
 
     the_plan, world, batch, model, input_shape = _plan_and_world(
         model=model, input_shape=input_shape, strategy=strategy, plan=plan, nproc=nproc, batch=batch,
@@ -122,13 +137,17 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume != "no",
                       overwrite=overwrite, deterministic=deterministic, optimizer=optimizer,
                       lr_schedule=lr_schedule, warmup_steps=warmup_steps, grad_clip=grad_clip, precision=precision,
-                      metrics=metrics, workers=workers, local_ranks=local_ranks)
+                      metrics=metrics, workers=workers, local_ranks=local_ranks, tensorboard=tensorboard,
+                      profile_steps=window, profile_dir=profile_dir if window else None)
     cfg = replace(cfg, identity=run_identity(cfg))
-    if metrics:
+    if metrics or tensorboard:
         cfg = replace(cfg, flops_per_step=_step_flops(loaded, batch), peak_flops=_peak(the_plan, precision))
     last = total_steps(cfg, n)
     if last < 1:
         raise UserError("nothing to train: 0 steps", param="steps")
+    if window is not None and window[0] >= last:
+        raise UserError(f"profile_steps {window[0]}:{window[1]}: the run has steps 0..{last - 1}",
+                        param="profile_steps")
 
     predicted = _predicted_memory(loaded, the_plan, batch, optimizer, momentum, weight_decay)
     if predicted is not None:  # the cost model's figure for this layout, plus the data set held whole
@@ -197,6 +216,39 @@ def _check_numbers(*, lr, momentum, weight_decay, seed, checkpoint_every) -> Non
         raise UserError(f"seed must be an integer from 0 to 2**63-1, got {seed!r}", param="seed")
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
         raise UserError(f"checkpoint_every must be >= 0, got {checkpoint_every!r}", param="checkpoint_every")
+
+
+def parse_profile_steps(spec: str | tuple[int, int] | None) -> tuple[int, int] | None:
+    """`A:B` (steps A..B-1, 0 <= A < B) as (A, B); UserError naming profile_steps otherwise."""
+    if spec is None:
+        return None
+    parts = list(spec) if isinstance(spec, (tuple, list)) else str(spec).split(":")
+    try:
+        if len(parts) != 2 or any(isinstance(p, (bool, float)) for p in parts):
+            raise ValueError
+        a, b = (int(str(p).strip()) for p in parts)
+    except ValueError:
+        raise UserError(f"profile_steps must be A:B with integers 0 <= A < B, got {spec!r}",
+                        param="profile_steps") from None
+    if a < 0 or b <= a:
+        raise UserError(f"profile_steps must be A:B with integers 0 <= A < B, got {spec!r}", param="profile_steps")
+    return a, b
+
+
+def _check_output_dir(path: str | None, param: str) -> None:
+    """A directory this run will write into: not an existing file, and it exists or can be made."""
+    if path is None:
+        return
+    p = Path(path)
+    if str(path) == "" or (p.exists() and not p.is_dir()):
+        raise UserError(f"{param} {path}: is not a directory", param=param)
+    existing = next((q for q in (p, *p.parents) if q.exists()), Path("."))
+    if not existing.is_dir():
+        raise UserError(f"{param} {path}: {existing} is not a directory", param=param)
+    from hybridpar.runtime.checkpoint import can_create_in
+
+    if not can_create_in(existing):
+        raise UserError(f"{param} {path}: not writable", param=param)
 
 
 def _check_output_path(path: str | None, param: str) -> None:

@@ -71,6 +71,9 @@ class TrainConfig:
     metrics: str | None = None  # JSON-lines file, one record per step as it happens
     flops_per_step: int | None = None  # forward + backward FLOPs of one global batch (for mfu)
     peak_flops: float | None = None  # one rank's peak FLOP/s for `precision` (for mfu)
+    tensorboard: str | None = None  # TensorBoard log directory: the `metrics` scalars of every step (rank 0)
+    profile_steps: tuple[int, int] | None = None  # (A, B): a torch.profiler trace of steps A..B-1 on rank 0
+    profile_dir: str | None = None  # where that trace goes (run_config: --profile-dir, checkpoint dir or default)
 
 
 @dataclass(frozen=True)
@@ -178,8 +181,11 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     workers = default_workers(ds, cfg.local_ranks or dist.get_world_size()) if cfg.workers is None else cfg.workers
     feed = batches(ds, cfg.batch, start=start, stop=last, seed=cfg.seed, shuffle=cfg.shuffle, workers=workers,
                    device=device)  # the same global batches on every rank, read by loader workers
+    tracer = _StepProfiler(cfg, device) if rank == 0 and cfg.profile_steps else None
     for step, x, y in feed:
         faults.maybe_inject_failure(step)
+        if tracer is not None:
+            tracer.before(step)
         x_loc, y_loc = engine.local_batch(x, y)
         lr = lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, last)
         set_lr(opt, lr)
@@ -216,6 +222,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
                         engine.comm_log.step_seconds_by_kind(), b_noise, lr,
                         peak_memory_bytes(device) if rank == 0 else None, gnorm)
         infos.append(info)
+        if tracer is not None:
+            tracer.after(step)
         if step == start:
             reset_peak_memory(device)  # from now on the steady state's peak
         if rank == 0:
@@ -224,6 +232,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
             for cb in callbacks:
                 cb(info, engine, opt)
     feed.close()  # stops the loader's workers when the loop ended early
+    if tracer is not None:
+        tracer.close()  # a run that stopped inside the window still writes what it traced
     if rank == 0 and hasattr(queue, "join_thread"):  # a multiprocessing queue (spawn): every StepInfo
         queue.close()                                  # reaches the parent before this rank exits
         queue.join_thread()
@@ -246,6 +256,56 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     return TrainResult(infos, [p[0] for p in per_rank], [p[1] for p in per_rank],
                        infos[-1].loss if infos else float("nan"), saved, dist.get_world_size(),
                        gns_epochs, note, start, error, code, [p[2] for p in per_rank])
+
+
+def profile_trace_path(cfg: TrainConfig) -> str | None:
+    """The chrome trace `profile_steps` writes (None without profile_steps)."""
+    if not cfg.profile_steps:
+        return None
+    a, b = cfg.profile_steps
+    return os.path.join(cfg.profile_dir or "hybridpar-profile", f"trace-rank0-steps-{a}-{b}.json")
+
+
+class _StepProfiler:
+    """`profile_steps` (A, B) on rank 0: torch.profiler records steps A..B-1 (CPU, and CUDA on a GPU)
+    and writes one chrome trace, profile_dir/trace-rank0-steps-A-B.json, when step B-1 ends (or the
+    loop stops earlier)."""
+
+    def __init__(self, cfg: TrainConfig, device):
+        self.first, self.stop = cfg.profile_steps
+        self.path = profile_trace_path(cfg)
+        self.device, self.prof, self.step_ctx = device, None, None
+
+    def before(self, step: int) -> None:
+        if self.prof is None and self.first <= step < self.stop:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU]
+            if getattr(self.device, "type", "cpu") == "cuda":
+                acts.append(ProfilerActivity.CUDA)
+            self.prof = profile(activities=acts, record_shapes=True)
+            self.prof.__enter__()
+        if self.prof is not None:
+            self.step_ctx = torch.profiler.record_function(f"hybridpar step {step}")
+            self.step_ctx.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.step_ctx is not None:
+            self.step_ctx.__exit__(None, None, None)
+            self.step_ctx = None
+        if self.prof is not None and step + 1 >= self.stop:
+            self.close()
+
+    def close(self) -> None:
+        if self.step_ctx is not None:
+            self.step_ctx.__exit__(None, None, None)
+            self.step_ctx = None
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        prof.export_chrome_trace(self.path)
 
 
 def _resume_point(cfg: TrainConfig):
@@ -327,7 +387,7 @@ def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Tr
     on `error`); TrainingFailed when a spawned rank dies or raises."""
     from hybridpar.runtime import launch
 
-    if cfg.metrics and (not launch.under_launcher() or os.environ.get("RANK") == "0"):
+    if (cfg.metrics or cfg.tensorboard) and (not launch.under_launcher() or os.environ.get("RANK") == "0"):
         on_step = _with_metrics(cfg, on_step)
     try:
         return _train(cfg, on_step)
@@ -337,20 +397,25 @@ def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Tr
 
 
 def _with_metrics(cfg: TrainConfig, on_step):
-    """on_step that also streams the `--metrics` record of every step."""
-    from hybridpar.runtime.metrics import MetricsFile, StepMetrics
+    """on_step that also streams the `--metrics` record of every step (to the JSON-lines file and/or
+    as TensorBoard scalars)."""
+    from hybridpar.runtime.metrics import MetricsFile, StepMetrics, TensorBoardLog
 
-    out = MetricsFile(cfg.metrics)
+    sinks = ([MetricsFile(cfg.metrics)] if cfg.metrics else []) + \
+        ([TensorBoardLog(cfg.tensorboard)] if cfg.tensorboard else [])
     metrics = StepMetrics(cfg.flops_per_step, cfg.peak_flops, cfg.plan.world_size)
 
     class _Both:
         def __call__(self, info: dict) -> None:
-            out.write(metrics.record(info))
+            record = metrics.record(info)
+            for sink in sinks:
+                sink.write(record)
             if on_step is not None:
                 on_step(info)
 
         def close(self) -> None:
-            out.close()
+            for sink in sinks:
+                sink.close()
 
     return _Both()
 

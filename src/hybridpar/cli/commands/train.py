@@ -67,6 +67,14 @@ def register(app: click.Group) -> None:
                   help="bf16: autocast (CPU and CUDA)")
     @click.option("--metrics", type=click.Path(), default=None,
                   help="stream one JSON record per step to FILE.jsonl (loss, lr, samples/s, FLOP/s, mfu, memory, comm)")
+    @click.option("--tensorboard", type=click.Path(), default=None,
+                  help="also write those per-step scalars as TensorBoard events to DIR (rank 0; needs the "
+                       "tensorboard extra: pip install 'hybridpar[tensorboard]')")
+    @click.option("--profile-steps", default=None, metavar="A:B",
+                  help="write a torch.profiler chrome trace of steps A..B-1 on rank 0")
+    @click.option("--profile-dir", type=click.Path(), default=None,
+                  help="where --profile-steps writes its trace (default: CHECKPOINT_DIR/profile, else "
+                       "./hybridpar-profile)")
     @click.option("--log-every", type=int, default=10, show_default=True,
                   help="a progress line every N steps when stderr is not a terminal (0: none)")
     @click.option("--config", "config", type=click.Path(), default=None,
@@ -111,6 +119,20 @@ def register(app: click.Group) -> None:
             err_console.print(f"hybridpar: error: {result.error}", markup=False, highlight=False, soft_wrap=True)
             raise click.exceptions.Exit(result.exit_code or 1)
         _report(result, setup, json_)
+        _where_traces_went(setup.config)
+
+
+def _where_traces_went(cfg) -> None:
+    """One stderr line each for the TensorBoard log and the profiler trace this run wrote."""
+    from hybridpar.runtime.train_loop import profile_trace_path
+
+    lines = [f"TensorBoard events in {cfg.tensorboard}"] if cfg.tensorboard else []
+    trace = profile_trace_path(cfg)
+    if trace and Path(trace).exists():
+        a, b = cfg.profile_steps
+        lines.append(f"profiler trace of steps {a}..{b - 1} (chrome trace) in {trace}")
+    for line in lines:
+        err_console.print(f"hybridpar: {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _check_flag_combinations(options: dict, resume: str | None) -> None:
@@ -121,6 +143,8 @@ def _check_flag_combinations(options: dict, resume: str | None) -> None:
         raise UserError("give --steps or --epochs, not both")
     if (options["checkpoint_every"] or resume or options["overwrite"]) and not options["checkpoint_dir"]:
         raise UserError("--checkpoint-every, --resume and --overwrite need --checkpoint-dir")
+    if options["profile_dir"] and not options["profile_steps"]:
+        raise UserError("--profile-dir needs --profile-steps")
 
 
 def _local_world() -> int:
