@@ -16,6 +16,7 @@ scripts keep working; `--help` shows only the names above.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import click
@@ -68,3 +69,23 @@ def batch_option(*, default: int | None = DEFAULT_BATCH, aliases: Sequence[str] 
     return click.option("--batch", "batch", cls=AliasedOption, hidden_aliases=aliases, type=int, default=default,
                         show_default=default is not None, metavar="B",
                         help=help or "global batch: samples per step over all devices")
+
+
+class PositiveFloat(click.ParamType):
+    """A finite number > 0 (NaN, Inf, zero and negatives are a usage error: one line, exit 2)."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float) and math.isfinite(value) and value > 0:
+            return value
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number) or number <= 0:
+            self.fail(f"{value!r} must be a finite number > 0", param, ctx)
+        return number
+
+
+POSITIVE_FLOAT = PositiveFloat()

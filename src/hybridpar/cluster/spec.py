@@ -100,6 +100,45 @@ class InterFile(_Strict):
     latency_s: Figure
 
 
+# Physical bounds of each figure (inclusive), wide enough for any real machine from a laptop core to an
+# exascale node, narrow enough that a typo or an absurd value (peak_flops: 1e-300, a 1e30 B/s link) is
+# refused with the field's name instead of producing infinite or zero times downstream.
+BOUNDS: dict[str, tuple[float, float, str]] = {
+    "device.peak_flops": (1e6, 1e19, "FLOP/s"),
+    "device.mem_bw_Bps": (1e6, 1e16, "B/s"),
+    "device.memory_bytes": (1e3, 1e16, "bytes"),
+    "intra.link_bw_Bps": (1e3, 1e15, "B/s"),
+    "intra.link_efficiency": (1e-3, 1.0, ""),
+    "intra.link_latency_s": (1e-10, 10.0, "s"),
+    "intra.fallback_bw_Bps": (1e3, 1e15, "B/s"),
+    "intra.fallback_latency_s": (1e-10, 10.0, "s"),
+    "inter.nic_bw_Bps": (1e3, 1e15, "B/s"),
+    "inter.latency_s": (1e-10, 10.0, "s"),
+    "gamma_s_per_byte": (1e-17, 1e-3, "s/B"),
+    "collective_base_latency_s": (1e-10, 10.0, "s"),
+}
+
+
+def _figures(f: ClusterFile):
+    """(field path, bounds key, value) of every physical figure in the file."""
+    d = f.device
+    for dtype, fig in d.peak_flops.items():
+        yield f"device.peak_flops.{dtype}", "device.peak_flops", value_of(fig)
+    yield "device.mem_bw_Bps", "device.mem_bw_Bps", value_of(d.mem_bw_Bps)
+    yield "device.memory_bytes", "device.memory_bytes", value_of(d.memory_bytes)
+    for name in ("link_bw_Bps", "link_efficiency", "link_latency_s", "fallback_bw_Bps", "fallback_latency_s"):
+        fig = getattr(f.intra, name)
+        if fig is not None:
+            yield f"intra.{name}", f"intra.{name}", value_of(fig)
+    if f.inter is not None:
+        yield "inter.nic_bw_Bps", "inter.nic_bw_Bps", value_of(f.inter.nic_bw_Bps)
+        yield "inter.latency_s", "inter.latency_s", value_of(f.inter.latency_s)
+    for name in ("gamma_s_per_byte", "collective_base_latency_s"):
+        fig = getattr(f, name)
+        if fig is not None:
+            yield name, name, value_of(fig)
+
+
 class ClusterFile(_Strict):
     name: str
     description: str = ""
@@ -124,6 +163,11 @@ class ClusterFile(_Strict):
                           ("inter.nics_per_node", self.inter.nics_per_node if self.inter else None)):
             if fig is not None and (value_of(fig) != int(value_of(fig)) or value_of(fig) > 1_000_000):
                 raise ValueError(f"{name} must be a whole number, got {value_of(fig)}")
+        for path, key, v in _figures(self):
+            lo, hi, unit = BOUNDS[key]
+            if not lo <= v <= hi:
+                raise ValueError(f"field {path}: {v:g} is outside the physical bounds {lo:g}..{hi:g}"
+                                 f"{' ' + unit if unit else ''}")
         seen: set[tuple[int, int]] = set()
         for link in self.intra.links:
             if link.a >= g or link.b >= g or link.a == link.b:

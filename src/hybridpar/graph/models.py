@@ -80,6 +80,8 @@ def _load_factory(spec: str, batch: int | None, input_shape: tuple[int, ...] | N
         mspec.loader.exec_module(module)
     except UserError:
         raise
+    except SystemExit as err:  # a file that exits on import must not end a command with its status
+        raise UserError(f"cannot import model file {path_s!r}: it called sys.exit({err.code})") from None
     except Exception as err:  # noqa: BLE001 -- a user's file can raise anything on import
         raise UserError(f"cannot import model file {path_s!r}: {type(err).__name__}: {err}") from None
     factory = getattr(module, fn_name or "model", None)
@@ -87,6 +89,8 @@ def _load_factory(spec: str, batch: int | None, input_shape: tuple[int, ...] | N
         raise UserError(f"{path_s!r} has no callable {fn_name!r}")
     try:
         made = factory()
+    except SystemExit as err:  # ... nor a factory that exits: an error, not the factory's exit status
+        raise UserError(f"model factory {spec!r} called sys.exit({err.code})") from None
     except Exception as err:  # noqa: BLE001 -- so can their factory
         raise UserError(f"model factory {spec!r} raised {type(err).__name__}: {err}") from None
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):

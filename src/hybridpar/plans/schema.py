@@ -62,8 +62,9 @@ class Plan(_Frozen):
             if bad:
                 k, v = next(iter(bad.items()))
                 raise ValueError(f"placement[{k}] = {v} outside 0..{self.mp - 1}")
-        if self.batch % self.dp and self.mp == 1 and self.default_layout.sample == 1:
-            raise ValueError(f"batch {self.batch} not divisible by dp {self.dp}")
+        # No batch % dp check: with mp == 1, dp is the rank count, and the batch is cut by the sample degree
+        # only (unevenly where it does not divide; a channel/filter layout gives every rank all of it). The
+        # planner refuses a sample degree above the batch, the MP runtime checks its own split.
         return self
 
     def layout_of(self, module_name: str) -> LayerLayout:

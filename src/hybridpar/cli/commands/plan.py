@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import click
 
-from hybridpar.cli.options import batch_option, cluster_option, gpus_option
+from hybridpar.cli.options import POSITIVE_FLOAT, batch_option, cluster_option, gpus_option
 from hybridpar.cli.output import console, err_console, human_bytes, print_json, table, time_columns
 from hybridpar.errors import UserError
 
@@ -142,7 +142,7 @@ def register(app: click.Group) -> None:
                        "overlapping backward")
     @click.option("--free-sample", is_flag=True,
                   help="let each layer pick its own sample degree (redistribution between; projection only)")
-    @click.option("--time-share", type=float, default=None,
+    @click.option("--time-share", type=POSITIVE_FLOAT, default=None,
                   help="measured slowdown of each rank's compute with all ranks running (default: the "
                        "cluster's; on localhost ranks/cores)")
     @click.option("--dry-run/--no-dry-run", "dry", default=None,

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from hybridpar.cli.options import cluster_option, gpus_list_option
+from hybridpar.cli.options import POSITIVE_FLOAT, cluster_option, gpus_list_option
 from hybridpar.cli.output import console, err_console, print_json, table, time_columns
 from hybridpar.cli.parsing import parse_int_list
 from hybridpar.errors import UserError
@@ -29,7 +29,8 @@ def register(app: click.Group) -> None:
                   help="data-set size, for absolute times with a measured curve")
     @click.option("--mp", "mp_text", default="2,4,8", show_default=True, help="model-parallel degrees to try")
     @click.option("--placer", default="ilp", show_default=True, help="DLPlacer solver: ilp, dp, etf, greedy")
-    @click.option("--placer-time-limit", type=float, default=3.0, show_default=True, help="seconds per ILP solve")
+    @click.option("--placer-time-limit", type=POSITIVE_FLOAT, default=3.0, show_default=True,
+                  help="seconds per ILP solve")
     @click.option("--time-chunks/--no-time-chunks", default=False, show_default=True,
                   help="what-if: price DPxMP with the placer's recurrent time-chunk wavefront (the MP runtime "
                        "runs each recurrent layer whole, which is the default)")
@@ -75,7 +76,10 @@ def register(app: click.Group) -> None:
                                  placer_time_limit_s=placer_time_limit, cf_max_gpus=cf_max_gpus,
                                  use_disk_cache=not no_cache, time_chunks=time_chunks)
         kw: dict[str, Any] = {"model": model, "cluster": cluster, "mp_degrees": mps}
-        with _progress(json_) as step:
+        from hybridpar.search.budget import check_projection
+
+        check_projection(counts, mps)  # before the progress line: a refusal is one line
+        with _progress(json_ or not err_console.is_terminal) as step:
             proj = project(costs, curve, counts, b, progress=step, **kw)
             sens = band_sensitivity(costs, curve, counts, b, **kw)
             joint = None

@@ -23,9 +23,9 @@ import numpy as np
 from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.cost.collectives import CommOp
 from hybridpar.errors import InfeasibleError, UserError
-from hybridpar.search import budget
 from hybridpar.graph.types import Graph
 from hybridpar.plans import LayerLayout, Plan, Prediction, parse_strategy
+from hybridpar.search import budget
 from hybridpar.search.layers.decomposition import (
     Distribution,
     Pruned,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -10,6 +11,7 @@ from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import Plan, Prediction
+from hybridpar.search import budget
 from hybridpar.search.placer.adapter import placement_by_module, problem_from_graph, tie_shared_modules
 from hybridpar.search.placer.problem import PlacementProblem
 from hybridpar.search.placer.result import PlacementResult
@@ -149,11 +151,20 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
 
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if not math.isfinite(time_limit_s):
+        raise UserError(f"time_limit_s must be a finite number > 0, got {time_limit_s}", param="time_limit_s")
     if time_limit_s <= 0:
         raise UserError(f"time_limit_s must be > 0, got {time_limit_s}", param="time_limit_s")
+    if isinstance(devices, int) and devices > 0:
+        budget.check(f"placement on {devices:,} devices", budget.placer_tables_estimate(devices),
+                     "place on fewer devices")
     prob, coarse, fine, cl, name = build_problem(model, cluster, devices, batch=batch, coarsen=coarsen,
                                                  input_shape=input_shape, dtype=dtype,
                                                  mem_capacity_bytes=mem_capacity_bytes, time_chunks=time_chunks)
+    if solver == "ilp":
+        budget.check(f"placement of {len(prob.tasks):,} tasks on {devices:,} devices",
+                     budget.placer_ilp_estimate(len(prob.tasks), devices),
+                     "coarsen the graph (--coarsen N) or place on fewer devices")
     result = solve(prob, solver, time_limit_s=time_limit_s, workers=workers, seed=seed)
     baselines: dict[str, float] = {}
     for bname, fn in BASELINES.items():

@@ -26,6 +26,7 @@ import yaml
 
 from hybridpar.convergence.builtin import WorkloadCurve
 from hybridpar.errors import InfeasibleError, UserError
+from hybridpar.search import budget
 
 MP_DEGREES = (2, 4, 8)
 
@@ -243,6 +244,7 @@ def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_p
         raise UserError(f"batch_per_gpu must be >= 1, got {batch_per_gpu}", param="batch_per_gpu")
     if not gpus or any(g < 1 for g in gpus):
         raise UserError("gpus must list positive GPU counts", param="gpus")
+    budget.check_projection(gpus, mp_degrees)
     bucket = int(bucket_bytes or projection_data()["ddp_bucket_bytes"]["value"])
     spe = float(curve.samples_per_epoch or 1.0)
     prof = costs.profile(batch_per_gpu)
