@@ -116,7 +116,6 @@ def test_lr_schedules():
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--precision", "fp16"], "--precision fp16 needs loss scaling"),
-    (["--precision", "bf16", "--strategy", "channel=2"], "--precision bf16 does not run with channel/filter"),
     (["--grad-clip", "nan"], "--grad-clip must be a finite number > 0"),
     (["--grad-clip", "0"], "--grad-clip must be a finite number > 0"),
     (["--warmup-steps", "-1"], "--warmup-steps must be an integer >= 0"),
