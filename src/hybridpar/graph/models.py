@@ -34,6 +34,9 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
     return dims
 
 
+MAX_BATCH = 2**31 - 1
+
+
 def load_model(spec: str, *, batch: int | None = 1, input_shape: tuple[int, ...] | None = None,
                device: str | torch.device | None = None, **overrides) -> LoadedModel:
     """Build the module and example inputs for `spec` at `batch` samples.
@@ -43,6 +46,8 @@ def load_model(spec: str, *, batch: int | None = 1, input_shape: tuple[int, ...]
     factory returned (1 for zoo models)."""
     if batch is not None and batch < 1:
         raise UserError(f"batch must be >= 1, got {batch}")
+    if batch is not None and batch > MAX_BATCH:  # torch sizes are int64; no real batch comes near
+        raise UserError(f"batch {batch} is too large (at most {MAX_BATCH:,})")
     if ":" in spec or spec.endswith(".py"):
         return _load_factory(spec, batch, input_shape)
     from hybridpar.graph.zoo import ZOO
