@@ -25,16 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+from _baseline import worktree_src  # benchmarks/ is sys.path[0] when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "a0d4b3f"  # the commit before the decomposition and the deterministic time limits
-
-
-def _worktree(rev: str) -> Path:
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"hybridpar-bench-{rev}"
-    if not path.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(path), rev],
-                       check=True, capture_output=True)
-    return path / "src"
 
 
 def worker(model: str, devices: int, time_limit: float, seed: int, workers: int, chunks: int | None,
@@ -109,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_row("inception_v3", now[0]) + f"   (again: same placement: {side[devices]['deterministic']})",
               flush=True)
         if not args.no_baseline:
-            old = run(_worktree(args.baseline), "inception_v3", devices, args)
+            old = run(worktree_src(args.baseline), "inception_v3", devices, args)
             side[devices]["before"] = old
             print(_row(f"  before ({args.baseline})", old), flush=True)
     rows = []

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _baseline import worktree_src  # benchmarks/ is sys.path[0] when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "6a56b6d"  # the last commit whose planner runs, before the speed work (issue 16, item 4)
 CASES = {
@@ -38,14 +40,6 @@ CASES = {
     "make_run": ["plan", "--model", "resnet50_w8", "--cluster", "lassen", "--gpus", "256", "--batch", "512"],
 }
 GPUS = (16, 64, 256, 1024)
-
-
-def _worktree(rev: str) -> Path:
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"hybridpar-bench-{rev}"
-    if not path.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(path), rev],
-                       check=True, capture_output=True)
-    return path / "src"
 
 
 def timed(src: Path, args: list[str], out: Path) -> dict:
@@ -126,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
     print(f"load average {load:.1f} on {os.cpu_count()} CPUs (wall times grow with it; CPU times less)")
-    before = Path(args.baseline_src) if args.baseline_src else _worktree(args.baseline)
+    before = Path(args.baseline_src) if args.baseline_src else worktree_src(args.baseline)
     trees = {"before": before, "after": ROOT / "src"}
     with tempfile.TemporaryDirectory() as d:
         result = side_by_side(trees, args.trials, Path(d))

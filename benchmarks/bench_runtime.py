@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from _baseline import worktree_src  # benchmarks/ is sys.path[0] when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "767c6c5"  # main before the DTensor global-semantics runtime
 CF_STRATEGIES = ["sample=2,channel=2", "sample=2,filter=2", "channel=2,filter=2", "channel=4"]
@@ -106,14 +108,6 @@ def worker_main(args) -> None:
 
 
 # --- the parent: alternate the two runtimes, report medians of ratios --------------------------
-def _worktree(rev: str) -> Path:
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"hybridpar-bench-{rev}"
-    if not path.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(path), rev],
-                       check=True, capture_output=True)
-    return path / "src"
-
-
 def _trial(src: Path, args, layout: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, __file__, "--worker", "--nproc", str(args.nproc), "--steps", str(args.steps),
@@ -140,7 +134,7 @@ def main() -> None:
     if args.worker:
         return worker_main(args)
 
-    base_src = _worktree(args.baseline)
+    base_src = worktree_src(args.baseline)
     layouts = [f"sample={args.nproc}/local", f"sample={args.nproc}", *CF_STRATEGIES]
     rows = {}
     for lay in layouts:
