@@ -19,7 +19,7 @@ run: $(STAMP)
 
 # The import contracts (pyproject.toml [tool.importlinter]) and ruff run before the tests, so CI runs them.
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
