@@ -68,9 +68,9 @@ class ChannelFilterEngine:
     pre_sync_scale = 1.0  # a rank's gradient before the sync is its sample group's mean (grad_noise)
 
     def __init__(self, module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: str = "global",
-                 comm_log: CommLog | None = None, grid=None, extra_ops=()):
+                 comm_log: CommLog | None = None, grid=None, extra_ops=(), materialize=None):
         self.module = parallelize(module, plan, bn_stats=bn_stats, comm_log=comm_log, grid=grid,
-                                  extra_ops=extra_ops, inputs="sample_shard")
+                                  extra_ops=extra_ops, inputs="sample_shard", materialize=materialize)
         self.state = module.hybridpar
         self.grid = self.state.grid
         self.comm_log: CommLog = self.grid.comm_log

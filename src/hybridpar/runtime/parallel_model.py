@@ -121,7 +121,7 @@ class ParallelState:
 
 def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: str = "global", grid=None,
                 grids: dict | None = None, bn_stats: str = "global", comm_log: CommLog | None = None,
-                extra_ops=()) -> nn.Module:
+                extra_ops=(), materialize=None) -> nn.Module:
     """Make `module` run `spec` (a Plan, a LayerLayout or a strategy string such as "sample=2,channel=2")
     on the current torch.distributed world, in place; returns the module, with `.hybridpar` set to a
     ParallelState. Collective: every rank calls it with the same arguments.
@@ -129,7 +129,10 @@ def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: st
     inputs="global": every rank passes the same global batch and gets the whole outputs; gradients
     are summed over sample groups (the loss is the global batch's). inputs="sample_shard": each rank
     passes only its sample group's samples (batch / sample degree) and gets those samples' outputs;
-    gradients are averaged over sample groups, as DDP does, so use a per-rank mean loss."""
+    gradients are averaged over sample groups, as DDP does, so use a per-rank mean loss.
+
+    `materialize` (hybridpar.runtime.materialize.Materializer): `module`'s weights are on meta; once
+    the parallel layers are cut, it gives this rank's local tensors their values (on its `.device`)."""
     import torch.distributed as dist
 
     from hybridpar.runtime.grad_buckets import GradSync
@@ -154,13 +157,16 @@ def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: st
         from hybridpar.runtime.dtensors import build_meshes
 
         dtensor_rules.install(extra_ops)
-        state.meshes = build_meshes(layouts.default, _device_type(module))
+        state.meshes = build_meshes(layouts.default, materialize.device.type if materialize is not None
+                                    else _device_type(module))
     for name, m in list(module.named_modules()):
         new = _replacement(name, m, layouts.of(name), state)
         if new is not None:
             if state.meshes is not None:
                 new.meshes = state.meshes
             _set_submodule(module, name, new)
+    if materialize is not None:  # every local tensor is known now: only this rank's pieces get bytes
+        materialize(module, state)
     if state.meshes is not None:
         _replicate_the_rest(module, state.meshes)
         from hybridpar.runtime.layers.concat import install
