@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from hybridpar.errors import UserError
+from hybridpar.profile.ranks import free_port, run_local_ranks
 
 
 def resident_bytes(pid: int | str = "self") -> int:
@@ -97,30 +95,12 @@ def _worker(world: int, rank: int, port: int, out: Path, tiny_model: bool = True
 
 def measure_framework_bytes(world: int = 2, timeout_s: float = 300.0) -> int:
     """The largest resident set over `world` initialised gloo ranks holding no model (bytes)."""
-    from hybridpar.profile.gloo import _free_port
-
     if world < 1:
         raise UserError(f"world must be >= 1, got {world}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="hybridpar-fwmem-") as tmp:
-        cmd = [sys.executable, "-m", "hybridpar.profile.framework_memory", "--world", str(world),
-               "--port", str(_free_port()), "--out", tmp]
-        procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for r in range(world)]
-        deadline = time.monotonic() + timeout_s
-        errors = []
-        try:
-            for p in procs:
-                _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                if p.returncode != 0:
-                    errors.append(err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}")
-        except subprocess.TimeoutExpired:
-            raise UserError(f"framework memory probe with {world} ranks did not finish in {timeout_s:.0f} s") from None
-        finally:
-            for p in procs:  # only our own children, by handle
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        args = ["--world", str(world), "--port", str(free_port()), "--out", tmp]
+        errors = run_local_ranks("hybridpar.profile.framework_memory", args, world, timeout_s,
+                                 "framework memory probe")
         files = sorted(Path(tmp).glob("rank*.json"))
         if errors or len(files) != world:
             raise UserError(f"framework memory probe failed: {errors[0] if errors else 'no output'}")

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,15 +12,10 @@ from scipy.optimize import nnls
 
 from hybridpar.cluster.calibration import CollectiveFit, GlooFit, Measurement
 from hybridpar.errors import UserError
+from hybridpar.profile.ranks import free_port, run_local_ranks
 from hybridpar.profile.timing import summarize
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure_allreduce(world: int, sizes: Sequence[int] = DEFAULT_SIZES, *, warmup: int = 2,
@@ -46,30 +36,12 @@ def measure_collectives(world: int, sizes: Sequence[int] = DEFAULT_SIZES, kinds:
     group_sizes = tuple(group_sizes or (world,))
     if any(g < 2 or world % g for g in group_sizes):
         raise UserError(f"group sizes {list(group_sizes)} must be divisors of {world} and >= 2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="hybridpar-gloo-") as tmp:
         out = Path(tmp) / "samples.json"
-        cmd = [sys.executable, "-m", "hybridpar.profile.gloo_worker", "--world", str(world),
-               "--port", str(_free_port()), "--sizes", ",".join(str(int(s)) for s in sizes),
-               "--kinds", ",".join(kinds), "--group-sizes", ",".join(map(str, group_sizes)),
-               "--warmup", str(warmup), "--repeats", str(repeats), "--out", str(out),
-               "--timeout", str(timeout_s)]
-        procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for r in range(world)]
-        deadline = time.monotonic() + timeout_s
-        try:
-            errors = []
-            for p in procs:
-                _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                if p.returncode != 0:
-                    errors.append(err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}")
-        except subprocess.TimeoutExpired:
-            raise UserError(f"gloo benchmark with {world} ranks did not finish in {timeout_s:.0f} s") from None
-        finally:
-            for p in procs:  # only our own children, by handle
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        args = ["--world", str(world), "--port", str(free_port()), "--sizes", ",".join(str(int(s)) for s in sizes),
+                "--kinds", ",".join(kinds), "--group-sizes", ",".join(map(str, group_sizes)),
+                "--warmup", str(warmup), "--repeats", str(repeats), "--out", str(out), "--timeout", str(timeout_s)]
+        errors = run_local_ranks("hybridpar.profile.gloo_worker", args, world, timeout_s, "gloo benchmark")
         if errors or not out.exists():
             raise UserError(f"gloo benchmark with {world} ranks failed: {errors[0] if errors else 'no output'}")
         data = json.loads(out.read_text())
