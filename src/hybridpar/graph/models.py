@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from hybridpar.errors import UserError
+from hybridpar.user_code import call_factory
 
 
 @dataclass(frozen=True)
@@ -71,33 +69,7 @@ def load_model(spec: str, *, batch: int | None = 1, input_shape: tuple[int, ...]
 
 
 def _load_factory(spec: str, batch: int | None, input_shape: tuple[int, ...] | None) -> LoadedModel:
-    path_s, _, fn_name = spec.rpartition(":") if ":" in spec else (spec, "", "model")
-    path = Path(path_s)
-    if not path.is_file():
-        raise UserError(f"model file {path_s!r} not found")
-    try:
-        mod_name = f"_hybridpar_user_{abs(hash(str(path.resolve())))}"
-        mspec = importlib.util.spec_from_file_location(mod_name, path)
-        if mspec is None or mspec.loader is None:
-            raise UserError(f"cannot import {path_s!r} as Python")
-        module = importlib.util.module_from_spec(mspec)
-        sys.modules[mod_name] = module
-        mspec.loader.exec_module(module)
-    except UserError:
-        raise
-    except SystemExit as err:  # a file that exits on import must not end a command with its status
-        raise UserError(f"cannot import model file {path_s!r}: it called sys.exit({err.code})") from None
-    except Exception as err:  # noqa: BLE001 -- a user's file can raise anything on import
-        raise UserError(f"cannot import model file {path_s!r}: {type(err).__name__}: {err}") from None
-    factory = getattr(module, fn_name or "model", None)
-    if not callable(factory):
-        raise UserError(f"{path_s!r} has no callable {fn_name!r}")
-    try:
-        made = factory()
-    except SystemExit as err:  # ... nor a factory that exits: an error, not the factory's exit status
-        raise UserError(f"model factory {spec!r} called sys.exit({err.code})") from None
-    except Exception as err:  # noqa: BLE001 -- so can their factory
-        raise UserError(f"model factory {spec!r} raised {type(err).__name__}: {err}") from None
+    made = call_factory(spec, "model", "model file")
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         net, inputs = made
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)

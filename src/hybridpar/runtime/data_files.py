@@ -24,9 +24,7 @@ path.py:factory
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +32,7 @@ import torch
 import torch.utils.data as tud
 
 from hybridpar.errors import UserError
+from hybridpar.user_code import call_factory
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -247,29 +246,7 @@ def from_factory(spec: str, input_shape: tuple[int, ...], *, vocab: int | None =
                  label_shape: tuple[int, ...] = (), num_classes: int | None = None) -> Checked:
     """`path/to/file.py:factory` -> the data set factory() returns, checked."""
     where = f"--data {spec}"
-    path_s, _, fn_name = spec.rpartition(":") if ".py:" in spec else (spec, "", "dataset")
-    path = Path(path_s)
-    if not path.is_file():
-        raise UserError(f"{where}: file {path_s!r} not found")
-    mod_name = f"_hybridpar_data_{abs(hash(str(path.resolve())))}"
-    try:
-        mspec = importlib.util.spec_from_file_location(mod_name, path)
-        if mspec is None or mspec.loader is None:
-            raise UserError(f"{where}: cannot import {path_s!r} as Python")
-        module = importlib.util.module_from_spec(mspec)
-        sys.modules[mod_name] = module
-        mspec.loader.exec_module(module)
-    except UserError:
-        raise
-    except Exception as err:  # noqa: BLE001 - a user's file can raise anything on import
-        raise UserError(f"{where}: cannot import {path_s!r}: {type(err).__name__}: {err}") from None
-    factory = getattr(module, fn_name or "dataset", None)
-    if not callable(factory):
-        raise UserError(f"{where}: {path_s!r} has no callable {fn_name or 'dataset'!r}")
-    try:
-        made = factory()
-    except Exception as err:  # noqa: BLE001 - so can their factory
-        raise UserError(f"{where}: the factory raised {type(err).__name__}: {err}") from None
+    made = call_factory(spec, "dataset", where, sep=".py:")
     if isinstance(made, tud.IterableDataset) or not hasattr(made, "__getitem__") or not hasattr(made, "__len__"):
         raise UserError(f"{where}: the factory must return a map-style torch.utils.data.Dataset (with __len__ "
                         f"and __getitem__), got {type(made).__name__}")
