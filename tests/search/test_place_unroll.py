@@ -85,16 +85,22 @@ def test_unrolled_two_layer_lstm_finds_the_wavefront():
     assert split.problem.respects_ties(split.result.assignment)
 
 
-def test_gnmt_unrolls_by_default_and_the_cli_turns_it_off(capsys):
-    prob, _, fine, *_ = build_problem("gnmt", "dgx1-v100", 2)
+def test_gnmt_is_placed_whole_by_default_and_the_wavefront_is_a_labelled_what_if(capsys):
+    """The MP runtime runs each LSTM whole: by default the placer prices that schedule; --time-chunks K
+    prices the time-step wavefront and says it is a what-if."""
+    whole, _, fine, *_ = build_problem("gnmt", "dgx1-v100", 2)
+    assert not any(t.tie for t in whole.tasks)
+    prob, *_ = build_problem("gnmt", "dgx1-v100", 2, time_chunks=4)
     assert len(prob.tasks) > len(fine) // 2 and any(t.tie for t in prob.tasks)
     args = ["place", "--model", "gnmt", "--devices", "2", "--solver", "greedy", "--json"]
     assert main(args) == 0
-    on = json.loads(capsys.readouterr().out)
-    assert main([*args, "--time-chunks", "0"]) == 0
     off = json.loads(capsys.readouterr().out)
+    assert main([*args, "--time-chunks", "4"]) == 0
+    on = json.loads(capsys.readouterr().out)
     assert on["nodes"] == len(prob.tasks) and off["nodes"] < on["nodes"]
     assert on["single_device_step_s"] == pytest.approx(off["single_device_step_s"], rel=1e-6)
+    assert any(n.startswith("WHAT-IF (--time-chunks 4)") for n in on["notes"])
+    assert not any("WHAT-IF" in n for n in off["notes"])
     assert main([*args, "--time-chunks", "-1"]) == 2
 
 

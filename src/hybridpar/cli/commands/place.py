@@ -38,8 +38,8 @@ def register(app: click.Group) -> None:
     @click.option("--coarsen", type=int, default=None,
                   help="max nodes of the coarsened graph [64]; recurrent graphs: N/K nodes before K time chunks")
     @click.option("--time-chunks", "time_chunks", type=int, default=None,
-                  help="split each recurrent node into K time chunks (wavefront); 0 = off "
-                       "[4 when the model has an LSTM]")
+                  help="what-if: price each recurrent node as K time chunks (the time-step wavefront, "
+                       "which the MP runtime does not run); 0 = off  [default: off]")
     @click.option("--input-shape", default=None, help="per-sample input shape for file models, e.g. 3,32,32")
     @click.option("--workers", default=2, show_default=True, type=int, help="CP-SAT search workers")
     @click.option("--gantt", type=click.Path(dir_okay=False), default=None, help="write the schedule as PNG")
@@ -68,6 +68,14 @@ def register(app: click.Group) -> None:
             save_gantt(outcome.result, gantt, title=None)
         summary = outcome.summary()
         summary.update(placement=outcome.plan.placement, plan=out, gantt=gantt)
+        from hybridpar.graph.params import placed_param_listing
+        from hybridpar.graph.types import DTYPE_BYTES
+
+        # every parameterised module with its gradient bytes; they sum to grad_bytes, the placer's
+        # weight gradients (what data parallelism over copies of this placement allreduces)
+        summary["grad_bytes"] = sum(t.grad_bytes for t in outcome.problem.tasks)
+        summary["parameters"] = placed_param_listing(outcome.graph, outcome.result.assignment,
+                                                     DTYPE_BYTES["fp32"])  # place prices fp32 (its default)
         if json_:
             print_json(summary)
             return

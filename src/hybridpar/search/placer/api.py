@@ -15,7 +15,7 @@ from hybridpar.search import budget
 from hybridpar.search.placer.adapter import placement_by_module, problem_from_graph, tie_shared_modules
 from hybridpar.search.placer.problem import PlacementProblem
 from hybridpar.search.placer.result import PlacementResult
-from hybridpar.search.placer.unroll import DEFAULT_TIME_CHUNKS, has_recurrence, unroll
+from hybridpar.search.placer.unroll import has_recurrence, unroll
 
 DEFAULT_BATCH = 32  # per data-parallel worker (one MP group), when the caller gives none
 # Coarse nodes the ILP sees by default. 64 rather than 32: Inception-V3's best placement within the
@@ -103,18 +103,22 @@ def _coarse(fine: Graph, max_nodes: int, chunks: int = 0) -> Graph:
     return hit[1]
 
 
-def default_time_chunks(fine: Graph) -> int:
-    """Time chunks per recurrent node by default: DEFAULT_TIME_CHUNKS for graphs with a splittable
-    LSTM, 0 (off) otherwise."""
-    return DEFAULT_TIME_CHUNKS if has_recurrence(fine) else 0
+def what_if_note(chunks: int) -> str:
+    """The label of a placement priced with K time chunks per recurrent node. The placer splits none
+    by default: the MP runtime runs every recurrent layer whole, so by default only that schedule is
+    priced; `time_chunks=K` (`--time-chunks K`) prices the time-step wavefront as a what-if."""
+    return (f"WHAT-IF (--time-chunks {chunks}): each recurrent layer priced as {chunks} time chunks on a "
+            "time-step wavefront; the MP runtime runs each recurrent layer whole, so `train` does not "
+            "run this schedule")
 
 
 def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, batch: int | None = None,
                   coarsen: int | None = None, input_shape=None, dtype: str = "fp32",
                   mem_capacity_bytes: float | None = None, time_chunks: int | None = None
                   ) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
-    """The placement problem of a model; `time_chunks` K splits recurrent nodes into K tied time
-    chunks (None: the default for the graph, 0: off). The returned coarse graph has one node per task."""
+    """The placement problem of a model; `time_chunks` K >= 2 splits recurrent nodes into K tied time
+    chunks, a what-if the runtime does not run (None: the default, off; 0: off). The returned coarse
+    graph has one node per task."""
     if devices < 1:
         raise UserError(f"devices must be >= 1, got {devices}", param="devices")
     if coarsen is not None and coarsen < 2:
@@ -130,7 +134,7 @@ def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2,
         raise UserError(f"devices {devices}: an MP group must fit in one node of {cl.name!r} "
                         f"({cl.gpus_per_node} devices)", param="devices")
     fine, name = model_graph(model, batch, input_shape)
-    chunks = default_time_chunks(fine) if time_chunks is None else time_chunks
+    chunks = time_chunks or 0  # off by default (what_if_note)
     coarse = _coarse(fine, coarsen or DEFAULT_COARSEN, chunks if chunks >= 2 else 0)
     prob = problem_from_graph(coarse, fine, cl, tuple(range(devices)), dtype=dtype,
                               mem_capacity_bytes=mem_capacity_bytes)
@@ -188,5 +192,9 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
                        + (f", gap {result.gap:.2%}" if result.gap is not None else "") + ")",
                        f"graph coarsened {len(fine)} -> {len(coarse)} nodes"
                        + (f" ({dict(coarse.meta)['time_chunks']} time chunks per recurrent node)"
-                          if "time_chunks" in dict(coarse.meta) else "")])
-    return PlaceOutcome(result, single_time, single is not None, baselines, plan, coarse, len(fine))
+                          if "time_chunks" in dict(coarse.meta) else ""),
+                       *([what_if_note(dict(coarse.meta)["time_chunks"])] if "time_chunks" in dict(coarse.meta)
+                         else [])])
+    k = dict(coarse.meta).get("time_chunks", 0)
+    return PlaceOutcome(result, single_time, single is not None, baselines, plan, coarse, len(fine),
+                        (what_if_note(k),) if k else ())

@@ -28,7 +28,9 @@ from hybridpar.graph.types import Graph, Node
 # ops that compute each time step from the same time step of their inputs (last-axis ops, elementwise)
 TIMEWISE_OPS = frozenset({"lstm", "dropout", "add", "mul", "pointwise", "relu", "concat", "linear",
                           "layernorm", "embedding", "attention"})
-DEFAULT_TIME_CHUNKS = 4
+# K when the wavefront what-if is asked for without a K (`hybridpar project --time-chunks`); the placer
+# itself splits nothing by default, because the MP runtime runs each recurrent layer whole
+WHAT_IF_TIME_CHUNKS = 4
 
 
 def _members(node: Node) -> tuple[str, ...]:
