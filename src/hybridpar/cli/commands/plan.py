@@ -49,6 +49,9 @@ def _result_json(res) -> dict:
                     "grad_sync_s": r.cost.grad_sync_s, "memory_bytes": r.cost.memory_bytes} for r in res.layers],
         "pruned": {k: [{"layout": p.layout.to_strategy(), "reason": p.reason} for p in v]
                    for k, v in res.pruned.items()},
+        # every parameterised module (weight layers, norms, embeddings, recurrent and attention layers,
+        # free parameters): allreduce_bytes sum to breakdown.grad_bytes
+        "parameters": [g.as_dict() for g in res.gradients],
     }
 
 

@@ -33,9 +33,11 @@ from hybridpar.search.layers.decomposition import (
     distribution_of,
     distributions,
     filter_groups,
+    layout_of,
     layout_problem,
     shard_groups,
 )
+from hybridpar.search.layers.gradients import ParamGradient, grad_allreduce_bytes, gradient_listing, outside_nodes
 from hybridpar.search.layers.layer_cost import (
     CostContext,
     LayerCost,
@@ -94,6 +96,8 @@ class PlanResult:
     solve_s: float
     breakdown: StepBreakdown | None = None
     baseline_breakdown: StepBreakdown | None = None
+    # every parameterised module with its gradient bytes (sums to breakdown.grad_bytes)
+    gradients: tuple[ParamGradient, ...] = ()
 
     @property
     def speedup_vs_dp(self) -> float | None:
@@ -284,6 +288,7 @@ class StepBreakdown:
     layer_comm_s: float  # channel/filter allgathers and reduce-scatters, batch-norm statistics
     redistribution_s: float
     extras_s: float  # output gather and loss allreduce
+    grad_bytes: int = 0  # the weight-gradient allreduce's bytes on one rank (every trainable parameter)
 
 
 def predict(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
@@ -291,10 +296,28 @@ def predict(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ct
     return predict_with_breakdown(lg, opts, choice, ctx, grad_sync)[0]
 
 
-def _replicated_param_bytes(graph, elem: int) -> int:
-    """Parameters outside conv/linear/batch norm (embeddings, recurrent and attention layers, norms,
-    free parameters): whole on every rank, their gradient allreduced over the sample groups."""
-    return sum(n.params for n in graph.nodes if n.op not in ("conv2d", "linear", "batchnorm")) * elem
+_OUTSIDE_BYTES: dict[tuple, tuple[object, int]] = {}
+
+
+def _outside_grad_bytes(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int],
+                        ctx: CostContext) -> dict[LayerLayout, int]:
+    """Gradient allreduce bytes of the parameters no weight vertex's LayerCost holds (followers of
+    joins, nodes before the first layer: embeddings, norms, attention, recurrent layers, free
+    parameters), by the shard groups they go to (search.layers.gradients: the listing's rule)."""
+    out: dict[LayerLayout, int] = {}
+    for i, n in outside_nodes(lg):
+        d = opts[max(i, 0)].dist(choice[max(i, 0)])
+        k = (id(n), d, ctx.elem, ctx.bn_stats)
+        hit = _OUTSIDE_BYTES.get(k)
+        if hit is None or hit[0] is not n:
+            if len(_OUTSIDE_BYTES) > 65536:
+                _OUTSIDE_BYTES.clear()
+            hit = _OUTSIDE_BYTES[k] = (n, grad_allreduce_bytes(n, layout_of(d.sample, d.channel), ctx.elem,
+                                                                ctx.bn_stats))
+        if hit[1]:
+            key = layout_of(d.sample, d.channel)
+            out[key] = out.get(key, 0) + hit[1]
+    return out
 
 
 def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
@@ -321,12 +344,8 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     for c in costs:
         if c.grad_bytes and c.grad_key is not None:
             by_key[c.grad_key] = by_key.get(c.grad_key, 0) + c.grad_bytes
-    other = _replicated_param_bytes(lg.graph, ctx.elem)
-    if other:  # layers the runtime keeps whole on every rank: summed over the sample groups
-        d = opts[0].dist(choice[0])
-        key = LayerLayout(sample=d.sample, channel=d.channel)
-        if key.sample > 1:
-            by_key[key] = by_key.get(key, 0) + other
+    for key, b in _outside_grad_bytes(lg, opts, choice, ctx).items():
+        by_key[key] = by_key.get(key, 0) + b
     if grad_sync == "overlap":
         grad = sum(c.grad_sync_s for c in costs)
         step = max(t, comm_free)
@@ -361,7 +380,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     pred = Prediction(step_time_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=max(0.0, step - compute),
                       memory_bytes=[mem] * ctx.ranks, comm_bytes=nbytes, per_layer=per_layer)
     layer_comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs)
-    return pred, StepBreakdown(grad, layer_comm, sum(redist), extra_s)
+    return pred, StepBreakdown(grad, layer_comm, sum(redist), extra_s, sum(by_key.values()))
 
 
 # -- public API --------------------------------------------------------------------------------
@@ -530,7 +549,8 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
         if pred.memory_bytes[0] > s.capacity:
             notes.append(f"over the memory limit: {_size(pred.memory_bytes[0])} per device")
         plan, rows = _to_plan(s, opts, choice, pred, strat.layout.to_strategy(), notes)
-        return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0, brk, base_brk)
+        return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0, brk, base_brk,
+                          _gradients(s, opts, choice))
 
     best, reasons = None, []
     for key, layouts in spaces.items():
@@ -554,7 +574,12 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
         notes.append("layers use different sample degrees: the runtime needs one (plan for projection only)")
     plan, rows = _to_plan(s, opts, choice, pred, None, notes)
     pruned = {vo.vertex.node.module or vo.vertex.name: vo.pruned for vo in opts if vo.pruned}
-    return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0, brk, base_brk)
+    return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0, brk, base_brk,
+                      _gradients(s, opts, choice))
+
+
+def _gradients(s: _Setup, opts: list[VertexOptions], choice: Sequence[int]) -> tuple[ParamGradient, ...]:
+    return gradient_listing(s.lg, [vo.options[k] for vo, k in zip(opts, choice)], s.ctx.elem, s.ctx.bn_stats)
 
 
 def _chosen_layouts(opts: list[VertexOptions], choice: Sequence[int]) -> list[LayerLayout]:
