@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.errors import UserError
-from hybridpar.runtime.state import ShardInfo, place
+from hybridpar.runtime.state import ShardInfo, place, take
 
 FORMAT = "hybridpar-checkpoint"
 VERSION = 1
@@ -99,24 +99,14 @@ def local_tensors(engine) -> tuple[dict[str, torch.Tensor], dict[str, ShardInfo 
     raise TypeError(f"checkpoint: unsupported engine {type(engine).__name__}")
 
 
-def take(full: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
-    """The piece of `full` that `info` describes (the inverse of state.place)."""
-    if info is None:
-        return full
-    out = full
-    for d, ranges in enumerate(info.dims):
-        if ranges is not None:
-            out = torch.cat([out.narrow(d, off, n) for off, n in ranges], dim=d)
-    return out
-
-
 def _opt_state_by_name(tensors: dict[str, torch.Tensor], opt: torch.optim.Optimizer) -> dict[str, dict]:
     name_of = {id(t): k for k, t in tensors.items()}
     out = {}
     for p, st in opt.state.items():
         if id(p) not in name_of:
             raise RuntimeError("checkpoint: optimizer holds a tensor the engine does not report")
-        out[name_of[id(p)]] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+        out[name_of[id(p)]] = {k: (_plain(v).detach().cpu().clone() if torch.is_tensor(v) else v)
+                               for k, v in st.items()}
     return out
 
 
@@ -164,7 +154,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch
     tensors, shards = local_tensors(engine)
     payload = {
         "step": step, "rank": rank, "world_size": world,
-        "tensors": {k: t.detach().cpu().clone() for k, t in tensors.items()},
+        "tensors": {k: _plain(t).detach().cpu().clone() for k, t in tensors.items()},
         "shards": shards,
         "optimizer": _opt_state_by_name(tensors, optimizer),
         "rng": torch.get_rng_state(),
@@ -469,15 +459,16 @@ def restore_training_state(loaded: dict, engine, optimizer: torch.optim.Optimize
                            restore_rng: bool = True) -> int:
     """Step 2, after make_engine: optimizer state (e.g. momentum) and RNG; returns the step to
     continue from. The optimizer state is cut for this engine at its first step (a pre-step hook):
-    engines may settle a layer's shard shape only at the first forward."""
+    engines may settle a layer's shard shape only at the first forward. Each slot is read piece by
+    piece (`_piece`): with the layout it was saved with, a rank reads only its own pieces."""
     info, parts = loaded["info"], loaded["parts"]
     def sliced(v) -> bool:  # a per-element slot (momentum, Adam moments), cut like its parameter
         return torch.is_tensor(v) and v.dim() > 0
 
     slots = {s for p in parts for st in p["optimizer"].values() for s, v in st.items() if sliced(v)}
-    opt_full = {s: full_state(parts, s) for s in slots}
     scalars = {k: {s: v for s, v in st.items() if not sliced(v)}  # counts such as AdamW's step
                for p in parts for k, st in p["optimizer"].items()}
+    own = dist.get_rank() if info.world_size == dist.get_world_size() else 0
 
     def apply(opt, _args, _kwargs) -> None:
         handle.remove()
@@ -486,8 +477,8 @@ def restore_training_state(loaded: dict, engine, optimizer: torch.optim.Optimize
         for group in opt.param_groups:
             for p in group["params"]:
                 name = by_id.get(id(p))
-                st = {s: take(opt_full[s][name], shards.get(name)).to(p.device).clone()
-                      for s in opt_full if name in opt_full[s]}
+                got = {s: _piece(parts, name, shards.get(name), s, own) for s in slots}
+                st = {s: v.to(p.device).clone() for s, v in got.items() if v is not None}
                 for s, v in st.items():
                     if v.shape != p.shape:
                         raise UserError(f"checkpoint {info.path}: optimizer {s} of {name} has shape "
@@ -499,6 +490,111 @@ def restore_training_state(loaded: dict, engine, optimizer: torch.optim.Optimize
     if restore_rng and info.world_size == dist.get_world_size():
         torch.set_rng_state(parts[dist.get_rank()]["rng"])
     return info.step
+
+
+# -- reading only a rank's own pieces ---------------------------------------------------------------
+
+READ_BYTES = [0]  # bytes of stored tensors this process has copied out of checkpoint and --init-from files
+
+
+def _mmap_load(path, **kw):
+    """torch.load with the file memory-mapped: only the pages of the tensors used are read
+    (a file in torch's legacy format cannot be mapped: read whole)."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, **kw)
+    except RuntimeError as err:
+        if "mmap" not in str(err):
+            raise
+        return torch.load(path, map_location="cpu", **kw)
+
+
+def _plain(t):
+    """A replicated DTensor's local tensor (the whole tensor); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        if not all(p.is_replicate() for p in t.placements):
+            return t.full_tensor()
+        return t.to_local()
+    return t
+
+
+def _read(t: torch.Tensor) -> torch.Tensor:
+    READ_BYTES[0] += t.numel() * t.element_size()
+    return t
+
+
+def _stored(part: dict, name: str, key: str):
+    t = part["tensors"].get(name) if key == "tensors" else part["optimizer"].get(name, {}).get(key)
+    return _plain(t) if torch.is_tensor(t) else None
+
+
+def _piece(parts: list[dict], name: str | None, info: ShardInfo | None, key: str = "tensors",
+           own: int = 0) -> torch.Tensor | None:
+    """This rank's piece (`info`; None: whole) of tensor `name` (key "tensors", or an optimizer slot)
+    from the stored parts, reading as little as it can: the same piece stored (the same layout; own
+    rank's file first), else cut from a whole copy, else (another layout) that one tensor reassembled
+    from the stored pieces and cut. None when no part holds it."""
+    if name is None:
+        return None
+    order = [parts[own], *parts[:own], *parts[own + 1:]] if own < len(parts) else parts
+    found = [(t, p["shards"].get(name)) for p in order if (t := _stored(p, name, key)) is not None]
+    if not found:
+        return None
+    for t, stored in found:
+        if stored == info:
+            return _read(t)
+    for t, stored in found:
+        if stored is None:
+            return _read(take(t, info))
+    full = torch.zeros(found[0][1].full_shape, dtype=found[0][0].dtype)
+    for t, stored in found:
+        place(full, _read(t), stored)
+    return take(full, info)
+
+
+def _assign(target: torch.Tensor, src: torch.Tensor, name: str, where: str) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor) and not all(p.is_replicate() for p in target.placements):
+        src = distribute_tensor(src.to(target.device), target.device_mesh, target.placements)
+    else:
+        target = _plain(target)
+    if tuple(src.shape) != tuple(target.shape):
+        raise UserError(f"{where} does not match the model: {name} has shape {tuple(src.shape)} there, "
+                        f"this rank's piece of it {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(src)
+
+
+def _check_names(theirs, ours, where: str) -> None:
+    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    if missing or extra:
+        what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}"
+        raise UserError(f"{where} does not match the model: {what}")
+
+
+def load_init_pieces(path: str | os.PathLike, engine) -> None:
+    """`--init-from` after make_engine: this rank's pieces of an undistributed state_dict file
+    (memory-mapped: a rank reads its pieces' bytes, not the file)."""
+    state = _mmap_load(path, weights_only=True)
+    tensors, shards = local_tensors(engine)
+    _check_names(state, tensors, f"init_from {path}")
+    for name, t in tensors.items():
+        _assign(t, _read(take(state[name], shards.get(name))), name, f"init_from {path}")
+
+
+def load_pieces(info: CheckpointInfo, engine) -> dict:
+    """A resume after make_engine: this rank's pieces of the checkpoint's weights, read from the
+    memory-mapped rank files (the same layout: its own file's pieces only; another layout: one tensor
+    at a time). Returns the mapped rank files, for `restore_training_state`."""
+    parts = [_mmap_load(info.path / f["file"], weights_only=False) for f in info.manifest["files"]]
+    tensors, shards = local_tensors(engine)
+    own = dist.get_rank() if info.world_size == dist.get_world_size() else 0
+    _check_names(parts[0]["tensors"], tensors, f"checkpoint {info.path}")
+    for name, t in tensors.items():
+        _assign(t, _piece(parts, name, shards.get(name), "tensors", own), name, f"checkpoint {info.path}")
+    return {"info": info, "parts": parts}
 
 
 def full_model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:

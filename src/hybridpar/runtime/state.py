@@ -37,6 +37,17 @@ def place(full: torch.Tensor, shard: torch.Tensor, info: ShardInfo) -> None:
         dst.copy_(src)
 
 
+def take(full: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
+    """The piece of `full` that `info` describes (the inverse of `place`; None: all of it)."""
+    if info is None:
+        return full
+    out = full
+    for d, rs in enumerate(info.dims):
+        if rs is not None:
+            out = torch.cat([out.narrow(d, off, n) for off, n in rs], dim=d)
+    return out
+
+
 def gather_full_state(local_state: dict[str, torch.Tensor], shards: dict[str, ShardInfo],
                       log=None, *, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
     """Collective over the world: the undistributed state_dict on rank 0 (others None), or on every

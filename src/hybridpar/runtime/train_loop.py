@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -127,6 +127,49 @@ def build_module(cfg: TrainConfig):
     return loaded
 
 
+def build_engine(cfg: TrainConfig, device, resume_from=None):
+    """(loaded model, its DataSpec, engine, resume state or None), this rank holding only its pieces.
+
+    Channel/filter/sample plans: the model is built on meta, cut by parallelize, and this rank's
+    pieces get the values of the model built whole with cfg.seed (hybridpar.runtime.materialize);
+    --init-from and a resume then read only this rank's pieces from their files. Model-parallel
+    plans (the MP engine takes whole layers) and models that cannot be built on meta are built whole
+    first, as before (said on stderr)."""
+    import functools
+
+    from hybridpar.graph.models import load_model
+    from hybridpar.runtime import checkpoint as ckpt
+    from hybridpar.runtime.data import data_spec
+    from hybridpar.runtime.engine import make_engine
+    from hybridpar.runtime.materialize import Materializer, record_build
+
+    meta = record = None
+    if cfg.plan.mp == 1:
+        build = functools.partial(load_model, cfg.model, batch=1, input_shape=cfg.input_shape)
+        meta, record, why = record_build(build)
+        if meta is None and dist.get_rank() == 0:
+            import sys
+
+            print(f"hybridpar: model {cfg.model} cannot be built on the meta device ({why}); every rank "
+                  "builds it whole before cutting its pieces", file=sys.stderr, flush=True)
+    if meta is None:  # whole model first (MP plans; factories that fail on meta)
+        loaded = build_module(cfg)
+        resumed = ckpt.load_checkpoint(info, loaded.module) if (info := resume_from) else None
+        spec = data_spec(loaded)
+        engine = make_engine(loaded.module.to(device), cfg.plan, bn_stats=cfg.bn_stats,
+                             micro_batches=cfg.micro_batches)
+        return loaded, spec, engine, resumed
+    spec = data_spec(meta)  # one forward on meta: shapes only
+    mat = Materializer(build, record, cfg.seed, torch.device(device))
+    engine = make_engine(meta.module, cfg.plan, bn_stats=cfg.bn_stats, micro_batches=cfg.micro_batches,
+                         materialize=mat)
+    loaded = replace(mat.last_build, module=engine.module)  # the real example inputs; weights: the engine's
+    if cfg.init_from:
+        ckpt.load_init_pieces(cfg.init_from, engine)
+    resumed = ckpt.load_pieces(resume_from, engine) if resume_from else None
+    return loaded, spec, engine, resumed
+
+
 def _import(spec: str) -> Callable:
     import importlib
 
@@ -139,8 +182,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     (param bytes gathered from all ranks)."""
     from hybridpar.runtime import checkpoint as ckpt
     from hybridpar.runtime import faults
-    from hybridpar.runtime.data import batches, data_spec, default_workers, open_dataset
-    from hybridpar.runtime.engine import make_engine
+    from hybridpar.runtime.data import batches, default_workers, open_dataset
     from hybridpar.runtime.launch import current_device
     from hybridpar.runtime.metrics import peak_memory_bytes, reset_peak_memory
     from hybridpar.runtime.optim import WholeNorms, autocast, clip_grad_norm, lr_at, make_optimizer, set_lr
@@ -149,16 +191,12 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
         from hybridpar.runtime.determinism import enable_determinism
 
         enable_determinism(cfg.seed, dist.get_rank())
-    loaded = build_module(cfg)
+    device = current_device()  # CUDA under torchrun+NCCL; batches move there step by step
     info = _resume_point(cfg)
-    resumed = ckpt.load_checkpoint(info, loaded.module) if info else None  # weights, before sharding
+    loaded, spec, engine, resumed = build_engine(cfg, device, info)
     shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
-    spec = data_spec(loaded)
     ds = open_dataset(cfg.data, shape, num_classes=spec.num_classes, size=cfg.synthetic_size, seed=cfg.seed,
                       vocab=spec.vocab, label_shape=spec.label_shape, example_inputs=loaded.example_inputs)
-    device = current_device()  # CUDA under torchrun+NCCL; batches move there step by step
-    engine = make_engine(loaded.module.to(device), cfg.plan, bn_stats=cfg.bn_stats,
-                         micro_batches=cfg.micro_batches)
     if hasattr(engine, "warm_up"):  # final shard shapes before the optimizer and checkpoints see them
         engine.warm_up(shape)
     probe = None

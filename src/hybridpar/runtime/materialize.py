@@ -1,0 +1,349 @@
+"""Each rank builds only its own pieces of the model, bit-identical to the model built whole (issue 17).
+
+The model's factory runs twice. First on the meta device under `Recorder`, a TorchDispatchMode that
+writes down every aten op (name, output shapes) and which storages it reads and writes; parallelize
+then cuts the meta model as usual (the styles slice meta weights; `shard_fns` say which ranges of the
+undistributed tensor each local tensor holds). Second, for real on CPU with the same seed, under
+`Replayer`, which checks every op against the record and, right after the last op that touches a
+parameter's or buffer's storage, copies this rank's piece of it into the parallel model and frees the
+storage (`untyped_storage().resize_(0)`, as FSDP frees parameters). A storage whose next access
+overwrites it whole without reading it (normal_, uniform_, fill_, zero_, copy_, ...) is freed in
+between and given back just before that op, so init loops at the end of a factory (torchvision's
+ResNet re-initialises every conv there) still hold one layer at a time. Peak at start-up: the rank's
+pieces plus about one whole layer. The same ops in the same order draw the same random numbers, so
+every piece equals the same range of the model built whole in one process with that seed.
+
+A factory the replay cannot follow (it branches on the device, reads values on meta, keeps tensors
+outside parameters and buffers) is detected: the op stream differs from the record, or a meta tensor
+is left over. Then the rank builds the whole model and cuts its pieces from it, and says so on stderr.
+
+Why by hand: torch's deferred init (torchdistx) is unmaintained for torch 2.x, `to_empty` +
+`reset_parameters` gives other values than the factory (another order of random draws, and a user's
+own init code is lost), and fake tensors carry no values.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hybridpar.runtime.state import ShardInfo, take
+
+# In-place ops whose written tensor's old values are not read (a later one makes earlier writes dead).
+# torch.tensor(data) makes its tensor outside the dispatcher and hands it on through lift_fresh on CPU
+# only (on meta the dispatcher sees nothing): both runs skip it.
+_UNSEEN = frozenset({"lift_fresh", "lift_fresh_copy", "lift"})
+_PURE_WRITES = frozenset({"normal_", "uniform_", "fill_", "zero_", "random_", "exponential_", "geometric_",
+                          "log_normal_", "cauchy_", "copy_", "bernoulli_"})
+
+
+class ReplayDiverged(RuntimeError):
+    """The real build did not run the ops the meta build recorded."""
+
+
+def _op_name(func) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+def _tensors(v) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
+
+
+def _whole(t: torch.Tensor, st) -> bool:
+    """Whether `t` covers all of its storage (an overwrite of it leaves nothing of the old bytes)."""
+    return t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() == st.nbytes()
+
+
+class _Storages:
+    """Storage identities in order of first sight (sid 0, 1, ...): equal programs number their storages
+    alike on meta and on CPU. The weak references held here keep each StorageImpl's address taken (its
+    bytes are freed as usual), so an address is never a second storage's."""
+
+    def __init__(self):
+        self.by_cdata: dict[int, tuple[int, StorageWeakRef]] = {}
+        self.refs: dict[int, StorageWeakRef] = {}
+        self.count = 0
+
+    def sid(self, st, *, create: bool = True) -> int | None:
+        ref = StorageWeakRef(st)
+        got = self.by_cdata.get(ref.cdata)
+        if got is not None and not got[1].expired():
+            return got[0]
+        if not create:
+            return None
+        sid, self.count = self.count, self.count + 1
+        self.by_cdata[ref.cdata] = (sid, ref)
+        return sid
+
+
+def _accesses(func, args, kwargs, out, storages: _Storages) -> list[tuple[int, str]]:
+    """(sid, kind) of every storage the op touches: "r" read, "w" overwritten whole without reading,
+    "rw" written and read. View ops (inputs aliased, not written) touch nothing."""
+    found: dict[int, str] = {}
+
+    def note(sid: int, kind: str) -> None:
+        old = found.get(sid)
+        found[sid] = kind if old is None or old == kind else "rw"
+
+    pure = _op_name(func) in _PURE_WRITES
+    for i, a in enumerate(func._schema.arguments):
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        alias = a.alias_info
+        for t in _tensors(v):
+            st = _storage(t)
+            if st is None:
+                continue
+            sid = storages.sid(st)
+            if alias is not None and alias.is_write:
+                note(sid, "w" if pure and _whole(t, st) else "rw")
+            elif alias is None:
+                note(sid, "r")
+    for t in _tensors(out):
+        st = _storage(t)
+        if st is not None and storages.sid(st, create=False) is None:
+            note(storages.sid(st), "w")  # a new storage: the op made it
+    return sorted(found.items())
+
+
+def _shapes(out) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in _tensors(out))
+
+
+@dataclass
+class Record:
+    """What the meta build did: per op its name and outputs' shapes, and the storages it touched; and
+    where each parameter and buffer of the built model lives (sid, dtype, size, stride, offset, bytes)."""
+
+    ops: list[tuple[str, tuple]] = field(default_factory=list)
+    touches: list[list[tuple[int, str]]] = field(default_factory=list)
+    tensors: dict[str, tuple[int | None, torch.dtype, tuple, tuple, int]] = field(default_factory=dict)
+    nbytes: dict[int, int] = field(default_factory=dict)
+
+
+class Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.record = Record()
+        self.storages = _Storages()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _op_name(func) in _UNSEEN:
+            return out
+        touched = _accesses(func, args, kwargs, out, self.storages)
+        for t in _tensors(out):
+            st = _storage(t)
+            if st is not None:
+                self.record.nbytes[self.storages.sid(st)] = st.nbytes()
+        self.record.ops.append((_op_name(func), _shapes(out)))
+        self.record.touches.append(touched)
+        return out
+
+    def finish(self, module: nn.Module) -> Record:
+        for name, t in _named_tensors(module):
+            st = _storage(t)
+            # None: no op touched it (torch.tensor(data) and nothing else); copied once the build returns
+            sid = self.storages.sid(st, create=False) if st is not None else None
+            self.record.tensors[name] = (sid, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return self.record
+
+
+def _named_tensors(module: nn.Module):
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from ((n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None)
+
+
+class Replayer(TorchDispatchMode):
+    """Runs the factory for real, checks it against `record`, and hands each parameter's or buffer's
+    storage to `fill(sid, storage)` after the last op that touches it, then frees it."""
+
+    def __init__(self, record: Record, fill: Callable[[int, torch.UntypedStorage], None]):
+        super().__init__()
+        self.record, self.fill = record, fill
+        self.storages = _Storages()
+        self.i = 0
+        self.live: dict[int, torch.UntypedStorage] = {}
+        finals = {v[0] for v in record.tensors.values() if v[0] is not None}
+        seen: dict[int, list[tuple[int, str]]] = {}
+        for i, touched in enumerate(record.touches):
+            for sid, kind in touched:
+                if sid in finals:
+                    seen.setdefault(sid, []).append((i, kind))
+        self.done_after: dict[int, list[int]] = {}  # op -> sids whose last access it is
+        self.park_after: dict[int, list[int]] = {}  # op -> sids dead until their next (whole) overwrite
+        self.unpark_before: dict[int, list[int]] = {}
+        for sid, acc in seen.items():
+            self.done_after.setdefault(acc[-1][0], []).append(sid)
+            for (i, _), (j, kind) in zip(acc, acc[1:]):
+                if kind == "w" and j > i:
+                    self.park_after.setdefault(i, []).append(sid)
+                    self.unpark_before.setdefault(j, []).append(sid)
+        self.filled: set[int] = set()
+
+    def _diverged(self, what: str) -> ReplayDiverged:
+        return ReplayDiverged(f"op {self.i}: {what}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _op_name(func) in _UNSEEN:
+            return func(*args, **kwargs)
+        i = self.i
+        if i >= len(self.record.ops):
+            raise self._diverged(f"{_op_name(func)} after the {len(self.record.ops)} ops recorded on meta")
+        for sid in self.unpark_before.get(i, ()):
+            self.live[sid].resize_(self.record.nbytes[sid])
+        out = func(*args, **kwargs)
+        name, shapes = self.record.ops[i]
+        got = (_op_name(func), _shapes(out))
+        if got != (name, shapes):
+            raise self._diverged(f"expected {name} {_fmt(shapes)}, got {got[0]} {_fmt(got[1])}")
+        touched = _accesses(func, args, kwargs, out, self.storages)
+        if [s for s, _ in touched] != [s for s, _ in self.record.touches[i]]:
+            raise self._diverged(f"{name} touched other storages than on meta")
+        for t in _tensors(out):
+            st = _storage(t)
+            if st is not None:
+                self.live.setdefault(self.storages.sid(st), st)
+        for sid in self.done_after.get(i, ()):
+            self.fill(sid, self.live[sid])
+            self.filled.add(sid)
+            self.live.pop(sid).resize_(0)
+        for sid in self.park_after.get(i, ()):
+            if sid not in self.filled:
+                self.live[sid].resize_(0)
+        self.i += 1
+        return out
+
+    def check_done(self) -> None:
+        if self.i != len(self.record.ops):
+            raise ReplayDiverged(f"the real build ran {self.i} ops, the meta build {len(self.record.ops)}")
+
+
+def _fmt(shapes) -> str:
+    return "[" + ", ".join(f"{list(s)} {str(d).removeprefix('torch.')}" for s, d in shapes) + "]"
+
+
+def stray_meta_tensors(module: nn.Module) -> list[str]:
+    """Tensors on meta that are neither parameters nor buffers (plain attributes): the replay cannot
+    give them values."""
+    out = []
+    for mname, m in module.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, torch.Tensor) and v.device.type == "meta" and not k.startswith("_"):
+                out.append(f"{mname}.{k}" if mname else k)
+    return out
+
+
+@dataclass
+class Materializer:
+    """parallelize's `materialize` hook: gives the parallel module (cut on meta) this rank's pieces.
+
+    `build()` is the factory: it returns the undistributed module (e.g. a LoadedModel's module) and
+    is called with the global RNG seeded by `seed`, as the serial build is; `record` its meta run."""
+
+    build: Callable[[], nn.Module]
+    record: Record | None
+    seed: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    notes: list[str] = field(default_factory=list)
+    last_build: object = None  # what build() returned in the real run (example inputs and all)
+
+    def __call__(self, module: nn.Module, state) -> None:
+        shards = state.shards() if state is not None else {}
+        module.to_empty(device=self.device)
+        targets = dict(_named_tensors(module))
+        stray = stray_meta_tensors(module)
+        if stray:
+            raise ReplayDiverged(f"{stray[0]} is a tensor outside the parameters and buffers")
+        try:
+            if self.record is None:
+                raise ReplayDiverged("the model could not be built on the meta device")
+            self._replay(targets, shards)
+        except ReplayDiverged as err:
+            self._whole(targets, shards, str(err))
+
+    def _replay(self, targets: dict, shards: dict) -> None:
+        rec = self.record
+        missing = [n for n in targets if n not in rec.tensors]
+        if missing:
+            raise ReplayDiverged(f"{missing[0]} of the parallel model is not in the model")
+        by_sid: dict[int | None, list[str]] = {}
+        for n in targets:
+            by_sid.setdefault(rec.tensors[n][0], []).append(n)
+
+        def fill(sid: int, st: torch.UntypedStorage) -> None:
+            for n in by_sid.get(sid, ()):
+                _, dtype, size, stride, off = rec.tensors[n]
+                full = torch.empty(0, dtype=dtype).set_(st, off, size, stride)
+                _copy_piece(targets[n], full, shards.get(n), n)
+
+        torch.manual_seed(self.seed)
+        mode = Replayer(rec, fill)
+        with mode:
+            self.last_build = self.build()
+        mode.check_done()
+        late = by_sid.get(None, [])  # tensors no op touched: small constants, copied from the built model
+        if late:
+            built = dict(_named_tensors(_module_of(self.last_build)))
+            for n in late:
+                _copy_piece(targets[n], built[n].detach(), shards.get(n), n)
+        unfilled = [n for n in targets if rec.tensors[n][0] is not None and rec.tensors[n][0] not in mode.filled]
+        if unfilled:
+            raise ReplayDiverged(f"{unfilled[0]} was not filled by the replay")
+
+    def _whole(self, targets: dict, shards: dict, why: str) -> None:
+        import torch.distributed as dist
+
+        msg = (f"hybridpar: cannot build only this rank's pieces of the model ({why}); building it whole "
+               "on every rank (start-up memory: the whole model per rank)")
+        self.notes.append(msg)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(msg, file=sys.stderr, flush=True)
+        torch.manual_seed(self.seed)
+        self.last_build = self.build()
+        whole = dict(_named_tensors(_module_of(self.last_build)))
+        for n, t in targets.items():
+            if n not in whole:
+                raise ReplayDiverged(f"{n} of the parallel model is not in the model")
+            _copy_piece(t, whole[n].detach(), shards.get(n), n)
+
+
+def _module_of(built) -> nn.Module:
+    return built if isinstance(built, nn.Module) else built.module
+
+
+def _copy_piece(target: torch.Tensor, full: torch.Tensor, info: ShardInfo | None, name: str) -> None:
+    piece = take(full, info)
+    if tuple(piece.shape) != tuple(target.shape):
+        raise ReplayDiverged(f"{name}: piece {tuple(piece.shape)} for a local tensor of {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(piece)
+
+
+def record_build(build: Callable[[], object]) -> tuple[object, Record | None, str | None]:
+    """Run `build()` on the meta device under the Recorder, the RNG untouched. Returns what it built
+    (on meta), the record, and None; or (None, None, why) when it cannot run on meta."""
+    rec = Recorder()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), rec:
+            built = build()
+        return built, rec.finish(_module_of(built)), None
+    except ReplayDiverged as err:
+        return None, None, str(err)
+    except Exception as err:  # noqa: BLE001 - a user's factory can fail on meta in any way (.item(), numpy)
+        return None, None, f"on meta: {type(err).__name__}: {' '.join(str(err).split())[:160]}"
