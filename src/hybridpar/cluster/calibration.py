@@ -89,6 +89,10 @@ class Calibration(_Model):
     threads_per_rank: int = 1
     peak_flops_fp32: float = Field(gt=0)  # measured single-thread matmul FLOP/s
     matmul: Measurement | None = None
+    # measured single-thread bf16 matmul FLOP/s (matrix units where the CPU has them); None in files
+    # written before it: a bf16 run's mfu is then left out rather than held to the fp32 peak
+    peak_flops_bf16: float | None = Field(default=None, gt=0)
+    matmul_bf16: Measurement | None = None
     mem_bw_Bps: float = Field(gt=0)  # measured copy bandwidth (read + write bytes / time)
     gloo: dict[int, GlooFit] = {}
     collectives: list[CollectiveFit] = []  # per kind and group size, per world size

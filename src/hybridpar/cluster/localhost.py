@@ -54,10 +54,12 @@ def localhost_cluster(spec: ClusterFile, ranks: int | None, calibration: str | o
     notes = list(base.notes)
     if cal is not None:
         where = str(calibration or default_calibration_path())
-        device = device.model_copy(update={"name": cal.device_name,
-                                           "peak_flops": {"fp32": cal.peak_flops_fp32},
+        peaks = {"fp32": cal.peak_flops_fp32}
+        if cal.peak_flops_bf16 is not None:
+            peaks["bf16"] = cal.peak_flops_bf16
+        device = device.model_copy(update={"name": cal.device_name, "peak_flops": peaks,
                                            "mem_bw_Bps": cal.mem_bw_Bps})
-        for key in ("device.peak_flops.fp32", "device.mem_bw_Bps"):
+        for key in (*(f"device.peak_flops.{d}" for d in peaks), "device.mem_bw_Bps"):
             sources[key] = f"measured by `hybridpar profile` ({where})"
         alpha, beta = _gloo_alpha_beta(cal, ranks, cores)
         if alpha is not None and beta is not None:

@@ -188,12 +188,24 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     return OpRecord(key=spec.key, op=spec.op, fwd=fwd, bwd_data=bwd_data, bwd_weight=rest[0] if rest else None)
 
 
-def matmul_peak(n: int = 512, *, warmup: int = 2, repeats: int = 7) -> tuple[float, Measurement]:
-    """Single-thread fp32 matmul FLOP/s (2 n^3 FLOPs per n x n product) from the median time."""
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def matmul_peak(n: int = 512, *, dtype: str = "fp32", warmup: int = 2, repeats: int = 7) -> tuple[float, Measurement]:
+    """Single-thread matmul FLOP/s in `dtype` (2 n^3 FLOPs per n x n product) from the median time."""
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    a, b = (torch.randn(n, n, generator=g).to(_TORCH_DTYPES[dtype]) for _ in range(2))
     m = measure(lambda: torch.mm(a, b), warmup=warmup, repeats=repeats)
     return 2.0 * n**3 / m.median_s, m
+
+
+def bf16_matmul_peak(*, warmup: int = 2, repeats: int = 7) -> tuple[float, Measurement]:
+    """Single-thread bf16 matmul FLOP/s, the faster of n = 512 and 1024: bf16 runs on matrix units
+    where the CPU has them (AMX: ~1 TFLOP/s per core measured here, 12x fp32), and small products do
+    not fill them (n = 256 ran at an eighth of n = 512's rate). Autocast's bf16 runs are held to it."""
+    # two warm-up runs at least: the first bf16 product builds its kernel (oneDNN), 10x the steady time
+    return max((matmul_peak(n, dtype="bf16", warmup=max(2, warmup), repeats=repeats) for n in (512, 1024)),
+               key=lambda r: r[0])
 
 
 def copy_bandwidth(nbytes: int = 32 << 20, *, warmup: int = 2, repeats: int = 7) -> tuple[float, Measurement]:

@@ -64,6 +64,25 @@ def op_specs(opts: ProfileOptions) -> list:
     return ops.split_variants(ops.collect_op_specs(loaded.module, loaded.example_inputs), opts.splits)
 
 
+def device_figures(*, warmup: int = 2, repeats: int = 10) -> dict:
+    """One rank's single-thread matmul peaks (fp32, bf16) and copy bandwidth: the Calibration fields
+    that describe the device (seconds, not the gloo runs)."""
+    import torch
+
+    from hybridpar.profile import ops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one rank = one core: measure what one rank gets
+    try:
+        peak, mm = ops.matmul_peak(warmup=warmup, repeats=repeats)
+        peak_bf16, mm_bf16 = ops.bf16_matmul_peak(warmup=warmup, repeats=repeats)
+        bw, _ = ops.copy_bandwidth(warmup=warmup, repeats=repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return {"peak_flops_fp32": peak, "matmul": mm, "peak_flops_bf16": peak_bf16, "matmul_bf16": mm_bf16,
+            "mem_bw_Bps": bw}
+
+
 def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                 progress: Progress | None = None, specs: list | None = None) -> tuple[Calibration, Path]:
     """Measure matmul peak, copy bandwidth, the model's op times and gloo collectives (every kind the
@@ -77,13 +96,11 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     torch.set_num_threads(1)  # one rank = one core: measure what one rank gets
     if specs is None:
         specs = op_specs(opts)
-    total = 3 + len(specs) + len(opts.ranks)
+    total = 2 + len(specs) + len(opts.ranks)
     step = progress or (lambda desc, total: None)
 
-    step("matmul peak", total)
-    peak, mm = ops.matmul_peak(warmup=opts.warmup, repeats=opts.repeats)
-    step("copy bandwidth", total)
-    bw, _ = ops.copy_bandwidth(warmup=opts.warmup, repeats=opts.repeats)
+    step("matmul peaks and copy bandwidth", total)
+    device = device_figures(warmup=opts.warmup, repeats=opts.repeats)
     records: dict[str, OpRecord] = {}
     for s in specs:
         step(f"{s.op} {'x'.join(map(str, s.x))}", total)
@@ -111,7 +128,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
         colls = [f for f in old.collectives if f.world_size not in opts.ranks] + colls
     cal = Calibration(created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                       hostname=platform.node(), cpu_count=physical_cores(), torch_version=torch.__version__,
-                      threads_per_rank=1, peak_flops_fp32=peak, matmul=mm, mem_bw_Bps=bw, gloo=fits,
+                      threads_per_rank=1, **device, gloo=fits,
                       collectives=colls, ops=records, framework_bytes=framework)
     return cal, save_calibration(cal, path)
 

@@ -59,7 +59,8 @@ def register(app: click.Group) -> None:
 
 def _print(cal, path) -> None:
     console.print(f"calibration written to {path}")
-    console.print(f"matmul (1 thread): {cal.peak_flops_fp32 / 1e9:.3g} GFLOP/s; copy bandwidth "
+    bf16 = f", bf16 {cal.peak_flops_bf16 / 1e9:.3g}" if cal.peak_flops_bf16 else ""
+    console.print(f"matmul (1 thread): fp32 {cal.peak_flops_fp32 / 1e9:.3g}{bf16} GFLOP/s; copy bandwidth "
                   f"{cal.mem_bw_Bps / 1e9:.3g} GB/s; {cal.cpu_count} core(s)")
     rows = [[p, f.alpha_s * 1e6, 1e-6 / f.beta_s_per_byte if f.beta_s_per_byte else float("inf"),
              f.max_rel_residual, max(m.rel_spread for m in f.times)] for p, f in sorted(cal.gloo.items())]
