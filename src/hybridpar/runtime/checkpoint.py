@@ -497,7 +497,7 @@ def restore_training_state(loaded: dict, engine, optimizer: torch.optim.Optimize
 READ_BYTES = [0]  # bytes of stored tensors this process has copied out of checkpoint and --init-from files
 
 
-def _mmap_load(path, **kw):
+def mmap_load(path, **kw):
     """torch.load with the file memory-mapped: only the pages of the tensors used are read
     (a file in torch's legacy format cannot be mapped: read whole)."""
     try:
@@ -577,7 +577,7 @@ def _check_names(theirs, ours, where: str) -> None:
 def load_init_pieces(path: str | os.PathLike, engine) -> None:
     """`--init-from` after make_engine: this rank's pieces of an undistributed state_dict file
     (memory-mapped: a rank reads its pieces' bytes, not the file)."""
-    state = _mmap_load(path, weights_only=True)
+    state = mmap_load(path, weights_only=True)
     tensors, shards = local_tensors(engine)
     _check_names(state, tensors, f"init_from {path}")
     for name, t in tensors.items():
@@ -588,7 +588,7 @@ def load_pieces(info: CheckpointInfo, engine) -> dict:
     """A resume after make_engine: this rank's pieces of the checkpoint's weights, read from the
     memory-mapped rank files (the same layout: its own file's pieces only; another layout: one tensor
     at a time). Returns the mapped rank files, for `restore_training_state`."""
-    parts = [_mmap_load(info.path / f["file"], weights_only=False) for f in info.manifest["files"]]
+    parts = [mmap_load(info.path / f["file"], weights_only=False) for f in info.manifest["files"]]
     tensors, shards = local_tensors(engine)
     own = dist.get_rank() if info.world_size == dist.get_world_size() else 0
     _check_names(parts[0]["tensors"], tensors, f"checkpoint {info.path}")

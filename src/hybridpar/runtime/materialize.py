@@ -277,6 +277,13 @@ class Materializer:
         except ReplayDiverged as err:
             self._whole(targets, shards, str(err))
 
+    def build_freed(self):
+        """Run the factory for real with every parameter and buffer freed after its last use: what it
+        returns (example inputs, the module's structure) without its weights, about one layer held at
+        a time. ReplayDiverged when the factory does not follow the record."""
+        self._replay({}, {})
+        return self.last_build
+
     def _replay(self, targets: dict, shards: dict) -> None:
         rec = self.record
         missing = [n for n in targets if n not in rec.tensors]

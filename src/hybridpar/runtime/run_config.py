@@ -112,17 +112,23 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
     shape = _parse_shape(input_shape)
     if shape is not None:
         _check_sample_size(shape, batch)
-    loaded = _load(model, shape)
+    loaded, with_inputs = _load(model, shape)
     shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
     _check_sample_size(shape, batch)
-    spec, act_bytes = _dry_run(loaded)
+    try:
+        spec, act_bytes = _dry_run(loaded)
+    except UserError:
+        if with_inputs.module is loaded.module:
+            raise
+        loaded = with_inputs = _load_whole(model, shape)  # a forward that reads values: check it for real
+        spec, act_bytes = _dry_run(loaded)
     if the_plan.mp > 1 and the_plan.placement is None:
         if place is None:
             raise UserError("plan: a model-parallel plan needs its placement before launch (write one with "
                             "`hybridpar place --out` or `hybridpar plan --out`)", param="plan")
         the_plan = place(the_plan, loaded.module)
     _check_layout(loaded.module, the_plan, batch, micro_batches, precision, tuple(loaded.example_inputs))
-    n, data_bytes = _data_size(data, shape, spec, synthetic_size, seed, loaded)
+    n, data_bytes = _data_size(data, shape, spec, synthetic_size, seed, with_inputs)
     sample_bytes = math.prod(shape) * (8 if spec.vocab is not None else 4)
     if n < batch:
         raise UserError(f"data {data} has {n} samples, fewer than batch {batch}", param="data")
@@ -338,10 +344,39 @@ def _check_sample_size(shape: tuple[int, ...], batch: int) -> None:
 
 
 def _load(model: str, shape):
+    """(the model on meta, the model's real example inputs): the launcher never holds the weights.
+    The factory runs on meta (hybridpar.runtime.materialize records it), then for real with every
+    weight freed after its last use (about one layer held at a time), for its example inputs (the
+    data checks use their values). A factory that cannot run on meta, or runs other ops there, is
+    built for real whole (both entries are that one model)."""
+    import functools
+
+    from hybridpar.graph.models import load_model
+    from hybridpar.graph.zoo import ZOO
+    from hybridpar.runtime.materialize import Materializer, ReplayDiverged, record_build
+
+    if model in ZOO:  # the zoo builds on meta and makes its example inputs without the model
+        meta = _load_whole(model, shape, device="meta")
+        return meta, replace(meta, example_inputs=ZOO[model].example_inputs(1, meta.input_shape))
+    meta, record, _why = record_build(functools.partial(load_model, model, batch=1, input_shape=shape))
+    if meta is None:
+        whole = _load_whole(model, shape)
+        return whole, whole
+    try:
+        with torch.random.fork_rng(devices=[]):
+            inputs = Materializer(functools.partial(load_model, model, batch=1, input_shape=shape), record,
+                                  seed=0).build_freed()
+    except (ReplayDiverged, UserError, SystemExit):
+        whole = _load_whole(model, shape)
+        return whole, whole
+    return meta, inputs
+
+
+def _load_whole(model: str, shape, device=None):
     from hybridpar.graph.models import load_model
 
     try:
-        return load_model(model, batch=1, input_shape=shape)
+        return load_model(model, batch=1, input_shape=shape, device=device)
     except SystemExit as err:  # a user's file or factory that exits must not end `train` with success
         raise UserError(f"model {model}: loading it called sys.exit({err.code})", param="model") from None
 
@@ -461,21 +496,33 @@ def _check_finite_data(data: str, ds) -> None:
 
 
 def _check_init(module, path: str) -> None:
+    """The file is a state_dict of finite tensors matching `module` (on meta here: shapes and names
+    checked, nothing copied); memory-mapped, so a large file is read, not held."""
+    from hybridpar.runtime.checkpoint import mmap_load
+
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = mmap_load(path, weights_only=True)
     except FileNotFoundError:
         raise UserError(f"init_from {path}: file not found", param="init_from") from None
     except Exception as err:  # noqa: BLE001 - torch.load fails in many ways on a bad file
         raise UserError(f"init_from {path}: not a torch.save'd state_dict ({type(err).__name__})",
                         param="init_from") from None
+    _check_init_state(module, path, state)
+
+
+def _check_init_state(module, path: str, state) -> None:
     if not isinstance(state, dict):
         raise UserError(f"init_from {path}: expected a state_dict", param="init_from")
     bad = [k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()
            and not bool(torch.isfinite(v).all())]
     if bad:
         raise UserError(f"init_from {path}: {bad[0]} holds NaN or Inf values", param="init_from")
+    import warnings
+
     try:
-        module.load_state_dict(state)
+        with warnings.catch_warnings():  # meta parameters: names and shapes checked, the copy a no-op
+            warnings.filterwarnings("ignore", message=".*to a meta parameter.*")
+            module.load_state_dict(state)
     except RuntimeError as err:
         lines = str(err).splitlines()
         first = lines[1].strip() if len(lines) > 1 else str(err)
