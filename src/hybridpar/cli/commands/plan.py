@@ -105,7 +105,7 @@ def with_redistributions(res, model: str, shape, cluster):
     plan = res.plan
     if plan.mp > 1 or plan.default_layout.g_size == 1:
         return res  # sample-only or model-parallel: no DTensor between layers
-    loaded = load_model(model, batch=plan.batch, input_shape=shape)
+    loaded = load_model(model, batch=plan.batch, input_shape=shape, device="meta")  # shapes only: no weights
     run = dry_run(loaded.module, plan, tuple(loaded.example_inputs), world_size=plan.world_size)
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=plan.world_size)
     price = {"allgather": cc.allgather_time, "reduce_scatter": cc.reduce_scatter_time,
