@@ -65,3 +65,59 @@ def same_as_serial(cases: list) -> list:
             out.append({"strategy": strategy, "equal": equal, "notes": list(mat.notes),
                         "local_bytes": sum(p.numel() for p in eng.parameters())})
     return out
+
+
+def reads_own_pieces(tmp: str) -> list:
+    """Per rank: bytes read by --init-from and by a resume (weights, then momentum at the first step)
+    against the bytes of this rank's own pieces, and whether the resumed weights are the saved ones."""
+    from pathlib import Path
+
+    from hybridpar.runtime import checkpoint as ckpt
+    from hybridpar.runtime.checkpoint import _plain
+
+    def local_bytes(eng, params_only=False) -> int:
+        tensors, _ = ckpt.local_tensors(eng)
+        ids = {id(p) for p in eng.parameters()}
+        return sum(_plain(t).numel() * t.element_size() for t in tensors.values()
+                   if not params_only or id(t) in ids)
+
+    def step(eng, opt):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        eng.train_step(*eng.local_batch(x, y))
+        opt.step()
+        opt.zero_grad()
+
+    eng, _ = piecewise_engine("channel=2")
+    opt = torch.optim.SGD(eng.parameters(), lr=0.1, momentum=0.9)
+    step(eng, opt)
+    saved = ckpt.save_checkpoint(Path(tmp) / "ckpt", 1, eng, opt, keep=1)
+    full = eng.full_state_dict()
+    if dist.get_rank() == 0:
+        torch.save(full, Path(tmp) / "init.pt")
+    dist.barrier()
+
+    fresh, _ = piecewise_engine("channel=2", seed=9)
+    ckpt.READ_BYTES[0] = 0
+    ckpt.load_init_pieces(Path(tmp) / "init.pt", fresh)
+    init_read = ckpt.READ_BYTES[0]
+
+    ckpt.READ_BYTES[0] = 0
+    resumed = ckpt.load_pieces(ckpt.checkpoint_info(saved), fresh)
+    weights_read = ckpt.READ_BYTES[0]
+    same = all(torch.equal(_plain(a), _plain(b)) for a, b in
+               zip(ckpt.local_tensors(fresh)[0].values(), ckpt.local_tensors(eng)[0].values()))
+    opt2 = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    ckpt.restore_training_state(resumed, fresh, opt2)
+    ckpt.READ_BYTES[0] = 0
+    step(fresh, opt2)  # the optimizer's slots are cut at its first step
+    momentum_read = ckpt.READ_BYTES[0]
+    step(eng, opt)
+    same_after = all(torch.equal(_plain(a), _plain(b)) for a, b in zip(fresh.parameters(), eng.parameters()))
+    mine = {"init_read": init_read, "weights_read": weights_read, "momentum_read": momentum_read,
+            "own": local_bytes(fresh), "own_params": local_bytes(fresh, True), "same": same,
+            "same_after_step": same_after, "whole": sum(t.numel() * t.element_size() for t in
+                                                        (full or {}).values())}
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    return got

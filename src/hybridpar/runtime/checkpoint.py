@@ -478,7 +478,7 @@ def restore_training_state(loaded: dict, engine, optimizer: torch.optim.Optimize
             for p in group["params"]:
                 name = by_id.get(id(p))
                 got = {s: _piece(parts, name, shards.get(name), s, own) for s in slots}
-                st = {s: v.to(p.device).clone() for s, v in got.items() if v is not None}
+                st = {s: _like(p, v) for s, v in got.items() if v is not None}
                 for s, v in st.items():
                     if v.shape != p.shape:
                         raise UserError(f"checkpoint {info.path}: optimizer {s} of {name} has shape "
@@ -551,6 +551,18 @@ def _piece(parts: list[dict], name: str | None, info: ShardInfo | None, key: str
     for t, stored in found:
         place(full, _read(t), stored)
     return take(full, info)
+
+
+def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An optimizer slot for parameter `p` from the stored whole-or-piece `v`: a DTensor like `p`'s
+    when `p` is one (SGD/AdamW mix a DTensor parameter only with DTensor slots)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(p, DTensor):
+        return v.to(p.device).clone()
+    if all(pl.is_replicate() for pl in p.placements):
+        return DTensor.from_local(v.to(p.device).clone(), p.device_mesh, p.placements, run_check=False)
+    return distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
 
 
 def _assign(target: torch.Tensor, src: torch.Tensor, name: str, where: str) -> None:
