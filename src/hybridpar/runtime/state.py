@@ -51,35 +51,37 @@ def take(full: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
 def gather_full_state(local_state: dict[str, torch.Tensor], shards: dict[str, ShardInfo],
                       log=None, *, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
     """Collective over the world: the undistributed state_dict on rank 0 (others None), or on every
-    rank with `everywhere`. DTensor entries are made whole by DTensor; local shards of our parallel
-    layers are gathered and placed; everything else is this rank's own copy (replicated)."""
+    rank with `everywhere`. Tensor by tensor (in state_dict order, the same on every rank), so the
+    receiver holds the tensors assembled so far plus one tensor's pieces, never every rank's whole
+    state at once: DTensor entries are made whole by DTensor; local shards of our parallel layers are
+    gathered and placed; everything else is this rank's own copy (replicated)."""
     from torch.distributed.tensor import DTensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    whole = {k: v.full_tensor().detach().cpu() for k, v in local_state.items() if isinstance(v, DTensor)}
-    payload = {k: (v.detach().cpu(), shards[k]) for k, v in local_state.items() if k in shards}
-    if everywhere:
-        got = [None] * world
-        dist.all_gather_object(got, payload)
-    else:
-        got = [None] * world if rank == 0 else None
-        dist.gather_object(payload, got, dst=0)
-    if log is not None:
-        log.record("gather", world, sum(t.numel() * t.element_size() for t, _ in payload.values()),
-                   "full_state_dict", setup=True)
-    if got is None:
-        return None
+    keep = everywhere or rank == 0
     out: dict[str, torch.Tensor] = {}
+    sent = 0
     for name, v in local_state.items():
-        if name in whole:
-            out[name] = whole[name]
-        elif name in payload:
-            info = payload[name][1]
-            full = torch.zeros(info.full_shape, dtype=v.dtype)
-            for p in got:
-                t, i = p[name]
-                place(full, t, i)
-            out[name] = full
-        else:
+        if isinstance(v, DTensor):
+            whole = v.full_tensor().detach().cpu()
+            if keep:
+                out[name] = whole
+        elif name in shards:
+            piece = (v.detach().cpu(), shards[name])
+            sent += piece[0].numel() * piece[0].element_size()
+            got = [None] * world if keep else None
+            if everywhere:
+                dist.all_gather_object(got, piece)
+            else:
+                dist.gather_object(piece, got, dst=0)
+            if keep:
+                info = piece[1]
+                full = torch.zeros(info.full_shape, dtype=v.dtype)
+                for t, i in got:
+                    place(full, t, i)
+                out[name] = full
+        elif keep:
             out[name] = v.detach().cpu().clone()
-    return out
+    if log is not None:
+        log.record("gather", world, sent, "full_state_dict", setup=True)
+    return out if keep else None
