@@ -93,6 +93,9 @@ class Calibration(_Model):
     # written before it: a bf16 run's mfu is then left out rather than held to the fp32 peak
     peak_flops_bf16: float | None = Field(default=None, gt=0)
     matmul_bf16: Measurement | None = None
+    # (FLOPs, FLOP/s) of single-thread fp32 matmuls from small to large: the size factor of op pieces
+    # with no measured record (hybridpar.cost.compute.cpu_curve); empty in older files
+    matmul_curve: list[tuple[float, float]] = []
     mem_bw_Bps: float = Field(gt=0)  # measured copy bandwidth (read + write bytes / time)
     gloo: dict[int, GlooFit] = {}
     collectives: list[CollectiveFit] = []  # per kind and group size, per world size

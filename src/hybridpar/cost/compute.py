@@ -7,10 +7,18 @@ sample_frac = 1/sample, channel_frac = 1/channel, filter_frac = 1/filter:
     stationary-x has channel_frac < 1, stationary-y filter_frac < 1, stationary-w both.
   - ops without weights work on their local tensor: all sizes scale by sample*channel*filter fractions.
 Forward, backward-data (grad of the input) and backward-weight (grad of the weights) are separate.
+
+Splitting costs efficiency: a piece's compute runs at its class's efficiency times a size factor in
+(0, 1] of its own FLOPs (per pass), so a layer split k ways takes more than 1/k of its time when the
+pieces are small. GPUs: the published GEMM/convolution efficiency-vs-size curve in
+size_efficiency.yaml (DeepBench V100, an approximation for the other GPUs). localhost: measured op
+times per local shape first (`hybridpar profile --splits`), else the matmul rate-vs-size curve that
+`hybridpar profile` measures (calibration `matmul_curve`); without a calibration no size factor.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from dataclasses import dataclass
@@ -24,6 +32,8 @@ from hybridpar.cluster.model import Cluster, DeviceSpec
 from hybridpar.graph.types import DTYPE_BYTES, Node
 
 EFFICIENCY_FILE = Path(__file__).with_name("efficiency.yaml")
+SIZE_EFFICIENCY_FILE = Path(__file__).with_name("size_efficiency.yaml")
+_SIZE_KIND = {"conv2d": "conv", "linear": "gemm", "attention": "gemm"}  # ops given the size factor
 
 _CLASS = {
     "conv2d": "conv2d", "linear": "linear", "lstm": "lstm", "attention": "attention",
@@ -116,6 +126,84 @@ def efficiency_table() -> dict:
     return yaml.safe_load(EFFICIENCY_FILE.read_text())
 
 
+Curve = tuple[tuple[float, ...], tuple[float, ...]]  # (log10 FLOPs, factor), increasing in both
+
+
+def monotone_curve(points) -> Curve:
+    """(log10 FLOPs, efficiency) points -> a factor in (0, 1]: efficiencies capped at 1, the running
+    maximum from small to large sizes, divided by the value at the largest size."""
+    xs, ys, best = [], [], 0.0
+    for x, eff in sorted(points):
+        best = max(best, min(1.0, float(eff)))
+        xs.append(float(x))
+        ys.append(best)
+    if not ys or ys[-1] <= 0:
+        raise ValueError("an efficiency curve needs at least one positive point")
+    return tuple(xs), tuple(y / ys[-1] for y in ys)
+
+
+@lru_cache(maxsize=8)
+def size_curve(precision: str, kind: str) -> Curve:
+    """The GPU size factor curve of `kind` ("gemm" | "conv") at `precision` ("fp32" | "fp16"), from
+    the best efficiency of each size bin in size_efficiency.yaml."""
+    pts = yaml.safe_load(SIZE_EFFICIENCY_FILE.read_text())["curves"][precision][kind]
+    return monotone_curve((x, best) for x, best, *_ in pts)
+
+
+def curve_factor(curve: Curve, flops: float) -> float:
+    """The curve at `flops`: linear in log10 FLOPs between points, held at the ends."""
+    xs, ys = curve
+    if flops <= 0:
+        return 1.0
+    x = math.log10(flops)
+    i = bisect.bisect_right(xs, x)
+    if i == 0:
+        return ys[0]
+    if i == len(xs):
+        return ys[-1]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def cpu_curve(cal: Calibration) -> Curve | None:
+    """localhost's measured matmul rate-vs-size curve (None in calibrations without one)."""
+    if not cal.matmul_curve:
+        return None
+    top = max(rate for _, rate in cal.matmul_curve)
+    return monotone_curve((math.log10(f), rate / top) for f, rate in cal.matmul_curve)
+
+
+def size_factor(op: str, device: DeviceSpec, dtype: str, flops: float, cpu: Curve | None = None,
+                thin: float | None = None) -> float:
+    """How much of its class's efficiency a kernel of `flops` FLOPs gets (module docstring); `thin`:
+    the smaller output dimension min(M, N) of its GEMM, when known (GPUs: the smaller factor wins)."""
+    kind = _SIZE_KIND.get(op)
+    if kind is None or flops <= 0:
+        return 1.0
+    if device.kind == "gpu":
+        precision = "fp16" if dtype in ("fp16", "bf16") and device.peak(dtype) > device.peak("fp32") else "fp32"
+        f = curve_factor(size_curve(precision, kind), flops)
+        return min(f, curve_factor(size_curve(precision, "thin"), thin)) if thin else f
+    return curve_factor(cpu, flops) if cpu is not None else 1.0
+
+
+def gemm_thinness(node: Node, loc: LocalShapes) -> tuple[int, int, int] | None:
+    """min(M, N) of the forward, backward-data and backward-weight GEMMs of a conv2d (as an implicit
+    GEMM: M = samples x output pixels, N = filters per group) or linear piece; None for other ops."""
+    if loc.w is None or not loc.x or not loc.y:
+        return None
+    if node.op == "conv2d" and len(loc.x) == 4 and len(loc.y) == 4 and len(loc.w) == 4:
+        g = int(node.attr("groups", 1) or 1)
+        n, _, h, w = loc.x
+        f_per_group, c_per_group, r, s = max(1, loc.w[0] // g), loc.w[1], loc.w[2], loc.w[3]
+        return (min(n * loc.y[2] * loc.y[3], f_per_group), min(n * h * w, c_per_group),
+                min(f_per_group, c_per_group * r * s))
+    if node.op == "linear":
+        rows, c, f = math.prod(loc.x[:-1]), loc.x[-1], loc.y[-1]
+        return min(rows, f), min(rows, c), min(f, c)
+    return None
+
+
 def op_class(op: str) -> str:
     return _CLASS.get(op, "other")
 
@@ -125,8 +213,9 @@ def _nbytes(shapes, dtype: str) -> float:
 
 
 def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample_frac: float = 1.0,
-                  channel_frac: float = 1.0, filter_frac: float = 1.0) -> OpTime:
-    """max(FLOPs / (peak * compute_eff), bytes / (mem_bw * memory_eff)) + launch, per pass."""
+                  channel_frac: float = 1.0, filter_frac: float = 1.0, cpu: Curve | None = None) -> OpTime:
+    """max(FLOPs / (peak * compute_eff * size_factor(FLOPs)), bytes / (mem_bw * memory_eff)) + launch,
+    per pass (`cpu`: localhost's measured matmul curve for the size factor)."""
     if node.op in _FREE:
         return OpTime(0.0, 0.0, 0.0)
     loc = local_shapes(node, sample_frac, channel_frac, filter_frac)
@@ -138,17 +227,21 @@ def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample
     y_b = node.out_numel * b * loc.y_frac
     w_b = node.params * b * loc.w_frac
 
-    def t(flops: float, bytes_: float) -> float:
+    thin = gemm_thinness(node, loc) or (None, None, None)
+
+    def t(flops: float, bytes_: float, thin_dim: int | None) -> float:
         if flops <= 0 and bytes_ <= 0:
             return 0.0
-        work = max(flops / (peak * eff["compute"]), bytes_ / (device.mem_bw_Bps * eff["memory"]))
+        rate = peak * eff["compute"] * size_factor(node.op, device, dtype, flops, cpu, thin_dim)
+        work = max(flops / rate, bytes_ / (device.mem_bw_Bps * eff["memory"]))
         return (work + table["launch_s"]) * device.time_share
 
-    fwd = t(node.fwd_flops * loc.flop_frac, x_b + w_b + y_b)
+    fwd = t(node.fwd_flops * loc.flop_frac, x_b + w_b + y_b, thin[0])
     # A weighted op with no data-gradient FLOPs is the first layer: autograd skips its dx entirely.
     skip_dx = node.op in _MATMUL and node.bwd_data_flops == 0
-    bwd_data = 0.0 if skip_dx else t(node.bwd_data_flops * loc.flop_frac, y_b + w_b + x_b + (0 if w_b else y_b))
-    bwd_weight = t(node.bwd_weight_flops * loc.flop_frac, x_b + y_b + w_b) if node.params else 0.0
+    bwd_data = 0.0 if skip_dx else t(node.bwd_data_flops * loc.flop_frac, y_b + w_b + x_b + (0 if w_b else y_b),
+                                     thin[1])
+    bwd_weight = t(node.bwd_weight_flops * loc.flop_frac, x_b + y_b + w_b, thin[2]) if node.params else 0.0
     return OpTime(fwd, bwd_data, bwd_weight)
 
 
@@ -186,11 +279,15 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
     cal = calibration if isinstance(calibration, Calibration) else None
     if cal is None and (calibration is not None or dev.kind == "cpu"):
         cal = load_calibration(calibration)
+    cpu = cpu_curve(cal) if cal is not None and cal.device_name == dev.name else None
     if cal is not None and cal.device_name == dev.name and dtype == "fp32" and node.op not in _FREE:
         loc = local_shapes(node, sample_frac, channel_frac, filter_frac)
         hit = (_lookup(cal, variant, loc) if variant else None) or _lookup(cal, node.op, loc)
         if hit is not None:
             rec, scale = hit
+            if scale != 1.0 and cpu is not None:  # another batch's record: its FLOP rate at this size
+                f = node.fwd_flops * loc.flop_frac
+                scale *= curve_factor(cpu, f / scale) / curve_factor(cpu, f)
             k = scale * dev.time_share
             bw = rec.bwd_weight.median_s * k if rec.bwd_weight is not None else 0.0
             first = node.op in _MATMUL and node.bwd_data_flops == 0  # first layer: autograd skips dx
@@ -198,4 +295,4 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
             return OpTime(rec.fwd.median_s * k, bd, bw,
                           "measured" if scale == 1.0 else "measured-scaled")
     return roofline_time(node, dev, dtype=dtype, sample_frac=sample_frac, channel_frac=channel_frac,
-                         filter_frac=filter_frac)
+                         filter_frac=filter_frac, cpu=cpu)

@@ -199,6 +199,19 @@ def matmul_peak(n: int = 512, *, dtype: str = "fp32", warmup: int = 2, repeats: 
     return 2.0 * n**3 / m.median_s, m
 
 
+CURVE_SIZES = (16, 32, 64, 128, 256, 512)
+
+
+def matmul_curve(sizes=CURVE_SIZES, *, warmup: int = 2, repeats: int = 7) -> list[tuple[float, float]]:
+    """(FLOPs, FLOP/s) of single-thread fp32 n x n matmuls: how a piece's rate falls with its size
+    (n = 16 ran at a fifth of n = 512's rate here)."""
+    out = []
+    for n in sizes:
+        rate, _ = matmul_peak(n, warmup=warmup, repeats=max(repeats, 5))
+        out.append((2.0 * n**3, rate))
+    return out
+
+
 def bf16_matmul_peak(*, warmup: int = 2, repeats: int = 7) -> tuple[float, Measurement]:
     """Single-thread bf16 matmul FLOP/s, the faster of n = 512 and 1024: bf16 runs on matrix units
     where the CPU has them (AMX: ~1 TFLOP/s per core measured here, 12x fp32), and small products do

@@ -65,8 +65,8 @@ def op_specs(opts: ProfileOptions) -> list:
 
 
 def device_figures(*, warmup: int = 2, repeats: int = 10) -> dict:
-    """One rank's single-thread matmul peaks (fp32, bf16) and copy bandwidth: the Calibration fields
-    that describe the device (seconds, not the gloo runs)."""
+    """One rank's single-thread matmul peaks (fp32, bf16), matmul rate by size and copy bandwidth:
+    the Calibration fields that describe the device (seconds, not the gloo runs)."""
     import torch
 
     from hybridpar.profile import ops
@@ -77,10 +77,11 @@ def device_figures(*, warmup: int = 2, repeats: int = 10) -> dict:
         peak, mm = ops.matmul_peak(warmup=warmup, repeats=repeats)
         peak_bf16, mm_bf16 = ops.bf16_matmul_peak(warmup=warmup, repeats=repeats)
         bw, _ = ops.copy_bandwidth(warmup=warmup, repeats=repeats)
+        curve = ops.matmul_curve(warmup=warmup, repeats=repeats)
     finally:
         torch.set_num_threads(threads)
     return {"peak_flops_fp32": peak, "matmul": mm, "peak_flops_bf16": peak_bf16, "matmul_bf16": mm_bf16,
-            "mem_bw_Bps": bw}
+            "mem_bw_Bps": bw, "matmul_curve": curve}
 
 
 def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
