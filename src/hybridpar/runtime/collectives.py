@@ -3,7 +3,17 @@
 Uneven pieces are supported: gloo's all_gather needs equal sizes, so pieces are padded to the
 largest for the transfer, while the log records the logical bytes (the cost model's figure).
 Each call records its wall time on this rank (CommLog.timed), so a step's communication time can be
-measured per kind beside the cost model's prediction."""
+measured per kind beside the cost model's prediction.
+
+On gloo (CPU ranks, often more ranks than cores) a collective costs about one scheduler wake-up per
+sequential message round, not its bytes: gloo's ring allreduce of a few floats over 4 ranks takes
+2(P-1) = 6 rounds, and was measured at ~6.6 ms each between compute on 4 ranks sharing 2 cores,
+against ~0 for one all_to_all round (`benchmarks/bench_runtime.py --collectives` measures it).
+So on gloo, groups of more than 2 ranks exchange in one all_to_all round (`_one_round`): allgather
+sends this rank's piece to every peer, reduce_scatter sends piece k to rank k and sums what arrives,
+and a small allreduce sends the whole buffer to every peer and sums; a large one is that
+reduce_scatter then that allgather (2 rounds, the ring's bytes). Sums run in rank order on every
+rank, so every rank gets the same bits. NCCL keeps its own algorithms."""
 
 from __future__ import annotations
 
@@ -33,6 +43,21 @@ def concat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return out
 
 
+SMALL_ALLREDUCE_BYTES = 64 << 10  # up to here an allreduce is one round ((P-1)x the bytes sent)
+
+
+def _one_round(group: Group) -> bool:
+    """Exchange by one all_to_all round instead of the backend's multi-round collective (gloo)."""
+    return group.pg is not None and dist.get_backend(group.pg) == "gloo"
+
+
+def _exchange(send: torch.Tensor, group: Group, async_op: bool = False):
+    """send [P, ...]: row q goes to rank q of the group; the result's row q came from rank q."""
+    out = torch.empty_like(send)
+    work = dist.all_to_all_single(out.view(-1), send.contiguous().view(-1), group=group.pg, async_op=async_op)
+    return out, work
+
+
 def all_gather_dim(t: torch.Tensor, dim: int, group: Group, sizes: list[int], log: CommLog,
                    tag: str = "") -> torch.Tensor:
     """Concatenate along `dim` the pieces held by the group's ranks (piece k has sizes[k] there)."""
@@ -48,7 +73,10 @@ def all_gather_dim(t: torch.Tensor, dim: int, group: Group, sizes: list[int], lo
     full_shape = list(t.shape)
     full_shape[dim] = sum(sizes)
     with log.timed("allgather", group.size, prod(full_shape) * t.element_size(), tag):
-        dist.all_gather_single(out.flatten(0, 1), buf, group=group.pg)  # gloo: pieces along dim 0
+        if group.size > 2 and _one_round(group):  # gloo's ring takes P-1 rounds
+            out, _ = _exchange(buf.unsqueeze(0).expand(group.size, *shape), group)
+        else:
+            dist.all_gather_single(out.flatten(0, 1), buf, group=group.pg)  # gloo: pieces along dim 0
     return concat([o.narrow(dim, 0, n) for o, n in zip(out.unbind(0), sizes)], dim)
 
 
@@ -69,7 +97,11 @@ def reduce_scatter_dim(t: torch.Tensor, dim: int, group: Group, sizes: list[int]
         off += n
     out = t.new_empty(shape)
     with log.timed("reduce_scatter", group.size, _nbytes(t), tag):
-        dist.reduce_scatter_single(out, ins.flatten(0, 1), group=group.pg)
+        if _one_round(group):
+            got, _ = _exchange(ins, group)
+            torch.sum(got, 0, out=out)
+        else:
+            dist.reduce_scatter_single(out, ins.flatten(0, 1), group=group.pg)
     return out.narrow(dim, 0, sizes[group.index]) if sizes[group.index] != big else out
 
 
@@ -81,17 +113,52 @@ def _padded(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return buf
 
 
+class _SumOnWait:
+    """The work handle of a one-round allreduce: wait() waits for the exchange and sums into t."""
+
+    def __init__(self, work, got: torch.Tensor, t: torch.Tensor):
+        self.work, self.got, self.t = work, got, t
+
+    def wait(self) -> bool:
+        self.work.wait()
+        torch.sum(self.got.view(self.got.shape[0], -1), 0, out=self.t.view(-1))
+        return True
+
+
 def all_reduce_(t: torch.Tensor, group: Group, log: CommLog, tag: str = "", async_op: bool = False):
     """In-place sum over the group. With async_op, returns the work handle (None for 1 rank)."""
     if group.size == 1:
         return None
+    small = _nbytes(t) <= SMALL_ALLREDUCE_BYTES and t.is_contiguous() and _one_round(group)
     if async_op:  # only issued here: the wait happens elsewhere, so there is no time to record
-        work = dist.all_reduce(t, group=group.pg, async_op=True)
+        if small:
+            got, work = _exchange(t.unsqueeze(0).expand(group.size, *t.shape), group, async_op=True)
+            work = _SumOnWait(work, got, t)
+        else:
+            work = dist.all_reduce(t, group=group.pg, async_op=True)
         log.record("allreduce", group.size, _nbytes(t), tag)
         return work
     with log.timed("allreduce", group.size, _nbytes(t), tag):
-        dist.all_reduce(t, group=group.pg)
+        if small:
+            got, _ = _exchange(t.unsqueeze(0).expand(group.size, *t.shape), group)
+            torch.sum(got.view(group.size, -1), 0, out=t.view(-1))
+        elif group.size > 2 and t.is_contiguous() and _one_round(group):
+            _two_rounds(t, group)
+        else:
+            dist.all_reduce(t, group=group.pg)
     return None
+
+
+def _two_rounds(t: torch.Tensor, group: Group) -> None:
+    """A large allreduce as one-round reduce_scatter then one-round allgather (the ring's bytes)."""
+    p, flat = group.size, t.view(-1)
+    m = -(-flat.numel() // p)
+    ins = flat.new_zeros(p * m)
+    ins[:flat.numel()].copy_(flat)
+    got, _ = _exchange(ins.view(p, m), group)
+    mine = got.sum(0)
+    full, _ = _exchange(mine.unsqueeze(0).expand(p, m), group)
+    flat.copy_(full.view(-1)[:flat.numel()])
 
 
 def all_to_all_flat(sends: list[torch.Tensor], send_sizes: list[int], recv_sizes: list[int],
