@@ -10,10 +10,13 @@ rename on POSIX). A kill at any moment leaves either no new directory or a compl
 `latest_checkpoint` only returns directories whose manifest and files check out.
 
 Resharding: each rank file keeps, per tensor of the undistributed model's state_dict, this rank's
-local tensor and where it sits in the full one (`ShardInfo`; None = the whole tensor). Loading
-reassembles the full tensors from all rank files and cuts out the new engine's pieces, so a run may
-resume with a different layout or rank count. With the same layout the pieces are the same bytes:
-a resumed run is bitwise equal to an uninterrupted one.
+local tensor and where it sits in the full one (`ShardInfo`; None = the whole tensor). A resume
+(`load_pieces`, after make_engine) memory-maps the rank files and gives each of the engine's local
+tensors its piece: with the layout it was saved with, the same piece is in the rank's own file and
+only its bytes are read; with another layout or rank count, that one tensor is reassembled from the
+stored pieces and cut (one tensor at a time, never the whole model). `--init-from` reads a rank's
+pieces of an undistributed state_dict file the same way (`load_init_pieces`). With the same layout
+the pieces are the same bytes: a resumed run is bitwise equal to an uninterrupted one.
 
 Ownership: a checkpoint directory belongs to one run. The manifest carries the run's identity (model,
 data, seed, batch, optimizer settings: everything but the layout and the step count) and its digest
@@ -441,9 +444,10 @@ def full_state(parts: list[dict], key: str = "tensors") -> dict[str, torch.Tenso
 
 
 def load_checkpoint(info: CheckpointInfo, module: nn.Module) -> dict:
-    """Step 1 of a resume, before make_engine: put the checkpoint's undistributed weights into the
-    freshly built module (the engine then cuts its own pieces, for any layout and rank count).
-    Returns the rank files, for `restore_training_state`."""
+    """Step 1 of a resume for an engine built from a whole module (model-parallel plans): put the
+    checkpoint's undistributed weights into it before make_engine (which then cuts its own pieces).
+    Reads every rank file whole; channel/filter/sample engines use `load_pieces` instead. Returns the
+    rank files, for `restore_training_state`."""
     parts = _load_rank_files(info)
     weights = full_state(parts)
     try:
