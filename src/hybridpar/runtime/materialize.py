@@ -352,5 +352,6 @@ def record_build(build: Callable[[], object]) -> tuple[object, Record | None, st
         return built, rec.finish(_module_of(built)), None
     except ReplayDiverged as err:
         return None, None, str(err)
-    except Exception as err:  # noqa: BLE001 - a user's factory can fail on meta in any way (.item(), numpy)
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - a user's factory can fail on meta in any way
+        # (.item(), numpy, sys.exit): the whole build then says what it is, as it always has
         return None, None, f"on meta: {type(err).__name__}: {' '.join(str(err).split())[:160]}"
