@@ -81,10 +81,12 @@ def all_gather_dim(t: torch.Tensor, dim: int, group: Group, sizes: list[int], lo
 
 
 def reduce_scatter_dim(t: torch.Tensor, dim: int, group: Group, sizes: list[int], log: CommLog,
-                       tag: str = "") -> torch.Tensor:
-    """Sum `t` over the group and keep this rank's piece along `dim` (piece k has sizes[k])."""
+                       tag: str = "", async_op: bool = False):
+    """Sum `t` over the group and keep this rank's piece along `dim` (piece k has sizes[k]).
+    With async_op, returns a handle whose wait() returns that piece (the exchange runs meanwhile;
+    the log records the time wait() blocked: what the step pays)."""
     if group.size == 1:
-        return t
+        return _Done(t) if async_op else t
     big = max(sizes)
     shape = list(t.shape)
     shape[dim] = big
@@ -96,13 +98,47 @@ def reduce_scatter_dim(t: torch.Tensor, dim: int, group: Group, sizes: list[int]
         ins[k].narrow(dim, 0, n).copy_(t.narrow(dim, off, n))
         off += n
     out = t.new_empty(shape)
-    with log.timed("reduce_scatter", group.size, _nbytes(t), tag):
-        if _one_round(group):
-            got, _ = _exchange(ins, group)
+    mine = sizes[group.index]
+
+    def finish(got):
+        if got is not None:
             torch.sum(got, 0, out=out)
+        return out.narrow(dim, 0, mine) if mine != big else out
+
+    pending = _ReduceScatter(group, ins, out, log, _nbytes(t), tag, finish)
+    return pending if async_op else pending.wait()
+
+
+class _Done:
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def wait(self) -> torch.Tensor:
+        return self.t
+
+
+class _ReduceScatter:
+    """An issued reduce_scatter; wait() finishes it and records the time it blocked."""
+
+    def __init__(self, group: Group, ins, out, log: CommLog, nbytes: int, tag: str, finish):
+        import time
+
+        self.log, self.args, self.finish = log, (group.size, nbytes, tag), finish
+        t0 = time.perf_counter()
+        if _one_round(group):
+            self.got, self.work = _exchange(ins, group, async_op=True)
         else:
-            dist.reduce_scatter_single(out, ins.flatten(0, 1), group=group.pg)
-    return out.narrow(dim, 0, sizes[group.index]) if sizes[group.index] != big else out
+            self.got = None
+            self.work = dist.reduce_scatter_single(out, ins.flatten(0, 1), group=group.pg, async_op=True)
+        self.issue_s = time.perf_counter() - t0
+
+    def wait(self) -> torch.Tensor:
+        import time
+
+        t0 = time.perf_counter()
+        self.work.wait()
+        self.log.record("reduce_scatter", *self.args, seconds=self.issue_s + time.perf_counter() - t0)
+        return self.finish(self.got)
 
 
 def _padded(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:

@@ -87,19 +87,24 @@ class DistConvFunction(torch.autograd.Function):
                               f"{comm.name}:bwd")
         if w_loc.numel() == 0:  # empty shard: nothing flows through it (aten rejects 0 filters)
             dxg, dw = torch.zeros_like(xg), torch.zeros_like(w_loc)
-        else:
-            # under autocast the forward ran in a lower precision (dy arrives in it): so does the
-            # backward, as autocast's own conv backward does; gradients go back in the inputs' dtypes
-            low = dy_p.dtype
-            dxg, dw, _ = torch.ops.aten.convolution_backward(
-                dy_p, xg.to(low), w_loc.to(low), None, list(geo.stride), list(geo.padding),
-                list(geo.dilation), False, [0, 0], 1, [need_dx, need_dw, False])
-            dxg = dxg.to(xg.dtype) if dxg is not None else None
-            dw = dw.to(w_loc.dtype) if dw is not None else None
-        dx = None
-        if need_dx:
             dx = reduce_scatter_dim(dxg, 1, comm.filter_group, comm.gather_sizes, comm.log,
-                                    f"{comm.name}:bwd")
+                                    f"{comm.name}:bwd") if need_dx else None
+            return dx, dw, None, None
+        # under autocast the forward ran in a lower precision (dy arrives in it): so does the
+        # backward, as autocast's own conv backward does; gradients go back in the inputs' dtypes
+        low = dy_p.dtype
+        args = (list(geo.stride), list(geo.padding), list(geo.dilation), False, [0, 0], 1)
+        xl, wl = xg.to(low), w_loc.to(low)
+        dx = dw = None
+        if need_dx:  # the input gradient first: its reduce-scatter runs while the weight gradient computes
+            dxg = torch.ops.aten.convolution_backward(dy_p, xl, wl, None, *args, [True, False, False])[0]
+            dx = reduce_scatter_dim(dxg.to(xg.dtype), 1, comm.filter_group, comm.gather_sizes, comm.log,
+                                    f"{comm.name}:bwd", async_op=True)
+        if need_dw:
+            dw = torch.ops.aten.convolution_backward(dy_p, xl, wl, None, *args, [False, True, False])[1]
+            dw = dw.to(w_loc.dtype)
+        if dx is not None:
+            dx = dx.wait()
         return dx, dw, None, None
 
 
