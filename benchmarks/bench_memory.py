@@ -93,13 +93,15 @@ def _steps_done(metrics: Path) -> int:
         return 0
 
 
-def measure(strategy: str, nproc: int, steps: int, interval: float) -> dict:
-    """One training run of `strategy`, sampled from outside; returns the per-rank figures."""
+def measure(strategy: str, nproc: int, steps: int, interval: float, run_args: list[str] | None = None,
+            batch: int | None = None) -> dict:
+    """One training run of `strategy` (or of `run_args`, e.g. --plan FILE), sampled from outside;
+    returns the per-rank figures."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         cmd = [sys.executable, "-m", "hybridpar.cli.main", "train", "--model", MODEL, "--input-shape", SHAPE,
-               "--batch", str(BATCH), "--steps", str(steps), "--strategy", strategy, "--nproc", str(nproc),
-               "--metrics", str(metrics), "--log-every", "1000", "--json"]
+               "--batch", str(batch or BATCH), "--steps", str(steps), *(run_args or ["--strategy", strategy]),
+               "--nproc", str(nproc), "--metrics", str(metrics), "--log-every", "1000", "--json"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t0 = time.time()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -180,11 +182,14 @@ def _available_bytes(field: str = "MemAvailable:") -> int:
 LAUNCHER_BYTES = 0.6 * GiB  # the launcher: interpreter, torch, the model on meta (0.34 GiB measured)
 
 
+MARGIN = 1.2  # --margin: predicted peaks times this must fit in 90% of the available memory
+
+
 def needed_bytes(p: dict, nproc: int) -> float:
     """What a run needs at once: the launcher (the model on meta only) and, per rank, its predicted
     peak; start-up holds the rank's pieces plus about one whole layer (hybridpar.runtime.materialize),
-    below the steady peak, with 20% to spare for the prediction's error."""
-    return LAUNCHER_BYTES + nproc * 1.2 * p["memory_bytes"]
+    below the steady peak; MARGIN to spare for the prediction's error."""
+    return LAUNCHER_BYTES + nproc * MARGIN * p["memory_bytes"]
 
 
 def _wait_for(need: float, wait_s: float) -> float:
@@ -235,8 +240,54 @@ def run_layout(strategy: str, args) -> dict:
             "rel_error": err, "within_tolerance": abs(peak_err) <= TOLERANCE}
 
 
+def make_run_check(args) -> dict:
+    """`make run`'s plan (resnet50_w8 on 256 Lassen GPUs, batch 512, 3x224x224) states per-GPU memory
+    for its layout: 32 sample groups of a channel x filter grid of 8 with its per-layer layouts. Here
+    one sample group of that layout (8 ranks, sample degree 1, the group's 16 samples) trains at
+    3x32x32; its measured peak per rank is compared with what the same cost model states for this run
+    (the figure `make run` prints is for 224x224 on a GPU: activations 49x larger, no framework)."""
+    from hybridpar.cost.memory import predict_rank_memory
+    from hybridpar.plans import load_plan
+    from hybridpar.search.graph_cache import traced_graph
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lassen_path, local_path = Path(tmp) / "lassen.json", Path(tmp) / "local.json"
+        cmd = [sys.executable, "-m", "hybridpar.cli.main", "plan", "--model", MODEL, "--cluster", "lassen",
+               "--gpus", "256", "--batch", "512", "--json", "--out", str(lassen_path)]
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        lassen_bytes = json.loads(res.stdout)["predicted"]["memory_bytes_per_device"]
+        doc = json.loads(lassen_path.read_text())
+        d = doc["default_layout"]
+        g, groups = d["channel"] * d["filter"], d["sample"]
+        local_batch = doc["batch"] // groups
+        doc.update(world_size=g, dp=g, batch=local_batch, cluster="localhost", input_shape=[3, 32, 32],
+                   default_layout={**d, "sample": 1},
+                   layers={k: {**v, "sample": 1} for k, v in doc.get("layers", {}).items()})
+        local_path.write_text(json.dumps(doc))
+        plan = load_plan(local_path)
+        graph, _ = traced_graph(MODEL, (3, 32, 32))
+        predicted = predict_rank_memory(graph, plan.default_layout, layers=plan.layers, batch=local_batch).total_bytes
+        need = LAUNCHER_BYTES + g * MARGIN * predicted
+        avail = _wait_for(need, args.wait_s)
+        row = {"model": MODEL, "strategy": f"make run's layout, 1 of {groups} sample groups", "nproc": g,
+               "batch": local_batch, "shape": "3,32,32", "lassen_predicted_bytes": lassen_bytes,
+               "predicted_bytes": predicted, "lassen_layout": d}
+        if need > 0.9 * avail:
+            print(f"make run's layout: NOT RUN: needs about {need / GiB:.1f} GiB, {avail / GiB:.1f} GiB available")
+            return {**row, "skipped": True, "needed_bytes": need, "available_bytes": avail}
+        m = measure(row["strategy"], g, args.steps, args.interval, ["--plan", str(local_path)], local_batch)
+    peak = max(max(r["steady_rss"], r["startup_hwm"]) for r in m["ranks"])
+    err = peak / predicted - 1
+    print(f"make run's layout ({d}, 1 of {groups} sample groups = {g} ranks, batch {local_batch}, 3x32x32): "
+          f"Lassen plan states {lassen_bytes / GiB:.2f} GiB per GPU at 224x224; here predicted "
+          f"{predicted / GiB:.2f} GiB, measured peak {peak / GiB:.2f} GiB ({err:+.0%}): "
+          f"{'met' if abs(err) <= TOLERANCE else 'MISSED'} (within {TOLERANCE:.0%})", flush=True)
+    return {**m, **row, "peak_bytes": peak, "peak_rel_error": err, "within_tolerance": abs(err) <= TOLERANCE}
+
+
 def main() -> None:
-    global MODEL, BATCH
+    global MODEL, BATCH, MARGIN
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--interval", type=float, default=0.05)
@@ -247,8 +298,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=BATCH, help="global batch (default 2)")
     ap.add_argument("--wait-s", type=float, default=120.0,
                     help="wait this long for enough free memory before leaving a layout out")
+    ap.add_argument("--make-run", action="store_true",
+                    help="only `make run`'s layout (one sample group of it, 8 ranks, at 3x32x32) vs its prediction")
+    ap.add_argument("--margin", type=float, default=MARGIN,
+                    help="run a layout only when its predicted peaks times this fit 90%% of the free memory")
     args = ap.parse_args()
-    BATCH = args.batch
+    BATCH, MARGIN = args.batch, args.margin
+    if args.make_run:
+        row = make_run_check(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(row, indent=2))
+        return
     rows = []
     for model in [m for m in args.models.split(",") if m]:
         MODEL = model
