@@ -121,7 +121,7 @@ class ParallelState:
 
 def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: str = "global", grid=None,
                 grids: dict | None = None, bn_stats: str = "global", comm_log: CommLog | None = None,
-                extra_ops=(), materialize=None) -> nn.Module:
+                extra_ops=(), materialize=None, check_inputs=None) -> nn.Module:
     """Make `module` run `spec` (a Plan, a LayerLayout or a strategy string such as "sample=2,channel=2")
     on the current torch.distributed world, in place; returns the module, with `.hybridpar` set to a
     ParallelState. Collective: every rank calls it with the same arguments.
@@ -132,7 +132,12 @@ def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: st
     gradients are averaged over sample groups, as DDP does, so use a per-rank mean loss.
 
     `materialize` (hybridpar.runtime.materialize.Materializer): `module`'s weights are on meta; once
-    the parallel layers are cut, it gives this rank's local tensors their values (on its `.device`)."""
+    the parallel layers are cut, it gives this rank's local tensors their values (on its `.device`).
+
+    check_inputs: an example of what this rank will pass to model(...) (only shapes and dtypes
+    count): first run the layout on meta tensors over a fake world on this rank alone
+    (hybridpar.runtime.dry_run.check) and raise a UserError naming the op and module it cannot
+    serve, before any collective of this call."""
     import torch.distributed as dist
 
     from hybridpar.runtime.grad_buckets import GradSync
@@ -142,6 +147,10 @@ def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: st
         raise UserError(f"inputs must be one of {', '.join(INPUT_MODES)}, got {inputs!r}")
     layouts = as_layouts(spec, dist.get_world_size())
     check_parallelizable(module, layouts)
+    if check_inputs is not None:  # before the first collective (group creation below)
+        from hybridpar.runtime.dry_run import check
+
+        check(module, spec, check_inputs, world_size=dist.get_world_size(), inputs=inputs)
     grids = dict(grids or {})
     if grid is not None:
         grids[(grid.sample, grid.g_size)] = grid
@@ -239,11 +248,16 @@ def _install_io(module: nn.Module, state: ParallelState) -> None:
         from hybridpar.runtime.sample_io import gather_samples, split_samples
 
         grid = state.grid
+        checked = [grid.sample == 1]
 
         def pre(_m, args, kwargs):
-            if sample_shard or grid.sample == 1:
+            if grid.sample == 1:
                 return None
-            return split_samples(args, grid), split_samples(kwargs, grid)
+            mine = (args, kwargs) if sample_shard else (split_samples(args, grid), split_samples(kwargs, grid))
+            if not checked[0]:  # once, before the first step's collectives: refuse a forward that mixes samples
+                checked[0] = True
+                _refuse_mixed_samples(module, *mine, grid)
+            return None if sample_shard else mine
 
         def post(_m, _args, _kwargs, out):
             if sample_shard or grid.sample == 1:
@@ -252,6 +266,27 @@ def _install_io(module: nn.Module, state: ParallelState) -> None:
 
     module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
     module.register_forward_hook(post, with_kwargs=True)
+
+
+def _refuse_mixed_samples(module: nn.Module, args, kwargs, grid) -> None:
+    """Every rank checks its own rows (hybridpar.runtime.sample_io.samples_mixed) and all agree (one
+    unlogged 1-element allreduce, not part of a step), so either all raise or none does."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.runtime.sample_io import samples_mixed
+
+    reason = samples_mixed(module, args, kwargs)
+    flag = torch.tensor([1.0 if reason else 0.0], device=_device_of(module))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=grid.replica_group.pg)
+    if flag.item() > 0:
+        raise UserError(f"sample={grid.sample}: " + (reason or "another rank found that the model's forward mixes "
+                                                     "samples; a sample-only layout would train a different model"))
+
+
+def _device_of(module: nn.Module):
+    p = next(module.parameters(), None)
+    return p.device if p is not None else "cpu"
 
 
 def no_sync(module: nn.Module):

@@ -488,5 +488,10 @@ def _train(cfg: TrainConfig, on_step):
         return launch.spawn(run_rank, cfg.plan.world_size, cfg, queue, poll=poll)
     except ProcessException as err:  # a rank died or raised: one line, no hang
         lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+        refused = "hybridpar.errors.UserError: "
+        if lines and lines[-1].startswith(refused):  # a check inside the ranks refused the input: exit 2
+            from hybridpar.errors import UserError
+
+            raise UserError(lines[-1][len(refused):]) from None
         hint = f" (continue with resume from {cfg.checkpoint_dir})" if cfg.checkpoint_dir else ""
         raise TrainingFailed(f"training failed: {lines[-1] if lines else err}{hint}") from None
