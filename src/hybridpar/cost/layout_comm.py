@@ -208,3 +208,52 @@ def bytes_by_kind(ops) -> dict[str, int]:
         op = op[1] if isinstance(op, tuple) else op
         totals[op.kind] = totals.get(op.kind, 0) + op.bytes_
     return dict(sorted(totals.items()))
+
+
+# -- gradient buckets (hybridpar.runtime.grad_buckets.GradSync's rule, priced by the planner) ------
+
+BUCKET_BYTES = 4 << 20  # small buckets overlap more on CPU; DDP's 25 MiB suits fast GPU links
+
+
+def grad_ready_bytes(node: Node, layout: LayerLayout, *, position: int = 0, in_pieces: list[int] | None = None,
+                     dtype_bytes: int = FP32) -> list[int]:
+    """Bytes of `node`'s parameter gradients on the rank at grid `position`, in the order backward
+    makes them ready: a split layer's bias before its weight (the runtime adds the bias after the
+    distributed convolution), a whole layer's in torch's order (nn.Linear: bias, weight, as addmm
+    takes them; nn.Conv2d: weight, bias). Only gradients the runtime sums over sample groups (S > 1)
+    count: none otherwise."""
+    if layout.sample == 1:
+        return []
+    ops = [op for op in layer_collectives(node, layout, position=position, in_pieces=in_pieces,
+                                          dtype_bytes=dtype_bytes) if op.phase == "grad"]
+    if not ops:
+        return []
+    total = sum(op.bytes_ for op in ops)
+    if node.op == "batchnorm":  # weight and bias: one piece of channels each
+        return [total // 2, total - total // 2]
+    bias = next((s for k, s in node.param_shapes if k.endswith("bias")), None)
+    if node.op in ("conv2d", "linear") and bias:
+        g = layout.channel * layout.filter
+        b = piece_sizes(bias[0], g)[position % g] * dtype_bytes if g > 1 else prod(bias) * dtype_bytes
+        if not 0 < b < total:
+            return [total]
+        return [total - b, b] if g == 1 and node.op == "conv2d" else [b, total - b]
+    return [total]
+
+
+def bucket_schedule(ready, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[object, int, int]]:
+    """GradSync's buckets for gradients that become ready in the order of `ready`, a sequence of
+    (group key, bytes): one open bucket per group; a gradient joins its group's bucket, which is
+    launched the moment it holds >= bucket_bytes; at the end of backward the open buckets launch in
+    the order they were opened. Returns (key, bytes, i) per launch in launch order, i the index of the
+    gradient after which it launched (len(ready) for the end of backward)."""
+    open_: dict[object, int] = {}
+    out = []
+    n = 0
+    for n, (key, nbytes) in enumerate(ready):
+        open_[key] = open_.get(key, 0) + nbytes
+        if open_[key] >= bucket_bytes:
+            out.append((key, open_.pop(key), n))
+    end = len(ready)
+    out += [(key, b, end) for key, b in open_.items()]
+    return out

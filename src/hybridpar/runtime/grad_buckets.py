@@ -18,10 +18,11 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from hybridpar.cost.layout_comm import BUCKET_BYTES  # one rule: the planner prices these buckets
 from hybridpar.runtime.collectives import all_reduce_
 from hybridpar.runtime.comm_log import CommLog
 
-BUCKET_BYTES = 4 << 20  # small buckets overlap more on CPU; DDP's 25 MiB suits fast GPU links
+__all__ = ["BUCKET_BYTES", "GradSync"]
 
 
 @dataclass
@@ -53,6 +54,7 @@ class GradSync:
         self._queued = False
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
         self.launch_times: list[float] = []  # perf_counter() at each bucket launch (tests, benchmarks)
+        self.buckets: list[tuple[tuple[int, ...], int]] = []  # the last backward's: (group ranks, bytes)
 
     @contextmanager
     def no_sync(self):
@@ -69,6 +71,7 @@ class GradSync:
             return
         if not self._queued:
             self._queued = True
+            self.buckets = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         self._seen.add(id(p))
         if isinstance(p, DTensor):
@@ -89,6 +92,7 @@ class GradSync:
 
         flat = _flatten_dense_tensors(b.grads)
         self.launch_times.append(time.perf_counter())
+        self.buckets.append((tuple(b.group.ranks), flat.numel() * flat.element_size()))
         work = all_reduce_(flat, b.group, self.log, "grad_sync", async_op=True)
         self._inflight.append((work, b, flat))
 

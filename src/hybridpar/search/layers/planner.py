@@ -22,6 +22,7 @@ import numpy as np
 
 from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.cost.collectives import CommOp
+from hybridpar.cost.layout_comm import BUCKET_BYTES
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import LayerLayout, Plan, Prediction, parse_strategy
@@ -291,6 +292,49 @@ class StepBreakdown:
     grad_bytes: int = 0  # the weight-gradient allreduce's bytes on one rank (every trainable parameter)
 
 
+def grad_bucket_schedule(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
+                         bucket_bytes: int = BUCKET_BYTES) -> list[tuple[LayerLayout, int, int | None]]:
+    """The runtime's gradient buckets for this choice (hybridpar.runtime.grad_buckets.GradSync, rule
+    in hybridpar.cost.layout_comm.bucket_schedule): (shard-group key, bytes, i) per launch in launch
+    order, i = the backward-order index of the vertex whose backward readies the bucket (len(opts):
+    the end of backward; None: replicated DTensor parameters, which GradSync sums after backward).
+    Gradients are ready at the end of their vertex's backward (approximation: the runtime readies
+    each where its node's backward runs), within it in the runtime's order: followers from the last,
+    then the layer, a bias before its weight."""
+    from hybridpar.cost.layout_comm import bucket_schedule, grad_ready_bytes
+    from hybridpar.search.layers.gradients import SPLIT_OPS, grad_allreduce_bytes, outside_nodes
+
+    ready: list[tuple[LayerLayout, int]] = []
+    vertex_of: list[int] = []
+    late: list[tuple[LayerLayout, int, None]] = []
+
+    def place(n, lay: LayerLayout, i: int) -> None:
+        g = lay.channel * lay.filter
+        key = layout_of(lay.sample, g)
+        if n.op not in SPLIT_OPS and g > 1:  # a replicated DTensor parameter
+            b = grad_allreduce_bytes(n, key, ctx.elem, ctx.bn_stats)
+            if b:
+                late.append((key, b, None))
+            return
+        pieces = _linear_in_pieces(lg.graph, n, g) if n.op == "linear" else None
+        for b in grad_ready_bytes(n, lay, in_pieces=pieces, dtype_bytes=ctx.elem):
+            ready.append((key, b))
+            vertex_of.append(i)
+
+    for i, (vo, k) in enumerate(zip(reversed(opts), reversed(choice))):
+        o = vo.options[k]
+        lay = o if isinstance(o, LayerLayout) else layout_of(o.sample, o.channel)
+        for n in (*reversed(vo.vertex.followers), vo.vertex.node):
+            if n.param_shapes:
+                place(n, lay, i)
+    d = opts[0].dist(choice[0])
+    for _, n in (x for x in outside_nodes(lg) if x[0] < 0):  # before the first layer: backward's last
+        place(n, layout_of(d.sample, d.channel), len(opts))
+    out = [(key, b, vertex_of[i] if i < len(ready) else len(opts))
+           for key, b, i in bucket_schedule(ready, bucket_bytes)]
+    return out + late
+
+
 def predict(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
             grad_sync: str = "flat") -> Prediction:
     return predict_with_breakdown(lg, opts, choice, ctx, grad_sync)[0]
@@ -324,8 +368,10 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
                            grad_sync: str = "flat") -> tuple[Prediction, StepBreakdown]:
     """Step time: forward in order, backward in reverse, then the weight-gradient allreduce.
 
-    grad_sync="flat": as hybridpar.runtime.engine does it, one flat allreduce of all local gradients
-    per shard group after backward (no overlap). "overlap": each layer's allreduce is queued on one
+    grad_sync="buckets": as hybridpar.runtime does it (`grad_bucket_schedule`): 4 MiB buckets per
+    shard group in backward order, each allreduce queued on one communication stream when its bucket
+    fills, overlapping the rest of backward. "flat": one allreduce of all local gradients per shard
+    group after backward (no overlap). "overlap": each layer's allreduce is queued on one
     communication stream as soon as its backward is done (LBANN/Horovod style)."""
     costs = [vo.costs[k] for vo, k in zip(opts, choice)]
     redist = [0.0] * len(opts)  # per destination vertex, forward + backward
@@ -336,8 +382,10 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     extra_s = sum(ctx.comm_time(op) for op in extras)
     t = sum(c.fwd_s + c.comm_fwd_s for c in costs) + sum(r / 2 for r in redist) + extra_s
     comm_free = 0.0
+    done = []  # when each vertex's backward ends, in backward order
     for c, r in zip(reversed(costs), reversed(redist)):
         t += c.bwd_s + c.comm_bwd_s + r / 2
+        done.append(t)
         if grad_sync == "overlap" and c.grad_sync_s:
             comm_free = max(comm_free, t) + c.grad_sync_s
     by_key: dict[LayerLayout, int] = {}
@@ -349,6 +397,16 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     if grad_sync == "overlap":
         grad = sum(c.grad_sync_s for c in costs)
         step = max(t, comm_free)
+    elif grad_sync == "buckets":  # as hybridpar.runtime.grad_buckets runs it
+        grad, step = 0.0, t
+        for key, b, i in grad_bucket_schedule(lg, opts, choice, ctx):
+            dt = ctx.comm_time(grad_allreduce(b, key))
+            grad += dt
+            if i is None:  # replicated DTensor parameters: summed after backward, blocking
+                step += dt
+            else:  # launched when its last gradient is ready, after the buckets before it
+                comm_free = max(comm_free, done[i] if i < len(done) else t) + dt
+        step = max(step, comm_free + step - t)
     else:
         grad = sum(ctx.comm_time(grad_allreduce(b, key)) for key, b in by_key.items())
         step = t + grad
@@ -602,3 +660,15 @@ def evaluate_plan(plan: Plan, *, grad_sync: str = "flat", time_share: float | No
         else:
             opts.append(_join_options(v, s.ctx, [distribution_of(plan.default_layout)]))
     return predict(s.lg, opts, [0] * len(opts), s.ctx, grad_sync)
+
+
+def planned_grad_buckets(model, strategy: str, *, gpus: int, batch: int, cluster: str | Cluster = "localhost",
+                         input_shape: Sequence[int] | None = None,
+                         bucket_bytes: int = BUCKET_BYTES) -> list[tuple[int, int, int]]:
+    """(sample groups, ranks per sample group, bytes) of each gradient bucket the prediction of
+    uniform `strategy` prices, in launch order (`grad_bucket_schedule`), to set beside what
+    hybridpar.runtime.grad_buckets.GradSync launches (GradSync.buckets)."""
+    s = _setup(model, cluster, gpus, batch, None, "fp32", tuple(input_shape) if input_shape else None, None)
+    opts, choice, _, _ = _evaluate_uniform(s, parse_strategy(strategy, gpus).layout, "buckets")
+    return [(k.sample, k.channel * k.filter, b) for k, b, _ in grad_bucket_schedule(s.lg, opts, choice, s.ctx,
+                                                                                 bucket_bytes)]
