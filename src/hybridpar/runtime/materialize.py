@@ -302,7 +302,13 @@ class Materializer:
         torch.manual_seed(self.seed)
         mode = Replayer(rec, fill)
         with mode:
-            self.last_build = self.build()
+            try:
+                self.last_build = self.build()
+            except ReplayDiverged:
+                raise
+            except Exception as err:  # ran on meta, fails replayed (HF's second init of a freed weight)
+                raise ReplayDiverged(f"the factory failed when replayed: {' '.join(str(err).split())[:160]}") \
+                    from None
         mode.check_done()
         late = by_sid.get(None, [])  # tensors no op touched: small constants, copied from the built model
         if late:
