@@ -1,0 +1,85 @@
+"""What pricing split efficiency changes (issue 13 item 4): the planner's choices and predictions on
+zoo models at small per-GPU work, with the size factor (this tree) and without it (a baseline tree,
+default c07b28f, the commit before it), side by side.
+
+For each case: how many weight layers the plan splits over channels/filters, the mean number of
+channel x filter pieces per weight layer, the plan's and data parallelism's predicted step time and
+compute. Planning only (no training), a few seconds
+per case; each tree runs in its own process (PYTHONPATH first).
+
+    python benchmarks/bench_split_efficiency.py [--baseline REV | --baseline-src DIR/src]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from _baseline import worktree_src  # benchmarks/ is sys.path[0] when run as a script
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "c07b28f"  # the last commit before the size factor
+# (model, cluster, gpus, global batch): make run's case, then small per-GPU work
+CASES = [
+    ("resnet50_w8", "lassen", 256, 512),
+    ("vgg16", "dgx1-v100", 32, 32),
+    ("vgg16", "dgx1-v100", 8, 8),
+    ("vgg16", "dgx-h100", 8, 8),
+    ("resnet50_w4", "dgx1-v100", 32, 32),
+    ("resnet50", "lassen", 8, 8),
+    ("inception_v3", "dgx1-v100", 32, 32),
+]
+CHILD = r"""
+import json, sys
+from hybridpar.search.layers.planner import plan_model
+for m, c, g, b in json.loads(sys.argv[1]):
+    r = plan_model(m, c, g, b)
+    split = sum(1 for x in r.layers if x.layout is not None and x.layout.channel * x.layout.filter > 1)
+    weights = sum(1 for x in r.layers if x.layout is not None)
+    pieces = sum(x.layout.channel * x.layout.filter for x in r.layers if x.layout is not None)
+    base = r.baseline
+    print(json.dumps({"case": f"{m} {c} {g} GPUs batch {b}", "method": r.method, "split": split,
+                      "weights": weights, "pieces": pieces / max(1, weights), "step_s": r.prediction.step_time_s,
+                      "compute_s": r.prediction.compute_s,
+                      "dp_step_s": base.step_time_s if base else None,
+                      "dp_compute_s": base.compute_s if base else None}), flush=True)
+"""
+
+
+def run(src: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], env=env, check=True,
+                         capture_output=True, text=True, cwd=ROOT).stdout
+    return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:8.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", default=BASELINE)
+    ap.add_argument("--baseline-src", default=None)
+    args = ap.parse_args()
+    before = run(args.baseline_src or str(worktree_src(args.baseline)))
+    after = run(str(ROOT / "src"))
+    print(f"load average {os.getloadavg()[0]:.1f} (planning only: predictions do not depend on it)")
+    print(f"{'case':40} {'':6} {'split/weights':>13} {'pieces':>6} {'plan ms':>8} {'compute':>8} {'DP ms':>8} "
+          f"{'DP comp':>8}")
+    for b, a in zip(before, after):
+        for tag, r in (("before", b), ("after", a)):
+            print(f"{r['case'] if tag == 'before' else '':40} {tag:6} {r['split']:>6}/{r['weights']:<6} "
+                  f"{r['pieces']:6.2f} {_ms(r['step_s'])} {_ms(r['compute_s'])} {_ms(r['dp_step_s'])} "
+                  f"{_ms(r['dp_compute_s'])}")
+    out = os.environ.get("HYBRIDPAR_BENCH_OUT")
+    if out:
+        Path(out).write_text(json.dumps({"before": before, "after": after}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
