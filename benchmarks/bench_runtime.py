@@ -9,6 +9,10 @@ steps interleaved between the two; trials alternate between the two runtimes, so
 shared machine hits both alike; medians are reported. Only ratios mean anything, not absolute times.
 
     .venv/bin/python benchmarks/bench_runtime.py [--nproc 4] [--trials 3] [--steps 4] [--baseline 767c6c5]
+
+`--collectives`: what one collective costs between compute on these ranks (20 convolutions, each
+followed by nothing, by gloo's allreduce of 32 floats, or by hybridpar's one-round allreduce of them;
+also 9 global batch-norm layers' worth: the runtime's cost floor for global statistics).
 """
 
 from __future__ import annotations
@@ -101,10 +105,45 @@ def world_trial(args) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def collectives_trial(args) -> dict:
+    """ms per 20 conv steps: alone, each followed by gloo's allreduce, by hybridpar's all_reduce_."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from hybridpar.runtime.collectives import all_reduce_
+    from hybridpar.runtime.comm_log import CommLog
+    from hybridpar.runtime.grid import Group
+
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16, 32, 32), torch.randn(16, 16, 3, 3)
+    world = Group(tuple(range(dist.get_world_size())), dist.group.WORLD, dist.get_rank())
+    buf, log = torch.zeros(32), CommLog()
+    after = {"compute only": lambda: None, "gloo allreduce": lambda: dist.all_reduce(buf),
+             "hybridpar all_reduce_": lambda: all_reduce_(buf, world, log)}
+
+    def run(fn):
+        for _ in range(20):
+            F.conv2d(x, w, padding=1)
+            fn()
+    for fn in after.values():
+        run(fn)
+    times = {k: [] for k in after}
+    for _ in range(args.steps * 3):  # interleaved
+        for k, fn in after.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run(fn)
+            dist.barrier()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def worker_main(args) -> None:
     from hybridpar.runtime.launch import spawn
 
-    print("RESULT " + json.dumps(spawn(world_trial, args.nproc, args)), flush=True)
+    fn = collectives_trial if args.layout == "collectives" else world_trial
+    print("RESULT " + json.dumps(spawn(fn, args.nproc, args)), flush=True)
 
 
 # --- the parent: alternate the two runtimes, report medians of ratios --------------------------
@@ -130,9 +169,17 @@ def main() -> None:
     ap.add_argument("--baseline", default=BASELINE, help="git revision of the runtime to compare with")
     ap.add_argument("--layout", default="sample=4", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--collectives", action="store_true",
+                    help="only measure what one small collective costs between compute (see above)")
     args = ap.parse_args()
     if args.worker:
         return worker_main(args)
+    if args.collectives:
+        r = _trial(ROOT / "src", args, "collectives")
+        print(f"{args.nproc} gloo ranks, ms per 20 convolutions (medians of {args.steps * 3}, interleaved):")
+        for k, v in r.items():
+            print(f"  {k:24s} {v:7.1f}   per collective {(v - r['compute only']) / 20:6.2f}")
+        return None
 
     base_src = worktree_src(args.baseline)
     layouts = [f"sample={args.nproc}/local", f"sample={args.nproc}", *CF_STRATEGIES]

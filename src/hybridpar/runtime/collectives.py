@@ -9,11 +9,12 @@ On gloo (CPU ranks, often more ranks than cores) a collective costs about one sc
 sequential message round, not its bytes: gloo's ring allreduce of a few floats over 4 ranks takes
 2(P-1) = 6 rounds, and was measured at ~6.6 ms each between compute on 4 ranks sharing 2 cores,
 against ~0 for one all_to_all round (`benchmarks/bench_runtime.py --collectives` measures it).
-So on gloo, groups of more than 2 ranks exchange in one all_to_all round (`_one_round`): allgather
-sends this rank's piece to every peer, reduce_scatter sends piece k to rank k and sums what arrives,
-and a small allreduce sends the whole buffer to every peer and sums; a large one is that
-reduce_scatter then that allgather (2 rounds, the ring's bytes). Sums run in rank order on every
-rank, so every rank gets the same bits. NCCL keeps its own algorithms."""
+So on gloo a small allreduce sends the whole buffer to every peer in one all_to_all round
+(`_one_round`) and sums what arrives; over more than 2 ranks, allgather sends this rank's piece to
+every peer, reduce_scatter sends piece k to rank k and sums what arrives, and a large allreduce is
+that reduce_scatter then that allgather (2 rounds, the ring's bytes); 2 ranks keep gloo's own (one
+round either way). Sums run in rank order on every rank, so every rank gets the same bits. NCCL
+keeps its own algorithms."""
 
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ class _ReduceScatter:
 
         self.log, self.args, self.finish = log, (group.size, nbytes, tag), finish
         t0 = time.perf_counter()
-        if _one_round(group):
+        if group.size > 2 and _one_round(group):  # two ranks: one round either way
             self.got, self.work = _exchange(ins, group, async_op=True)
         else:
             self.got = None
