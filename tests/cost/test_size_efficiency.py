@@ -128,3 +128,19 @@ def test_localhost_curve_is_measured_by_profile():
     pts = matmul_curve((16, 128), warmup=1, repeats=3)
     assert [f for f, _ in pts] == [2.0 * 16**3, 2.0 * 128**3] and all(r > 0 for _, r in pts)
     assert math.isfinite(pts[0][1])
+
+
+def test_profile_measures_every_layout_of_k_ranks():
+    """`hybridpar profile --splits 4` measures each op at the local shape of every layout of 4 ranks,
+    combined ones (sample=2,channel=2, channel=2,filter=2, ...) too, so those pieces are looked up
+    measured rather than scaled."""
+    from hybridpar.profile.ops import OpSpec, split_variants
+
+    spec = OpSpec("conv2d", (8, 16, 8, 8), (16, 16, 3, 3), (8, 16, 8, 8), padding=(1, 1))
+    keys = {v.key for v in split_variants([spec], (4,))}
+    node = spec.node()
+    want = {local_shapes(node, 1 / s, 1 / c, 1 / f).key("conv2d")
+            for s, c, f in ((1, 1, 1), (4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2))}
+    assert keys == want
+    depthwise = OpSpec("conv2d", (8, 16, 8, 8), (16, 1, 3, 3), (8, 16, 8, 8), padding=(1, 1), groups=16)
+    assert len(split_variants([depthwise], (4,))) == 2  # whole and a quarter of the samples

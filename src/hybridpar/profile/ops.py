@@ -108,17 +108,26 @@ def collect_op_specs(module: nn.Module, example_inputs: tuple) -> list[OpSpec]:
     return list(found.values())
 
 
+def _factorisations(k: int) -> list[tuple[int, int, int]]:
+    """Every (sample, channel, filter) with sample x channel x filter = k: the layouts of k ranks."""
+    return [(k // (c * f), c, f) for c in range(1, k + 1) if k % c == 0
+            for f in range(1, k // c + 1) if (k // c) % f == 0]
+
+
 def split_variants(specs: list[OpSpec], splits: tuple[int, ...]) -> list[OpSpec]:
-    """Each spec at 1/k of the samples, of the channels and of the filters for every k in `splits`."""
+    """Each spec at the local shape of every layout of k ranks for every k in `splits` (1/s of the
+    samples, 1/c of the channels, 1/f of the filters, s c f = k: combined layouts such as
+    sample=2,channel=2 too), so the planner finds each piece's own time; grouped convolutions split
+    samples only."""
     out: dict[str, OpSpec] = {}
     for s in specs:
         out.setdefault(s.key, s)
         for k in splits:
             if k <= 1:
                 continue
-            for fr in ((1 / k, 1, 1), (1, 1 / k, 1), (1, 1, 1 / k)):
-                if s.groups == 1 or fr[1] == fr[2] == 1:
-                    v = s.local(*fr)
+            for sa, c, f in _factorisations(k):
+                if s.groups == 1 or c == f == 1:
+                    v = s.local(1 / sa, 1 / c, 1 / f)
                     out.setdefault(v.key, v)
     return list(out.values())
 
