@@ -22,73 +22,61 @@ from hybridpar.runtime.collectives import all_to_all_flat
 _CATS = {torch.cat, torch.concat, torch.concatenate}
 
 
+def _blocks(c_sizes: list[int], G: int, src: int, dst: int) -> list[tuple[int, tuple[int, int]]]:
+    """(input k, channel range of the concatenation) for each part of the concatenation that rank
+    `src` holds (its piece of input k) and rank `dst` needs (its piece of the total), in input order."""
+    want = needed(c_sizes, G, dst)
+    return [(k, i) for k, r in enumerate(held(c_sizes, G, src)) if (i := _inter(r, want))]
+
+
+def _exchange(c_sizes: list[int], group, inverse: bool, cut, like: torch.Tensor, per_chan: int, log, tag):
+    """The one all-to-all of a concatenation (inverse=False: input pieces -> concatenation pieces) or
+    of its gradient (inverse=True: the same blocks travelling back). `cut(k, rng)` is this rank's
+    block to send; yields (k, rng, flat block received), in sender order, each sender's blocks in
+    input order (the order the sender cut them in)."""
+    G, g = group.size, group.index
+    # forward: g sends what it holds and q needs, and receives what r holds and g needs; inverse: mirrored
+    send_to = [_blocks(c_sizes, G, q, g) if inverse else _blocks(c_sizes, G, g, q) for q in range(G)]
+    recv_from = [_blocks(c_sizes, G, g, r) if inverse else _blocks(c_sizes, G, r, g) for r in range(G)]
+    sends = [cut(k, i).reshape(-1) for blocks in send_to for k, i in blocks]
+    send_sizes = [sum(i[1] - i[0] for _, i in blocks) * per_chan for blocks in send_to]
+    recv_sizes = [sum(i[1] - i[0] for _, i in blocks) * per_chan for blocks in recv_from]
+    flat = all_to_all_flat(sends, send_sizes, recv_sizes, like, group, log, tag)
+    pos = 0
+    for blocks in recv_from:
+        for k, i in blocks:
+            n = (i[1] - i[0]) * per_chan
+            yield k, i, flat[pos:pos + n]
+            pos += n
+
+
 def _to_pieces(parts: list[torch.Tensor], c_sizes: list[int], group, log, tag) -> torch.Tensor:
     """parts[i] = this rank's piece of input i -> this rank's piece of the concatenation."""
     G, g = group.size, group.index
-    lead, inner = parts[0].shape[:1], parts[0].shape[2:]
-    per_chan = lead[0] * prod(inner)
-    mine = held(c_sizes, G, g)
-    sends, send_sizes = [], []
-    for q in range(G):
-        want = needed(c_sizes, G, q)
-        size = 0
-        for p, r in zip(parts, mine):
-            if (i := _inter(r, want)):
-                block = p[:, i[0] - r[0]:i[1] - r[0]]
-                sends.append(block.reshape(-1))
-                size += block.numel()
-        send_sizes.append(size)
-    want = needed(c_sizes, G, g)
-    plan, recv_sizes = [], []
-    for r in range(G):
-        size = 0
-        for rng in held(c_sizes, G, r):
-            if (i := _inter(rng, want)):
-                plan.append((r, i))
-                size += (i[1] - i[0]) * per_chan
-        recv_sizes.append(size)
-    flat_out = all_to_all_flat(sends, send_sizes, recv_sizes, parts[0], group, log, tag)
-    out = parts[0].new_empty(lead[0], want[1] - want[0], *inner)
-    pos = 0
-    for _, i in plan:  # plan is in sender order, each sender's blocks in input order
-        n = (i[1] - i[0]) * per_chan
-        out[:, i[0] - want[0]:i[1] - want[0]] = flat_out[pos:pos + n].view(lead[0], i[1] - i[0], *inner)
-        pos += n
+    n, inner = parts[0].shape[0], parts[0].shape[2:]
+    mine, want = held(c_sizes, G, g), needed(c_sizes, G, g)
+    out = parts[0].new_empty(n, want[1] - want[0], *inner)
+
+    def cut(k, i):
+        return parts[k][:, i[0] - mine[k][0]:i[1] - mine[k][0]]
+
+    for _, i, flat in _exchange(c_sizes, group, False, cut, parts[0], n * prod(inner), log, tag):
+        out[:, i[0] - want[0]:i[1] - want[0]] = flat.view(n, i[1] - i[0], *inner)
     return out
 
 
 def _from_piece(d: torch.Tensor, c_sizes: list[int], group, log, tag) -> list[torch.Tensor]:
     """Inverse of _to_pieces: this rank's piece of the concatenation's gradient -> its input pieces."""
     G, g = group.size, group.index
-    lead, inner = d.shape[:1], d.shape[2:]
-    mine_need = needed(c_sizes, G, g)
-    sends, send_sizes = [], []
-    for q in range(G):
-        size = 0
-        for r in held(c_sizes, G, q):
-            if (i := _inter(r, mine_need)):
-                block = d[:, i[0] - mine_need[0]:i[1] - mine_need[0]]
-                sends.append(block.reshape(-1))
-                size += block.numel()
-        send_sizes.append(size)
-    mine = held(c_sizes, G, g)
-    per_chan = lead[0] * prod(inner)
-    recv_plan, recv_sizes = [], []
-    for r in range(G):
-        want = needed(c_sizes, G, r)
-        size = 0
-        for k, rng in enumerate(mine):
-            if (i := _inter(rng, want)):
-                recv_plan.append((k, i))
-                size += (i[1] - i[0]) * per_chan
-        recv_sizes.append(size)
-    flat_out = all_to_all_flat(sends, send_sizes, recv_sizes, d, group, log, tag)
-    grads = [d.new_zeros(lead[0], r[1] - r[0], *inner) for r in mine]
-    pos = 0
-    for k, i in recv_plan:
-        n = (i[1] - i[0]) * per_chan
-        grads[k][:, i[0] - mine[k][0]:i[1] - mine[k][0]] = flat_out[pos:pos + n].view(lead[0], i[1] - i[0], *inner)
-        pos += n
+    n, inner = d.shape[0], d.shape[2:]
+    mine, want = held(c_sizes, G, g), needed(c_sizes, G, g)
+    grads = [d.new_zeros(n, r[1] - r[0], *inner) for r in mine]
+
+    def cut(_k, i):
+        return d[:, i[0] - want[0]:i[1] - want[0]]
+
+    for k, i, flat in _exchange(c_sizes, group, True, cut, d, n * prod(inner), log, tag):
+        grads[k][:, i[0] - mine[k][0]:i[1] - mine[k][0]] = flat.view(n, i[1] - i[0], *inner)
     return grads
 
 
