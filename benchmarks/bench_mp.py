@@ -1,24 +1,32 @@
-"""Model-parallel runtime on this machine: the placer's placement of inception_mini over 2 local gloo
-ranks, measured side by side with single-process training in one run.
+"""Model-parallel runtime on this machine: does the placer's predicted MP speedup hold when run?
 
-Prints and writes (HYBRIDPAR_BENCH_OUT) ratios only:
-- executor_overhead_vs_eager: MP engine with every node on device 0 (fx interpreter, token chain,
-  no crossings) over plain eager training: the runtime's own overhead;
-- mp2_vs_serial_step_ratio / measured_speedup vs predicted_speedup: the placement's step against one
-  process (predicted by the placer's cost model for `localhost`, where ranks share the CPU cores);
-- gpipe4_vs_mp2_step_ratio: 4 GPipe micro-batches against none, same placement;
-- p2p_bytes_measured_vs_predicted: activation + gradient bytes that crossed devices per step, over
-  the placer's transfer bytes for the same assignment (its coarse graph counts whole outputs).
-Step times are medians over the measured steps after warm-up. On 2 shared CPU cores the ratios show
-overheads, not the GPU speedups the paper projects.
+For each model (the branchy CNN and the two-tower LSTM written in bench_validation.py, inception_mini
+and lstm2 from the zoo), after `hybridpar profile` has measured the model's ops and gloo's p2p
+transfers into a private calibration file:
+  1. `hybridpar.place` puts the model on 2 `localhost` devices (ILP) and predicts the MP step and the
+     one-device step from the same cost model: the predicted speedup;
+  2. 2 gloo ranks run, interleaved trial by trial so that both see the same load from other jobs:
+     one process alone (plain eager PyTorch on rank 0, rank 1 waiting in a barrier), the MP engine
+     with the placer's placement, and the MP engine with every node on device 0 (the executor's own
+     overhead over eager). Medians over the trials after warm-up; measured speedup = eager / MP.
+Beside every figure: the machine's load average and the time the ranks' main threads waited on a
+run queue (/proc/thread-self/schedstat) per step: CPU time taken by other jobs, which the cost model
+does not know about. A run-queue wait above a few percent of the step means the figure is not a
+quiet-machine figure.
+
+    python benchmarks/bench_mp.py [--models branchy,inception_mini,...] [--trials 12] [--no-profile]
+
+Prints a table and writes JSON to $HYBRIDPAR_BENCH_OUT when set.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,90 +35,188 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 import torch.distributed as dist
 
-from hybridpar.graph.models import load_model
-from hybridpar.plans import Plan
-from hybridpar.runtime.launch import spawn
-from hybridpar.runtime.mp import MPEngine, loss_sum
-from hybridpar.search.placer.module_placement import placement_from_outcome, predicted_p2p_bytes
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-MODEL, BATCH, WARMUP, STEPS = "inception_mini", 32, 2, 6
+from bench_validation import BRANCHY, TWO_TOWER  # noqa: E402
+from bench_validation import profile as profile_rounds  # noqa: E402
+
+from hybridpar.graph.models import load_model  # noqa: E402
+from hybridpar.plans import Plan  # noqa: E402
+from hybridpar.runtime.launch import spawn  # noqa: E402
+from hybridpar.runtime.mp import MPEngine, loss_sum  # noqa: E402
+
+MODELS = {"branchy": BRANCHY, "inception_mini": "inception_mini", "two_tower_lstm": TWO_TOWER, "lstm2": "lstm2"}
+BATCH, WARMUP = 32, 2
+QUIET = 0.05  # a trial counts as quiet when no rank waited on a run queue for more than 5% of it
 
 
-def _batches(n: int):
+def run_queue_s() -> float:
+    """Seconds this thread has waited on a run queue (runnable, not running) since it started."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def profile(specs: list[str], path: Path) -> float:
+    """`hybridpar profile` of each model's ops at the benchmark's batch and of gloo (p2p included) at 2
+    ranks, twice, keeping per op the faster round (bench_validation.profile: a burst of load from
+    other jobs rarely hits one op in both rounds)."""
+    return profile_rounds(set(specs), dict.fromkeys(specs, BATCH), path, rounds=2, ranks="2",
+                          splits_of=dict.fromkeys(specs, "1"))
+
+
+def _batches(spec: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x = load_model(spec, batch=BATCH).example_inputs[0]
     g = torch.Generator().manual_seed(0)
-    shape = load_model(MODEL).input_shape
-    return [(torch.randn(BATCH, *shape, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(n)]
+    out = []
+    for _ in range(n):
+        xx = torch.randn(x.shape, generator=g) if x.is_floating_point() else torch.randint(0, 64, x.shape, generator=g)
+        out.append((xx, torch.randint(0, 10, (BATCH,), generator=g)))
+    return out
 
 
-def _eager_step_s() -> float:
+def _timed(fn, *args) -> tuple[float, float]:
+    """(wall seconds, run-queue seconds of this thread) of fn(*args)."""
+    q0, t0 = run_queue_s(), time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0, run_queue_s() - q0
+
+
+def _eager_step(model, opt, x, y) -> None:
+    (loss_sum(model(x), y) / len(y)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _engine_step(eng, opt, x, y) -> None:
+    eng.train_step(*eng.local_batch(x, y))
+    opt.step()
+    opt.zero_grad()
+
+
+def _summary(trials: list[tuple[float, float, float]]) -> dict:
+    """Medians over the quiet trials: those whose ranks waited on a run queue for less than QUIET of
+    the step (all trials, flagged, when none was quiet)."""
+    quiet = [t for t in trials if t[1] <= QUIET * t[0]]
+    use = quiet or trials
+    return {"step_s": statistics.median(w for w, _, _ in use), "quiet_trials": len(quiet), "trials": len(trials),
+            "run_queue_s": statistics.median(q for _, q, _ in use),
+            "run_queue_mean_of_ranks_s": statistics.median(m for _, _, m in use)}
+
+
+def _ranks(cases: list[tuple[str, str, dict, int]]) -> dict:
+    """In each of 2 ranks: for every (label, model, placement, trials) case, interleave eager (rank 0
+    alone), MP and all-on-device-0 steps; rank 0 returns medians (wall, and both ranks' run-queue wait)."""
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    m = load_model(MODEL).module
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    times = []
-    for i, (x, y) in enumerate(_batches(WARMUP + STEPS)):
-        t0 = time.perf_counter()
-        (loss_sum(m(x), y) / len(y)).backward()
-        opt.step()
-        opt.zero_grad()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _mp_cases(cases: list[tuple[str, dict, int]]) -> dict:
-    """In each rank: train every (label, placement, micro_batches) case; rank 0 gets the results."""
+    rank = dist.get_rank()
     out = {}
-    for label, placement, mbs in cases:
+    for label, spec, placement, trials in cases:
         torch.manual_seed(0)
-        plan = Plan(model=MODEL, world_size=2, batch=BATCH, mp=2, placement=placement)
-        eng = MPEngine(load_model(MODEL).module, plan, micro_batches=mbs)
-        opt = torch.optim.SGD(eng.parameters(), lr=0.01)
-        times = []
-        for i, (x, y) in enumerate(_batches(WARMUP + STEPS)):
+        eager = load_model(spec, batch=BATCH).module if rank == 0 else None
+        eopt = torch.optim.SGD(eager.parameters(), lr=0.01) if eager is not None else None
+        engines = {}
+        for name, pl in (("mp", placement), ("all_on_0", {})):
+            plan = Plan(model=spec, world_size=2, batch=BATCH, mp=2, placement=pl)
+            eng = MPEngine(load_model(spec, batch=BATCH).module, plan)
+            engines[name] = (eng, torch.optim.SGD(eng.parameters(), lr=0.01))
+        rec: dict[str, list] = {"eager": [], "mp": [], "all_on_0": []}
+
+        for i, (x, y) in enumerate(_batches(spec, WARMUP + trials)):
             dist.barrier()
-            t0 = time.perf_counter()
-            eng.train_step(*eng.local_batch(x, y))
-            opt.step()
-            opt.zero_grad()
+            wall = q = 0.0
+            if rank == 0:
+                wall, q = _timed(_eager_step, eager, eopt, x, y)
             if i >= WARMUP:
-                times.append(time.perf_counter() - t0)
-        sent = torch.tensor([sum(r.bytes_ for r in eng.comm_log.step_records() if r.kind == "send")])
-        dist.all_reduce(sent)
-        out[label] = {"step_s": statistics.median(times), "p2p_bytes": int(sent)}
+                rec["eager"].append((wall, q, q))
+            for name, (eng, opt) in engines.items():
+                dist.barrier()
+                wall, q = _timed(_engine_step, eng, opt, x, y)
+                both = torch.tensor([wall, q])
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the step ends when the later rank ends
+                qs = torch.tensor([q])
+                dist.all_reduce(qs)
+                if i >= WARMUP:  # (the later rank's wall, the longer run-queue wait, the mean wait)
+                    rec[name].append((float(both[0]), float(both[1]), float(qs[0]) / 2))
+        sent = sum(r.bytes_ for r in engines["mp"][0].comm_log.step_records() if r.kind == "send")
+        tot = torch.tensor([float(sent)])
+        dist.all_reduce(tot)
+        out[label] = {k: _summary(v) for k, v in rec.items()}
+        out[label]["p2p_bytes"] = int(tot)
     return out
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--trials", type=int, default=12, help="measured steps per case (after 2 warm-up)")
+    ap.add_argument("--no-profile", action="store_true", help="reuse $HYBRIDPAR_CALIBRATION as it is")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="placer ILP time limit")
+    args = ap.parse_args()
+    names = [m for m in args.models.split(",") if m]
+    bad = [m for m in names if m not in MODELS]
+    if bad:
+        sys.exit(f"unknown model {bad[0]!r}; choose from {', '.join(MODELS)}")
+    if not args.no_profile:
+        tmp = Path(tempfile.mkdtemp(prefix="hybridpar-bench-mp-"))
+        os.environ["HYBRIDPAR_CALIBRATION"] = str(tmp / "calibration.json")
     from hybridpar.search.placer import place_model
+    from hybridpar.search.placer.module_placement import placement_from_outcome, predicted_p2p_bytes
 
-    t_start = time.perf_counter()
-    outcome = place_model(MODEL, "localhost", 2, batch=BATCH, time_limit_s=10)
-    placement = placement_from_outcome(outcome, load_model(MODEL).module)
-    eager = _eager_step_s()
-    res = spawn(_mp_cases, 2, [("all_on_0", {}, 1), ("placer", placement, 1), ("gpipe4", placement, 4)])
-    summary = {
-        "model": MODEL, "batch": BATCH, "devices": 2, "placement": placement,
-        "eager_step_s": eager, "cases": res,
-        "executor_overhead_vs_eager": res["all_on_0"]["step_s"] / eager,
-        "mp2_vs_serial_step_ratio": res["placer"]["step_s"] / eager,
-        "measured_speedup": eager / res["placer"]["step_s"],
-        "predicted_speedup": outcome.speedup,
-        "gpipe4_vs_mp2_step_ratio": res["gpipe4"]["step_s"] / res["placer"]["step_s"],
-        "p2p_bytes_measured_vs_predicted": res["placer"]["p2p_bytes"] / max(predicted_p2p_bytes(outcome), 1),
-        "wall_s": time.perf_counter() - t_start,
-    }
-    print(f"{MODEL}, batch {BATCH}, 2 gloo ranks on this machine (placer: {outcome.result.solver}, "
-          f"{len(set(placement.values()))} device(s) used)")
-    for key in ("executor_overhead_vs_eager", "mp2_vs_serial_step_ratio", "measured_speedup",
-                "predicted_speedup", "gpipe4_vs_mp2_step_ratio", "p2p_bytes_measured_vs_predicted"):
-        val = summary[key]
-        print(f"  {key:34s} {val:8.3f}" if val is not None else f"  {key:34s}      n/a")
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()
+    prof_s = 0.0 if args.no_profile else profile([MODELS[m] for m in names],
+                                                 Path(os.environ["HYBRIDPAR_CALIBRATION"]))
+    placed = {}
+    for m in names:
+        outcome = place_model(MODELS[m], "localhost", 2, batch=BATCH, time_limit_s=args.time_limit)
+        placed[m] = (outcome, placement_from_outcome(outcome, load_model(MODELS[m]).module))
+    load_run = os.getloadavg()
+    res = spawn(_ranks, 2, [(m, MODELS[m], placed[m][1], args.trials) for m in names])
+    load_after = os.getloadavg()
+    rows = {}
+    for m in names:
+        outcome, placement = placed[m]
+        r = res[m]
+        measured = r["eager"]["step_s"] / r["mp"]["step_s"]
+        bd = outcome.result.breakdown
+        rows[m] = {
+            "model": MODELS[m], "placement": placement, "solver": f"{outcome.result.solver} ({outcome.result.status})",
+            "devices_used": len(set(outcome.result.assignment)),
+            "predicted_speedup": outcome.speedup, "measured_speedup": measured,
+            "speedup_rel_error": (outcome.speedup - measured) / measured,
+            "predicted_single_s": outcome.single_step_s, "predicted_mp_s": outcome.result.step_time_s,
+            "predicted_exposed_comm_s": bd.exposed_comm_s, "predicted_comm_s": bd.comm_s,
+            "measured_eager_s": r["eager"]["step_s"], "measured_mp_s": r["mp"]["step_s"],
+            "measured_all_on_0_s": r["all_on_0"]["step_s"],
+            "executor_overhead_vs_eager": r["all_on_0"]["step_s"] / r["eager"]["step_s"],
+            "single_rel_error": (outcome.single_step_s - r["eager"]["step_s"]) / r["eager"]["step_s"],
+            "run_queue_share_eager": r["eager"]["run_queue_s"] / r["eager"]["step_s"],
+            "run_queue_share_mp": r["mp"]["run_queue_mean_of_ranks_s"] / r["mp"]["step_s"],
+            "p2p_bytes_measured_vs_predicted": r["p2p_bytes"] / max(predicted_p2p_bytes(outcome), 1),
+            "quiet_trials": {k: f"{r[k]['quiet_trials']}/{r[k]['trials']}" for k in ("eager", "mp", "all_on_0")},
+        }
+    summary = {"batch": BATCH, "trials": args.trials, "load_avg_before": load_before, "load_avg_at_run": load_run,
+               "load_avg_after": load_after, "profile_s": prof_s, "wall_s": time.perf_counter() - t0,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
+    print(f"2 gloo ranks on localhost, batch {BATCH}, {args.trials} interleaved trials; load avg (1/5/15 min) "
+          f"{' / '.join(f'{x:.2f}' for x in load_run)} at the start, "
+          f"{' / '.join(f'{x:.2f}' for x in load_after)} at the end")
+    head = (f"{'model':16s} {'pred':>6s} {'meas':>6s} {'err':>7s} {'1-dev pred/meas ms':>19s} "
+            f"{'MP pred/meas ms':>17s} {'exec ovh':>8s} {'runq 1/MP':>10s} {'p2p B':>6s} quiet trials 1/MP")
+    print(head)
+    for m, r in rows.items():
+        print(f"{m:16s} {r['predicted_speedup']:6.2f} {r['measured_speedup']:6.2f} {r['speedup_rel_error']:+7.1%} "
+              f"{r['predicted_single_s'] * 1e3:8.1f} / {r['measured_eager_s'] * 1e3:7.1f} "
+              f"{r['predicted_mp_s'] * 1e3:7.1f} / {r['measured_mp_s'] * 1e3:7.1f} "
+              f"{r['executor_overhead_vs_eager']:8.2f} "
+              f"{r['run_queue_share_eager']:4.0%}/{r['run_queue_share_mp']:4.0%} "
+              f"{r['p2p_bytes_measured_vs_predicted']:6.3f} {r['quiet_trials']['eager']} {r['quiet_trials']['mp']}")
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:
         Path(out).write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -30,10 +30,66 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve()
+
+
+# -- two models written here, not in the zoo (file factories: `benchmarks/bench_validation.py:NAME`) ----------
+class BranchyCNN(nn.Module):
+    """A stem, four independent conv branches (conv-relu-conv-relu, same width) joined by a concat, a
+    global-average-pool classifier: the branchy CNN of issue 13, where model parallelism has work to
+    overlap (the branches), and the concat's inputs cross devices."""
+
+    def __init__(self, width: int = 32, branches: int = 4, num_classes: int = 10):
+        super().__init__()
+        c = width
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU())
+        self.branches = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU())
+            for _ in range(branches))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(branches * c, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        return self.head(torch.cat([b(x) for b in self.branches], 1))
+
+
+def branchy_cnn():
+    torch.manual_seed(0)
+    return BranchyCNN(), (torch.randn(2, 3, 32, 32),)
+
+
+class TwoTowerLSTM(nn.Module):
+    """Token ids -> embedding -> two independent LSTMs over the same sequence (towers) -> their last
+    steps concatenated -> linear classifier. Recurrent, with two whole layers that can run at once on
+    two devices (the MP runtime runs each LSTM whole; no time-step wavefront)."""
+
+    def __init__(self, vocab: int = 64, embed: int = 64, hidden: int = 128, num_classes: int = 10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.tower_a = nn.LSTM(embed, hidden, batch_first=True)
+        self.tower_b = nn.LSTM(embed, hidden, batch_first=True)
+        self.fc = nn.Linear(2 * hidden, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = self.embed(tokens)
+        a, _ = self.tower_a(e)
+        b, _ = self.tower_b(e)
+        return self.fc(torch.cat([a[:, -1], b[:, -1]], 1))
+
+
+def two_tower_lstm():
+    torch.manual_seed(0)
+    return TwoTowerLSTM(), (torch.randint(0, 64, (2, 32)),)
+
+
+BRANCHY = f"{HERE}:branchy_cnn"
+TWO_TOWER = f"{HERE}:two_tower_lstm"
 BIN = Path(sys.executable).parent / "hybridpar"
 GROUPS = [  # (model, ranks, batch, strategies)
     ("small_resnet", 2, 16, ["sample=2", "channel=2", "filter=2"]),
@@ -53,7 +109,8 @@ def run(args: list[str], timeout_s: float = 600) -> dict:
     return json.loads(proc.stdout)
 
 
-def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: int = 2) -> float:
+def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: int = 2, ranks: str = "2,4",
+            splits_of: dict[str, str] | None = None) -> float:
     """`hybridpar profile` `rounds` times into separate files (each round once per model), then:
     - per op, keep the round that measured faster. Why: this machine is shared, and a burst of other
       work can cover all repeats of one op in one round (measured alone, such an op ran 5x faster than
@@ -68,8 +125,9 @@ def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: in
     for k in range(rounds):
         path = target.with_name(f"{target.stem}.round{k}.json")
         for m in sorted(models):
-            run(["profile", "--out", str(path), "--model", m, "--batch", str(batch_of[m]), "--splits", "1,2,4",
-                 "--ranks", "2,4", "--repeats", "7", "--json"], timeout_s=900)
+            splits = (splits_of or {}).get(m, "1,2,4")
+            run(["profile", "--out", str(path), "--model", m, "--batch", str(batch_of[m]), "--splits", splits,
+                 "--ranks", ranks, "--repeats", "7", "--json"], timeout_s=900)
             coll_runs.append(json.loads(path.read_text()).get("collectives", []))
         files.append(json.loads(path.read_text()))
     best = files[0]

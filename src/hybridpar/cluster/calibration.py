@@ -103,6 +103,9 @@ class Calibration(_Model):
     # resident bytes of one initialised gloo rank holding no model: interpreter, torch, process groups,
     # hybridpar's runtime (hybridpar.profile.framework_memory); the memory model adds it per rank
     framework_bytes: int | None = Field(default=None, ge=0)
+    # CPU seconds the model-parallel executor (fx interpreter, token chain) adds per graph node to a
+    # training step over eager PyTorch (hybridpar.profile.executor); the placer adds it per node
+    mp_node_overhead_s: float | None = Field(default=None, ge=0)
 
     def gloo_fit(self, world_size: int) -> GlooFit | None:
         """The fit at `world_size`, else the measured world size nearest to it."""

@@ -13,7 +13,8 @@ blocks running at once, as a layer's channel or replica groups do. Measured per 
 kinds differ far more than a ring model says (at 4 ranks its list-based reduce-scatter took 3x an
 allreduce of the same buffer). Sizes follow hybridpar.runtime.comm_log's byte convention (allreduce:
 the buffer; allgather: the gathered result; reduce_scatter: the input; alltoall: what a rank sends to
-the others). The per-repeat sample is the maximum over ranks (the collective is done when the last
+the others; p2p: the tensor one rank sends to its pair, timed as the MP runtime sends activations, in
+pairs of ranks only). The per-repeat sample is the maximum over ranks (the collective is done when the last
 rank is done). Rank 0 writes the samples as JSON.
 """
 
@@ -27,7 +28,8 @@ from datetime import timedelta
 
 from hybridpar.files import atomic_write
 
-KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall")
+KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "p2p")
+P2P_GROUP = 2  # p2p is timed between pairs of ranks only
 
 
 def _groups(world: int, size: int, rank: int):
@@ -66,11 +68,27 @@ def _collective(kind: str, nbytes: int, group):
         cols = max(1, nbytes // 4 // rows // g)
         full = torch.ones(rows, cols * g)
         return lambda: reduce_scatter_dim(full, 1, group, [cols] * g, log)
+    if kind == "p2p":
+        return _p2p(nbytes, group)
     if kind == "alltoall":
         per_peer = max(1, nbytes // 4 // (g - 1))
         sends = [torch.ones(per_peer) for _ in range(g)]
         return lambda: all_to_all_flat(sends, [per_peer] * g, [per_peer] * g, sends[0], group, log)
     raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def _p2p(nbytes: int, group):
+    """One activation transfer as the MP runtime makes it (hybridpar.runtime.mp.p2p.Link): the lower
+    rank of the pair copies the tensor and sends it non-blocking, the other waits for its pre-posted
+    receive. The sender waits for its send too, so that repeats do not pile up in flight."""
+    import torch
+    import torch.distributed as dist
+
+    peer = group.ranks[group.index ^ 1]
+    buf = torch.ones(max(1, nbytes // 4))
+    if group.index % 2 == 0:
+        return lambda: dist.isend(buf.detach().contiguous().clone(), peer).wait()
+    return lambda: dist.irecv(buf, peer).wait()
 
 
 def main() -> None:
@@ -117,6 +135,8 @@ def main() -> None:
     keys, samples = [], []
     for g, group in groups.items():
         for kind in kinds:
+            if kind == "p2p" and g != P2P_GROUP:
+                continue
             # The first collectives of a new group pay for connection set-up: run some before timing.
             warm = _collective(kind, 4096, group)
             for _ in range(5):

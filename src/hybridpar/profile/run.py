@@ -97,7 +97,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     torch.set_num_threads(1)  # one rank = one core: measure what one rank gets
     if specs is None:
         specs = op_specs(opts)
-    total = 2 + len(specs) + len(opts.ranks)
+    total = 3 + len(specs) + len(opts.ranks)
     step = progress or (lambda desc, total: None)
 
     step("matmul peaks and copy bandwidth", total)
@@ -121,6 +121,10 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     from hybridpar.profile.framework_memory import measure_framework_bytes
 
     framework = measure_framework_bytes(min(opts.ranks))
+    step("model-parallel executor overhead", total)
+    from hybridpar.profile.executor import mp_node_overhead_s
+
+    node_overhead = mp_node_overhead_s()
     path = Path(out).expanduser() if out is not None else default_calibration_path()
     old = _previous(path) if opts.merge else None
     if old is not None:
@@ -130,7 +134,8 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     cal = Calibration(created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                       hostname=platform.node(), cpu_count=physical_cores(), torch_version=torch.__version__,
                       threads_per_rank=1, **device, gloo=fits,
-                      collectives=colls, ops=records, framework_bytes=framework)
+                      collectives=colls, ops=records, framework_bytes=framework,
+                      mp_node_overhead_s=node_overhead)
     return cal, save_calibration(cal, path)
 
 

@@ -9,10 +9,13 @@ latency) between the MP group's devices.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from hybridpar.cluster import Cluster
+from hybridpar.cluster.calibration import load_calibration
 from hybridpar.cost import memory as cost_memory
+from hybridpar.cost.collectives import allreduce_time
 from hybridpar.cost.compute import op_time
 from hybridpar.cost.memory import OPTIMIZER_STATE_BYTES, kept_activations
 from hybridpar.graph.coarsen import merge_groups
@@ -22,6 +25,7 @@ from hybridpar.search.placer.unroll import chunk_of, share, tie_name
 
 # SGD with momentum touches w, grad and momentum: read 3, write 2 tensors of the parameters' size.
 UPDATE_BYTES_PER_PARAM_BYTE = 5
+LOSS_BYTES = 4  # the MP runtime allreduces the step's fp32 loss over the group
 
 
 def members(node: Node) -> tuple[str, ...]:
@@ -90,32 +94,78 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
     owner = {x: tie_name(n) for n in coarse.nodes for x in members(n)}
     fine_succ = fine.successors
     dev = cluster.device
+    node_s = executor_node_overhead_s(cluster)
     tasks = []
     for n in coarse.nodes:
-        fwd = bwd = 0.0
+        fwd = bwd = ovh = 0.0
         mem = out = grad = 0
         for x in members(n):
             fn = fine.node(x)
             t = op_time(fn, cluster, dtype=dtype)
+            ovh += node_s if fn.op != "input" else 0.0
             fwd += t.fwd_s
             bwd += t.bwd_s + UPDATE_BYTES_PER_PARAM_BYTE * fn.params * b / dev.mem_bw_Bps
             mem += fn.params * per_param
             grad += fn.params * b
             mem += _activation_bytes(fn, x in kept, b)
             # graph inputs arrive from the data loader on whichever device consumes them
-            if fn.op != "input" and any(owner[s] != tie_name(n) for s in fine_succ[x]):
-                out += fn.out_numel * b
+            leaving = [s for s in fine_succ[x] if owner[s] != tie_name(n)]
+            if fn.op != "input" and leaving:
+                out += max(_read_numel(fine.node(s), x, fn) for s in leaving) * b
         # a time chunk t of K: 1/K of the node's work, memory and output; its weight gradients are
         # complete after chunk 0's backward (the last to run), so they are counted there
         c, k = chunk_of(n)
+        fwd += ovh
         tasks.append(Task(n.name, tuple(n.inputs), (fwd / k,) * m, (bwd / k,) * m, share(mem, c, k), share(out, c, k),
-                          node_modules(n), int(grad) if c == 0 else 0, n.attr("tie") or ""))
-    bw = tuple(tuple(cluster.p2p_bw_Bps(a, c) if a != c else dev.mem_bw_Bps for c in device_ids) for a in device_ids)
-    lat = tuple(tuple(cluster.p2p_latency_s(a, c) if a != c else 0.0 for c in device_ids) for a in device_ids)
+                          node_modules(n), int(grad) if c == 0 else 0, n.attr("tie") or "", ovh / k))
+    bw = tuple(tuple(_p2p(cluster, a, c)[1] if a != c else dev.mem_bw_Bps for c in device_ids) for a in device_ids)
+    lat = tuple(tuple(_p2p(cluster, a, c)[0] if a != c else 0.0 for c in device_ids) for a in device_ids)
     links = tuple(tuple(cluster.links_between(a, c) if a != c else () for c in device_ids) for a in device_ids)
     cap = int(mem_capacity_bytes if mem_capacity_bytes is not None else dev.memory_bytes)
+    # the runtime's loss allreduce over the group, once per step (4 bytes: a latency)
+    step_s = allreduce_time(LOSS_BYTES, list(device_ids), cluster) if m > 1 else 0.0
+    notes = (f"{cluster.name}: {dev.name}, {dtype}",) + (
+        (f"MP runtime: {node_s * 1e6:.1f} us of executor work per graph node (measured by `hybridpar profile`), "
+         f"{step_s * 1e3:.3g} ms loss allreduce per step",) if node_s else ())
     return PlacementProblem(coarse.name, tuple(tasks), m, (cap,) * m, bw, lat, links, tuple(device_ids),
-                            (f"{cluster.name}: {dev.name}, {dtype}",))
+                            notes, step_s)
+
+
+def executor_node_overhead_s(cluster: Cluster) -> float:
+    """The MP executor's CPU work per graph node on this cluster's device: measured by `hybridpar
+    profile` for the CPU device it calibrated (hybridpar.profile.executor; stretched like compute when
+    ranks share cores), 0 elsewhere. On a GPU the interpreter's Python work runs ahead of the kernels
+    it launches, so it is not on the step's critical path there."""
+    dev = cluster.device
+    if dev.kind != "cpu":
+        return 0.0
+    cal = load_calibration()
+    if cal is None or cal.device_name != dev.name or cal.mp_node_overhead_s is None:
+        return 0.0
+    return cal.mp_node_overhead_s * dev.time_share
+
+
+def _read_numel(consumer: Node, producer: str, prod: Node) -> int:
+    """Elements of `producer`'s output that `consumer` reads: its input shape at that input where the
+    graph records one (an LSTM whose last step alone is used sends that step, as the runtime does),
+    else the whole output."""
+    if len(consumer.in_shapes) == len(consumer.inputs) and producer in consumer.inputs:
+        shape = consumer.in_shapes[consumer.inputs.index(producer)]
+        if shape:
+            return min(math.prod(shape), prod.out_numel)
+    return prod.out_numel
+
+
+def _p2p(cluster: Cluster, a: int, b: int) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of one activation transfer a -> b: the p2p transfer time measured by
+    `hybridpar profile` where the cluster has one (localhost: gloo isend/irecv between two ranks, as the
+    MP runtime sends), else the route's link figures. On localhost the link figures are read off an
+    allreduce fit, which put a transfer's fixed cost at half an allreduce's; the measured p2p is what a
+    transfer pays."""
+    fit = cluster.measured_collective("p2p", 2)
+    if fit is not None:
+        return fit.intercept_s, (1.0 / fit.slope_s_per_byte if fit.slope_s_per_byte > 0 else float("inf"))
+    return cluster.p2p_latency_s(a, b), cluster.p2p_bw_Bps(a, b)
 
 
 def _activation_bytes(node: Node, kept: bool, b: int) -> float:

@@ -24,6 +24,13 @@ DEFAULT_BATCH = 32  # per data-parallel worker (one MP group), when the caller g
 DEFAULT_COARSEN = 64
 
 
+def one_process_step_s(prob: PlacementProblem) -> float:
+    """The step of one process running the whole model eagerly on device 0 (what the speedup is
+    over): every task one after the other, without the MP runtime's own costs (its executor's work
+    per node and its loss allreduce)."""
+    return sum(t.fwd_s[0] + t.bwd_s[0] - t.overhead_s for t in prob.tasks)
+
+
 @dataclass(frozen=True)
 class PlaceOutcome:
     result: PlacementResult
@@ -174,13 +181,8 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
     for bname, fn in BASELINES.items():
         with contextlib.suppress(InfeasibleError):  # a baseline that does not fit is left out
             baselines[bname] = fn(prob).step_time_s
-    single = baselines.get("single")
-    if single is None:  # does not fit on one device: time it anyway for the speedup, flagged
-        from hybridpar.search.placer.result import evaluate
-
-        single_time = evaluate(prob, [0] * len(prob.tasks), "single").step_time_s
-    else:
-        single_time = single
+    single = baselines.get("single")  # None: does not fit on one device; timed anyway, flagged
+    single_time = one_process_step_s(prob)
     bd = result.breakdown
     plan = Plan(model=name, input_shape=list(input_shape) if input_shape else None, cluster=cl.name,
                 world_size=devices, batch=DEFAULT_BATCH if batch is None else batch, dp=1, mp=devices,

@@ -25,6 +25,8 @@ class Task:
     grad_bytes: the task's weight gradients (what data parallelism allreduces).
     tie: tasks with the same non-empty tie must share a device (the time chunks of one module, which
     the runtime places whole); each is still scheduled on its own.
+    overhead_s: the part of fwd_s that is the MP runtime's own work (its executor's cost per graph
+    node), which one process running the model eagerly does not pay.
     """
 
     name: str
@@ -36,6 +38,7 @@ class Task:
     modules: tuple[str, ...] = ()
     grad_bytes: int = 0
     tie: str = ""
+    overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class PlacementProblem:
 
     links[a][b] are the ids of the links a transfer a->b occupies; transfers sharing a link id are
     serialised (the solver and the simulator both treat a link as one resource).
+    step_overhead_s: a fixed cost of every step of the MP runtime, whatever the placement (its loss
+    allreduce across the group); added to the schedule's makespan in PlacementResult.step_time_s.
     """
 
     name: str
@@ -55,6 +60,7 @@ class PlacementProblem:
     links: tuple[tuple[tuple[str, ...], ...], ...]
     device_ids: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         m = self.num_devices
@@ -177,13 +183,14 @@ def contract(problem: PlacementProblem, groups: Sequence[Sequence[str]]) -> Plac
             order.append(key)
             merged[key] = {"inputs": [], "fwd": [0.0] * problem.num_devices,
                            "bwd": [0.0] * problem.num_devices, "mem": 0, "out": 0, "modules": [], "grad": 0,
-                           "ties": set()}
+                           "ties": set(), "ovh": 0.0}
         d = merged[key]
         d["fwd"] = [x + y for x, y in zip(d["fwd"], t.fwd_s)]
         d["bwd"] = [x + y for x, y in zip(d["bwd"], t.bwd_s)]
         d["mem"] += t.mem_bytes
         d["modules"] += list(t.modules)
         d["grad"] += t.grad_bytes
+        d["ovh"] += t.overhead_s
         d["ties"].add(t.tie)
         for i in t.inputs:
             if owner[i] != key and owner[i] not in d["inputs"]:
@@ -193,7 +200,7 @@ def contract(problem: PlacementProblem, groups: Sequence[Sequence[str]]) -> Plac
             merged[owner[t.name]]["out"] = max(merged[owner[t.name]]["out"], t.out_bytes)
     tasks = [Task(k, tuple(merged[k]["inputs"]), tuple(merged[k]["fwd"]), tuple(merged[k]["bwd"]),
                   merged[k]["mem"], merged[k]["out"], tuple(merged[k]["modules"]), merged[k]["grad"],
-                  _one_tie(merged[k]["ties"]))
+                  _one_tie(merged[k]["ties"]), merged[k]["ovh"])
              for k in order]
     return _replace_tasks(problem, _toposort(tasks))
 
@@ -218,4 +225,5 @@ def _toposort(tasks: list[Task]) -> list[Task]:
 
 def _replace_tasks(problem: PlacementProblem, tasks: list[Task]) -> PlacementProblem:
     return PlacementProblem(problem.name, tuple(tasks), problem.num_devices, problem.mem_capacity_bytes,
-                            problem.bw_Bps, problem.latency_s, problem.links, problem.device_ids, problem.notes)
+                            problem.bw_Bps, problem.latency_s, problem.links, problem.device_ids, problem.notes,
+                            problem.step_overhead_s)
