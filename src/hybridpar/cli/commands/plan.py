@@ -140,9 +140,10 @@ def register(app: click.Group) -> None:
     @click.option("--dtype", default="fp32", type=click.Choice(["fp32", "fp16", "bf16", "tf32"]),
                   show_default=True)
     @click.option("--input-shape", default=None, help="per-sample input shape C,H,W for file models")
-    @click.option("--grad-sync", type=click.Choice(["flat", "overlap"]), default="flat", show_default=True,
-                  help="flat: one gradient allreduce after backward (hybridpar train); overlap: per layer, "
-                       "overlapping backward")
+    @click.option("--grad-sync", type=click.Choice(["buckets", "flat", "overlap"]), default="buckets",
+                  show_default=True,
+                  help="buckets: 4 MiB gradient buckets allreduced while backward goes on (hybridpar train); "
+                       "flat: one gradient allreduce after backward; overlap: per layer, overlapping backward")
     @click.option("--free-sample", is_flag=True,
                   help="let each layer pick its own sample degree (redistribution between; projection only)")
     @click.option("--time-share", type=POSITIVE_FLOAT, default=None,

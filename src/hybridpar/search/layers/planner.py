@@ -553,7 +553,7 @@ def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, gr
 
 def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch: int = 32, *,
                memory_limit: float | None = None, strategy: str | None = None, dtype: str = "fp32",
-               input_shape: Sequence[int] | None = None, grad_sync: str = "flat", free_sample: bool = False,
+               input_shape: Sequence[int] | None = None, grad_sync: str = "buckets", free_sample: bool = False,
                calibration=None, time_share: float | None = None,
                progress: Callable[[str], None] | None = None, optimizer: str = "sgd", momentum: float = 0.0,
                weight_decay: float = 0.0) -> PlanResult:
@@ -644,7 +644,7 @@ def _chosen_layouts(opts: list[VertexOptions], choice: Sequence[int]) -> list[La
     return [vo.options[k] for vo, k in zip(opts, choice) if isinstance(vo.options[k], LayerLayout)]
 
 
-def evaluate_plan(plan: Plan, *, grad_sync: str = "flat", time_share: float | None = None,
+def evaluate_plan(plan: Plan, *, grad_sync: str = "buckets", time_share: float | None = None,
                   calibration=None) -> Prediction:
     """Predict an existing plan's step (its own per-layer layouts), e.g. to compare with a measurement."""
     if plan.mp != 1:
