@@ -7,7 +7,7 @@ channel x filter pieces per weight layer, the plan's and data parallelism's pred
 compute. Planning only (no training), a few seconds
 per case; each tree runs in its own process (PYTHONPATH first).
 
-    python benchmarks/bench_split_efficiency.py [--baseline REV | --baseline-src DIR/src]
+    python benchmarks/bench_split_efficiency.py [--baseline REV | --baseline-src DIR/src] [--after REV]
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", default=BASELINE)
     ap.add_argument("--baseline-src", default=None)
+    ap.add_argument("--after", default=None, help="a commit for the 'after' side (default: this tree)")
     args = ap.parse_args()
     before = run(args.baseline_src or str(worktree_src(args.baseline)))
-    after = run(str(ROOT / "src"))
+    after = run(str(worktree_src(args.after)) if args.after else str(ROOT / "src"))
     print(f"load average {os.getloadavg()[0]:.1f} (planning only: predictions do not depend on it)")
     print(f"{'case':40} {'':6} {'split/weights':>13} {'pieces':>6} {'plan ms':>8} {'compute':>8} {'DP ms':>8} "
           f"{'DP comp':>8}")
