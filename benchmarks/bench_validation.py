@@ -1,19 +1,23 @@
-"""Validation of the planner's performance model against real runs on this machine.
+"""Validation of the planner's and the placer's performance models against real runs on this machine.
 
-1. `hybridpar profile` calibrates `localhost` (op times at the split shapes, gloo alpha/beta) into a
-   private calibration file ($HYBRIDPAR_CALIBRATION points every process at it); twice, keeping per op
-   the faster round (see `profile`).
-2. At least 12 layouts (sample / channel / filter / channel+filter, 2 and 4 ranks, two models, two
-   batch sizes) run for real with `hybridpar train --strategy ... --json`; the measured step time is
-   the median over the steps after warm-up.
-3. Each is predicted with `hybridpar plan --strategy ...` (same model, ranks, batch), and the
-   planner's own choice for each (model, ranks, batch) is run too, via `hybridpar train --plan`.
-   Beside the step times: the predicted communication time and the time rank 0 measured inside its
-   collectives (train --json's comm_s), so a miss can be traced to communication or to compute.
+1. `hybridpar profile` calibrates `localhost` (op times at the split shapes, gloo collectives and p2p,
+   the MP executor's work per node) into a private calibration file ($HYBRIDPAR_CALIBRATION points
+   every process at it); twice, keeping per op the faster round (see `profile`).
+2. Layouts of every family run for real with `hybridpar train ... --json` (the measured step time is
+   the lower quartile of the steps after warm-up), on six models: small_resnet and small_cnn
+   (sample / channel / filter / channel+filter, 2 and 4 ranks), inception_mini and lstm2 from the zoo,
+   and two written here (`branchy_cnn`: four conv branches joined by a concat; `two_tower_lstm`: two
+   LSTMs over one sequence): sample layouts, model parallelism (mp=2, the placer's placement, run with
+   `train --plan`) and hybrid mp=2 x sample=2 on 4 ranks.
+3. Per-layer layouts are predicted with `hybridpar plan --strategy ...` (same model, ranks, batch), and
+   the planner's own choice for each (model, ranks, batch) is run too, via `hybridpar train --plan`;
+   MP layouts by the placer (`hybridpar.place`), hybrid ones by `hybrid_step_time` with the same
+   placement. Beside the step times: the predicted communication time and the time rank 0 measured
+   inside its collectives (train --json's comm_s), so a miss can be traced to communication or compute.
 
-Prints predicted vs measured per layout, the median and worst relative error, the Spearman rank
-correlation, whether the planner's choice measured fastest in its group, and whether the bytes the
-runtime logged equal the model's bytes per collective kind.
+Prints predicted vs measured per layout, the median and worst relative error (overall and per layout
+family), the Spearman rank correlation, whether the planner's choice measured fastest in its group,
+whether the bytes the runtime logged equal the model's bytes per collective kind, and the load average.
 
     python benchmarks/bench_validation.py [--quick] [--steps N]
 """
@@ -97,6 +101,18 @@ GROUPS = [  # (model, ranks, batch, strategies)
                              "channel=2,filter=2"]),
     ("small_cnn", 2, 32, ["sample=2", "channel=2", "filter=2"]),
     ("small_cnn", 4, 32, ["sample=4", "sample=2,channel=2", "channel=2,filter=2", "filter=4"]),
+]
+# The models written above and inception_mini / lstm2 from the zoo: sample layouts here, and below
+# model parallelism (mp=2, the placer's placement) and hybrid mp=2 x sample=2
+GROUPS += [
+    ("inception_mini", 2, 32, ["sample=2"]),
+    (BRANCHY, 2, 32, ["sample=2"]),
+    (TWO_TOWER, 2, 32, ["sample=2"]),
+]
+MP_GROUPS = [  # (model, global batch, dp): mp=2 with dp replicas (dp 1: MP alone; dp 2: mp x sample)
+    ("inception_mini", 32, 1), ("inception_mini", 32, 2),
+    (BRANCHY, 32, 1), (BRANCHY, 32, 2),
+    (TWO_TOWER, 32, 1), ("lstm2", 32, 1),
 ]
 WARMUP_STEPS = 2
 
@@ -225,6 +241,41 @@ def _evaluate(plan_file: str, stretch: float | None) -> dict:
     return {"predicted": pred.model_dump()}
 
 
+def predict_mp(model: str, batch: int, dp: int, plan_file: Path) -> dict:
+    """The placer's placement of one replica (mp=2, at batch / dp samples) on localhost, its predicted
+    step (hybrid_step_time for dp > 1: the MP step on 2 x dp ranks plus the exposed gradient allreduce
+    among replicas), and the plan that `train --plan` runs, written to plan_file."""
+    from hybridpar.graph.models import load_model
+    from hybridpar.search.placer import place_model
+    from hybridpar.search.placer.hybrid_step import hybrid_step_time
+    from hybridpar.search.placer.module_placement import placement_from_outcome
+
+    per = batch // dp
+    out = place_model(model, "localhost", 2, batch=per, time_limit_s=10)
+    placement = placement_from_outcome(out, load_model(model).module)
+    strategy = "mp=2" if dp == 1 else f"mp=2,sample={dp}"
+    out.plan.model_copy(update={"placement": placement, "world_size": 2 * dp, "dp": dp, "batch": batch,
+                                "strategy": strategy}).save(plan_file)
+    bd = out.result.breakdown
+    if dp == 1:
+        step, comm = out.result.step_time_s, bd.comm_s
+    else:
+        h = hybrid_step_time(model, "localhost", dp, 2, per, placement=placement)
+        step, comm = h.step_time_s, bd.comm_s * h.mp_step_s / out.result.step_time_s + h.allreduce_s
+    return {"strategy": strategy, "predicted_s": step, "compute_s": bd.compute_s, "comm_s": comm,
+            "speedup": out.speedup, "devices_used": len(set(out.result.assignment))}
+
+
+def _short(model: str) -> str:
+    return model.rsplit(":", 1)[1] if ":" in model else model
+
+
+def _family(label: str) -> str:
+    if label.startswith("plan"):
+        return "plan"
+    return "sample" if "channel" not in label and "filter" not in label else "channel/filter"
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     from scipy.stats import spearmanr
 
@@ -241,15 +292,21 @@ def main() -> None:
                          "before it and predict with it (--time-share) instead of the model's ranks/cores")
     args = ap.parse_args()
     groups = [(m, r, b, s[:2]) for m, r, b, s in GROUPS[:2]] if args.quick else GROUPS
+    mp_groups = MP_GROUPS[:2] if args.quick else MP_GROUPS
     tmp = Path(tempfile.mkdtemp(prefix="hybridpar-validation-"))
     os.environ.setdefault("HYBRIDPAR_CALIBRATION", str(tmp / "calibration.json"))
     os.environ["OMP_NUM_THREADS"] = "1"
     t0 = time.perf_counter()
+    load_start = os.getloadavg()
     prof_s = 0.0
     if not args.no_profile:
         print("profiling localhost ...", file=sys.stderr)
-        prof_s = profile({g[0] for g in groups}, {g[0]: g[2] for g in groups},
-                         Path(os.environ["HYBRIDPAR_CALIBRATION"]))
+        batch_of = {g[0]: g[2] for g in groups} | {m: b for m, b, _ in mp_groups}
+        mp_models = {m for m, _, _ in mp_groups}
+        # the per-layer models at 1/2 and 1/4 of samples, channels, filters; the MP models whole and at
+        # half the batch (a replica's share in mp x sample=2)
+        splits = {m: ("1,2" if m in mp_models else "1,2,4") for m in batch_of}
+        prof_s = profile(set(batch_of), batch_of, Path(os.environ["HYBRIDPAR_CALIBRATION"]), splits_of=splits)
     rows = []
     for model, ranks, batch, strategies in groups:
         plan_file = str(tmp / f"{model}-{ranks}-{batch}.json")
@@ -268,13 +325,25 @@ def main() -> None:
                 _evaluate(plan_file, stretch)
             p = pred["predicted"]
             model_bytes = {k: v for k, v in p["comm_bytes"].items() if v}
-            rows.append({"model": model, "ranks": ranks, "batch": batch, "layout": label,
+            rows.append({"model": model, "ranks": ranks, "batch": batch, "layout": label, "family": _family(label),
                          "is_plan": not plan_args, "predicted_s": p["step_time_s"], "measured_s": measured,
                          "compute_stretch": stretch, "measured_comm_s": measured_comm,
                          "rel_error": (p["step_time_s"] - measured) / measured,
                          "compute_s": p["compute_s"], "comm_s": p["comm_s"],
                          "bytes_model": model_bytes, "bytes_logged": logged,
                          "bytes_equal": model_bytes == {k: v for k, v in logged.items() if v}})
+    for model, batch, dp in mp_groups:
+        plan_file = tmp / f"mp-{Path(model).stem}-{dp}.json"
+        pred = predict_mp(model, batch, dp, plan_file)
+        print(f"  {model} x{2 * dp} batch {batch}: {pred['strategy']} (placer's placement)", file=sys.stderr)
+        measured, measured_comm, _ = measure(model, 2 * dp, batch, args.steps, ["--plan", str(plan_file)])
+        rows.append({"model": model, "ranks": 2 * dp, "batch": batch, "layout": pred["strategy"],
+                     "family": "mp" if dp == 1 else "hybrid mp x sample", "is_plan": False,
+                     "predicted_s": pred["predicted_s"], "measured_s": measured, "compute_stretch": None,
+                     "measured_comm_s": measured_comm, "rel_error": (pred["predicted_s"] - measured) / measured,
+                     "compute_s": pred["compute_s"], "comm_s": pred["comm_s"], "bytes_model": {},
+                     "bytes_logged": {}, "bytes_equal": None, "placer_speedup": pred["speedup"],
+                     "devices_used": pred["devices_used"]})
     strat_rows = [r for r in rows if not r["is_plan"]]
     errs = sorted(abs(r["rel_error"]) for r in strat_rows)
     rho = spearman([r["predicted_s"] for r in strat_rows], [r["measured_s"] for r in strat_rows])
@@ -291,23 +360,36 @@ def main() -> None:
         choice_fastest[f"{model} x{ranks} b{batch}"] = mine <= best * 1.05
 
     t = Table(title="predicted vs measured step time (localhost, gloo)", header_style="bold")
-    for c in ("model", "ranks", "batch", "layout", "predicted", "measured", "error", "comm pred / meas",
+    for c in ("model", "ranks", "batch", "family", "layout", "predicted", "measured", "error", "comm pred / meas",
               "bytes = model"):
-        t.add_column(c, justify="left" if c in ("model", "layout") else "right")
+        t.add_column(c, justify="left" if c in ("model", "layout", "family") else "right")
     for r in rows:
-        t.add_row(r["model"], str(r["ranks"]), str(r["batch"]), r["layout"][:44], f"{r['predicted_s'] * 1e3:.1f} ms",
-                  f"{r['measured_s'] * 1e3:.1f} ms", f"{r['rel_error'] * 100:+.1f}%",
-                  f"{r['comm_s'] * 1e3:.0f} / {r['measured_comm_s'] * 1e3:.0f} ms", "yes" if r["bytes_equal"] else "no")
-    console = Console(width=140)
+        t.add_row(_short(r["model"]), str(r["ranks"]), str(r["batch"]), r["family"], r["layout"][:40],
+                  f"{r['predicted_s'] * 1e3:.1f} ms", f"{r['measured_s'] * 1e3:.1f} ms",
+                  f"{r['rel_error'] * 100:+.1f}%",
+                  f"{r['comm_s'] * 1e3:.0f} / {r['measured_comm_s'] * 1e3:.0f} ms",
+                  "-" if r["bytes_equal"] is None else "yes" if r["bytes_equal"] else "no")
+    console = Console(width=160)
     console.print(t)
-    summary = {"layouts": len(strat_rows), "median_rel_error": statistics.median(errs), "worst_rel_error": errs[-1],
+    families = {}
+    for r in strat_rows:
+        families.setdefault(r["family"], []).append(abs(r["rel_error"]))
+    summary = {"layouts": len(strat_rows), "models": len({r["model"] for r in strat_rows}),
+               "median_rel_error": statistics.median(errs), "worst_rel_error": errs[-1],
                "spearman": rho, "planner_choice_fastest": choice_fastest,
-               "targets": {"median_rel_error": 0.15, "spearman": 0.8},
-               "bytes_equal_all": all(r["bytes_equal"] for r in rows),
+               "per_family_median_rel_error": {k: statistics.median(v) for k, v in families.items()},
+               "targets": {"median_rel_error": 0.10, "worst_rel_error": 0.25, "spearman": 0.9},
+               "bytes_equal_all": all(r["bytes_equal"] for r in rows if r["bytes_equal"] is not None),
+               "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "profile_s": prof_s, "wall_s": time.perf_counter() - t0, "rows": rows}
-    console.print(f"layouts: {len(strat_rows)}; median |error| {summary['median_rel_error'] * 100:.1f}% "
-                  f"(target <= 15%), worst {summary['worst_rel_error'] * 100:.1f}%; Spearman {rho:.2f} "
-                  f"(target >= 0.8); planner's choice fastest: {choice_fastest}")
+    console.print(f"layouts: {len(strat_rows)} on {summary['models']} models; median |error| "
+                  f"{summary['median_rel_error'] * 100:.1f}% (target <= 10%), worst "
+                  f"{summary['worst_rel_error'] * 100:.1f}% (target <= 25%); Spearman {rho:.2f} (target >= 0.9); "
+                  "per family: " + ", ".join(f"{k} {v * 100:.1f}%" for k, v in
+                                             summary["per_family_median_rel_error"].items())
+                  + f"; planner's choice fastest: {choice_fastest}; load avg {load_start[0]:.1f} at the start, "
+                  f"{summary['load_avg_end'][0]:.1f} at the end")
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:
         Path(out).write_text(json.dumps(summary, indent=2))

@@ -55,18 +55,19 @@ def hybrid_step_time(model, cluster: str | Cluster, dp: int, mp: int, batch_per_
     full = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, dp * mp)
     if dp * mp > full.num_devices:
         raise UserError(f"{dp}x{mp} = {dp * mp} devices, cluster {full.name!r} has {full.num_devices}")
+    # each replica's MP group is priced on the whole D x M cluster: where ranks share cores (localhost),
+    # all D x M ranks compute at once, so its compute stretches by (D x M) / cores, not M / cores
     if placement is not None or not isinstance(model, str) or not isinstance(cluster, str):
-        result = _mp_result(model, cluster if isinstance(cluster, str) else full, mp, batch_per_worker,
-                            solver, time_limit_s, coarsen, placement)
+        result = _mp_result(model, full, mp, batch_per_worker, solver, time_limit_s, coarsen, placement)
     else:
-        result = _cached_mp_result(model, cluster, mp, batch_per_worker, solver, time_limit_s, coarsen)
+        result = _cached_mp_result(model, cluster, dp * mp, mp, batch_per_worker, solver, time_limit_s, coarsen)
     return _with_allreduce(result, full, dp, mp, batch_per_worker, bucket_bytes)
 
 
 @lru_cache(maxsize=256)
-def _cached_mp_result(model: str, cluster: str, mp: int, batch: int, solver: str, time_limit_s: float,
+def _cached_mp_result(model: str, cluster: str, world: int, mp: int, batch: int, solver: str, time_limit_s: float,
                       coarsen: int | None) -> PlacementResult:
-    return _mp_result(model, cluster, mp, batch, solver, time_limit_s, coarsen, None)
+    return _mp_result(model, load_cluster(cluster, world), mp, batch, solver, time_limit_s, coarsen, None)
 
 
 def _mp_result(model, cluster, mp: int, batch: int, solver: str, time_limit_s: float, coarsen: int | None,
