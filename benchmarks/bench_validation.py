@@ -246,6 +246,7 @@ def predict_mp(model: str, batch: int, dp: int, plan_file: Path) -> dict:
     step (hybrid_step_time for dp > 1: the MP step on 2 x dp ranks plus the exposed gradient allreduce
     among replicas), and the plan that `train --plan` runs, written to plan_file."""
     from hybridpar.graph.models import load_model
+    from hybridpar.plans import Plan, parse_strategy
     from hybridpar.search.placer import place_model
     from hybridpar.search.placer.hybrid_step import hybrid_step_time
     from hybridpar.search.placer.module_placement import placement_from_outcome
@@ -254,8 +255,9 @@ def predict_mp(model: str, batch: int, dp: int, plan_file: Path) -> dict:
     out = place_model(model, "localhost", 2, batch=per, time_limit_s=10)
     placement = placement_from_outcome(out, load_model(model).module)
     strategy = "mp=2" if dp == 1 else f"mp=2,sample={dp}"
-    out.plan.model_copy(update={"placement": placement, "world_size": 2 * dp, "dp": dp, "batch": batch,
-                                "strategy": strategy}).save(plan_file)
+    Plan(model=out.plan.model, world_size=2 * dp, batch=batch, dp=dp, mp=2, placement=placement,
+         default_layout=parse_strategy(strategy, 2 * dp).layout, strategy=strategy,
+         notes=out.plan.notes).save(plan_file)
     bd = out.result.breakdown
     if dp == 1:
         step, comm = out.result.step_time_s, bd.comm_s
