@@ -41,6 +41,7 @@ class OpSpec:
     groups: int = 1
     kernel: tuple[int, int] = (1, 1)  # poolings
     ceil_mode: bool = False
+    bias_lstm: bool = True  # lstm: with biases (its weights are named weight_ih/_hh: no "weight" key)
 
     def node(self) -> Node:
         op = "batchnorm" if self.op == "batchnorm_global" else self.op
@@ -58,7 +59,10 @@ class OpSpec:
 
 
 _NORMS = ("batchnorm", "batchnorm_global")
-_MODULES = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
+_MODULES = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
+            nn.LSTM)
+# one backward computes the input's and the weights' gradients together: all of it is backward-data
+_WHOLE_BACKWARD = (*_NORMS, "lstm")
 
 
 def _pair(v) -> tuple[int, int]:
@@ -66,6 +70,12 @@ def _pair(v) -> tuple[int, int]:
 
 
 def _specs_of(mod: nn.Module, x: tuple[int, ...], y: tuple[int, ...]) -> list[OpSpec]:
+    if isinstance(mod, nn.LSTM):
+        # one unidirectional batch-first layer without projection: what the MP runtime places whole
+        # (issue 13: the roofline put a small CPU LSTM at 3x its measured time)
+        if mod.num_layers != 1 or mod.bidirectional or not mod.batch_first or mod.proj_size or len(x) != 3:
+            return []
+        return [OpSpec("lstm", x, None, y, bias_lstm=mod.bias)]
     if isinstance(mod, nn.Conv2d):
         if not isinstance(mod.padding, tuple):
             return []  # padding="same"/"valid" strings: shape-equivalent specs not derivable here
@@ -93,6 +103,8 @@ def collect_op_specs(module: nn.Module, example_inputs: tuple) -> list[OpSpec]:
     found: dict[tuple, OpSpec] = {}
 
     def hook(mod: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        if isinstance(mod, nn.LSTM) and isinstance(output, tuple):
+            output = output[0]  # (out, (h, c))
         if not isinstance(output, torch.Tensor) or not inputs or not isinstance(inputs[0], torch.Tensor):
             return
         for spec in _specs_of(mod, tuple(inputs[0].shape), tuple(output.shape)):
@@ -123,7 +135,7 @@ def split_variants(specs: list[OpSpec], splits: tuple[int, ...]) -> list[OpSpec]
     for s in specs:
         out.setdefault(s.key, s)
         for k in splits:
-            if k <= 1:
+            if k <= 1 or s.op == "lstm":  # the per-layer planner splits no LSTM; MP places it whole
                 continue
             for sa, c, f in _factorisations(k):
                 if s.groups == 1 or c == f == 1:
@@ -137,6 +149,8 @@ def _forward(spec: OpSpec, x: torch.Tensor, w: torch.Tensor | None, b: torch.Ten
         return F.conv2d(x, w, b, spec.stride, spec.padding, spec.dilation, spec.groups)
     if spec.op == "linear":
         return F.linear(x, w, b)
+    if spec.op == "lstm":
+        return w(x)[0]
     if spec.op == "batchnorm":
         return F.batch_norm(x, None, None, w, b, True, 0.1, 1e-5)
     if spec.op == "batchnorm_global":
@@ -167,7 +181,9 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(spec.x, generator=g).requires_grad_(True)
     w = b = None
-    if spec.op in _NORMS:
+    if spec.op == "lstm":
+        w = nn.LSTM(spec.x[2], spec.y[2], batch_first=True, bias=spec.bias_lstm)  # the module: weights, biases
+    elif spec.op in _NORMS:
         if spec.w is not None:  # affine, over this rank's channels
             w = torch.randn(spec.x[1], generator=g).requires_grad_(True)
             b = torch.randn(spec.x[1], generator=g).requires_grad_(True)
@@ -176,10 +192,10 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
         b = torch.randn(spec.w[0], generator=g).requires_grad_(True) if spec.bias else None
     y = _forward(spec, x, w, b)
     dy = torch.randn(y.shape, generator=g)
-    wrt = tuple(t for t in (w, b) if t is not None)
+    wrt = tuple(w.parameters()) if spec.op == "lstm" else tuple(t for t in (w, b) if t is not None)
     passes = [lambda: _forward(spec, x, w, b),
               lambda: torch.autograd.grad(y, x, dy, retain_graph=True)]
-    if spec.op in _NORMS:
+    if spec.op in _WHOLE_BACKWARD:
         # one backward computes dx, dw and db together: all of it counts as backward-data
         passes[1] = lambda: torch.autograd.grad(y, (x, *wrt), dy, retain_graph=True)
     elif wrt:
