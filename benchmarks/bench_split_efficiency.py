@@ -1,6 +1,7 @@
 """What pricing split efficiency changes (issue 13 item 4): the planner's choices and predictions on
-zoo models at small per-GPU work, with the size factor (this tree) and without it (a baseline tree,
-default c07b28f, the commit before it), side by side.
+zoo models at small per-GPU work, with the size factor and without it, side by side: by default this
+tree with `hybridpar.cost.compute.size_factor` switched off (every piece 1/k of the whole) against this
+tree; or two commits (`--baseline c07b28f`, the commit before the factor, `--after REV`).
 
 For each case: how many weight layers the plan splits over channels/filters, the mean number of
 channel x filter pieces per weight layer, the plan's and data parallelism's predicted step time and
@@ -22,7 +23,6 @@ from pathlib import Path
 from _baseline import worktree_src  # benchmarks/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
-BASELINE = "c07b28f"  # the last commit before the size factor
 # (model, cluster, gpus, global batch): make run's case, then small per-GPU work
 CASES = [
     ("resnet50_w8", "lassen", 256, 512),
@@ -34,8 +34,11 @@ CASES = [
     ("inception_v3", "dgx1-v100", 32, 32),
 ]
 CHILD = r"""
-import json, sys
+import json, os, sys
 from hybridpar.search.layers.planner import plan_model
+if os.environ.get("HYBRIDPAR_BENCH_NO_SIZE_FACTOR"):  # the same tree pricing every piece at 1/k
+    import hybridpar.cost.compute as compute
+    compute.size_factor = lambda *args, **kwargs: 1.0
 for m, c, g, b in json.loads(sys.argv[1]):
     r = plan_model(m, c, g, b)
     split = sum(1 for x in r.layers if x.layout is not None and x.layout.channel * x.layout.filter > 1)
@@ -50,8 +53,10 @@ for m, c, g, b in json.loads(sys.argv[1]):
 """
 
 
-def run(src: str) -> list[dict]:
+def run(src: str, no_factor: bool = False) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    if no_factor:
+        env["HYBRIDPAR_BENCH_NO_SIZE_FACTOR"] = "1"
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], env=env, check=True,
                          capture_output=True, text=True, cwd=ROOT).stdout
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
@@ -63,12 +68,17 @@ def _ms(v: float | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", default=BASELINE)
+    ap.add_argument("--baseline", default=None, help="a commit for the 'before' side (default: this tree "
+                                                     "with the size factor switched off)")
     ap.add_argument("--baseline-src", default=None)
     ap.add_argument("--after", default=None, help="a commit for the 'after' side (default: this tree)")
     args = ap.parse_args()
-    before = run(args.baseline_src or str(worktree_src(args.baseline)))
-    after = run(str(worktree_src(args.after)) if args.after else str(ROOT / "src"))
+    after_src = str(worktree_src(args.after)) if args.after else str(ROOT / "src")
+    if args.baseline or args.baseline_src:
+        before = run(args.baseline_src or str(worktree_src(args.baseline)))
+    else:  # the same code with and without the factor: nothing else differs
+        before = run(after_src, no_factor=True)
+    after = run(after_src)
     print(f"load average {os.getloadavg()[0]:.1f} (planning only: predictions do not depend on it)")
     print(f"{'case':40} {'':6} {'split/weights':>13} {'pieces':>6} {'plan ms':>8} {'compute':>8} {'DP ms':>8} "
           f"{'DP comp':>8}")
