@@ -11,7 +11,7 @@ import sys
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "full_state_dict", "no_sync", "parallelize", "place", "plan"]
+__all__ = ["__version__", "check", "full_state_dict", "no_sync", "parallelize", "place", "plan"]
 
 
 def _model_arg(model, example_inputs):
@@ -51,7 +51,8 @@ def parallelize(module, plan_or_strategy, **options):
     """Run `module` on the current torch.distributed world with a Plan, a plan.json path or a strategy
     string ("sample=2,channel=2"), with one process's semantics: every rank passes the same global
     batch and gets the whole outputs; any loss, any torch.optim optimizer. In place; returns it.
-    Options: inputs="global"|"sample_shard", bn_stats="global"|"local"
+    Options: inputs="global"|"sample_shard", bn_stats="global"|"local", check_inputs=<example batch>
+    (first refuse an op the layout cannot serve, before any collective: see :func:`check`)
     (see hybridpar.runtime.parallel_model.parallelize)."""
     import os
 
@@ -62,6 +63,25 @@ def parallelize(module, plan_or_strategy, **options):
 
         plan_or_strategy = load_plan(plan_or_strategy)
     return _parallelize(module, plan_or_strategy, **options)
+
+
+def check(module, plan_or_strategy, example_inputs, targets=None, *, world_size=None, inputs="global"):
+    """Refuse before starting: run `module` under the layout on meta tensors over a fake world of
+    `world_size` ranks (default: the current torch.distributed world's), in this process alone (no
+    collective; fine under torchrun, with the real process group already up). An op the layout
+    cannot serve raises hybridpar.errors.UserError naming the op and the module; otherwise returns
+    the DryRun (the collectives one step issues on rank 0). `example_inputs`: what you will pass to
+    model(...) (only shapes and dtypes count); `targets`: labels for a cross-entropy loss (without
+    them the backward starts from the outputs' sum). Same as parallelize(..., check_inputs=x)."""
+    import os
+
+    from hybridpar.runtime.dry_run import check as _check
+
+    if isinstance(plan_or_strategy, (str, os.PathLike)) and str(plan_or_strategy).endswith(".json"):
+        from hybridpar.plans import load_plan
+
+        plan_or_strategy = load_plan(plan_or_strategy)
+    return _check(module, plan_or_strategy, example_inputs, targets, world_size=world_size, inputs=inputs)
 
 
 def full_state_dict(module):

@@ -11,6 +11,7 @@ It needs a process with no process group yet (the launcher, the planner, a test'
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -87,7 +88,9 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
     model = copy.deepcopy(module).to("meta")
     model.train(train)
     _clear_dtensor_caches()
+    hook = sys.excepthook  # init_process_group wraps it with a "[rank<r>]:" prefix: not this process's rank
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    sys.excepthook = hook
     try:
         parallelize(model, spec, inputs=inputs)
         grid = model.hybridpar.grid
@@ -168,3 +171,110 @@ def _refusal(err: BaseException, where: str, spec) -> str:
     what = f"op {m.group(0)}" if m else type(err).__name__
     return (f"{_strategy_text(spec)}: {what} in module '{where or '<model>'}' cannot run with this layout "
             f"({text[:160]}); use a sample-only layout for this model")
+
+
+def check(module: nn.Module, spec, example_inputs, targets=None, *, world_size: int | None = None,
+          inputs: str = "global", loss_fn=default_loss) -> DryRun:
+    """The dry run as a user's own pre-start check (`hybridpar.check`, `parallelize(check_inputs=)`):
+    raises a UserError naming the op and the module the layout cannot serve, else returns the
+    DryRun. Runs on this process alone (no collective), so every rank of a world can call it with
+    the same arguments and all of them refuse the same way before any real collective.
+
+    `example_inputs`: what the user passes to model(...) (a tensor or tuple; any device, only shapes
+    and dtypes are used): the global batch, or with inputs="sample_shard" this rank's samples.
+    `world_size`: the layout's ranks (default: the current world's). With a process group already
+    initialised (under torchrun), the fake world runs in a forked child, since torch.distributed
+    holds one default group per process and its registries are process-wide."""
+    import torch.distributed as dist
+
+    from hybridpar.runtime.parallel_model import INPUT_MODES, as_layouts, grid_shape
+
+    if inputs not in INPUT_MODES:
+        raise UserError(f"inputs must be one of {', '.join(INPUT_MODES)}, got {inputs!r}")
+    live = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        if not live:
+            raise UserError("check: give world_size (there is no process group to take it from)")
+        world_size = dist.get_world_size()
+    batch = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if inputs == "sample_shard":  # the dry run takes the global batch and splits it as the ranks do
+        s = grid_shape(as_layouts(spec, world_size))[0]
+        batch = tuple(t.new_empty((t.shape[0] * s, *t.shape[1:]), device="meta")
+                      if isinstance(t, torch.Tensor) and t.dim() else t for t in batch)
+        if targets is not None and isinstance(targets, torch.Tensor) and targets.dim():
+            targets = targets.new_empty((targets.shape[0] * s, *targets.shape[1:]), device="meta")
+    args = (_meta_copy(module), spec, _meta(batch), _meta(targets))
+    kwargs = {"world_size": world_size, "loss_fn": loss_fn, "train": module.training, "inputs": inputs}
+    if not live:
+        return dry_run(*args, **kwargs)
+    return _in_child(dry_run, args, kwargs)
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose parameters and buffers are on the meta device, made without
+    allocating a real copy (deepcopy with each tensor pre-mapped to its meta twin)."""
+    memo: dict[int, object] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        meta = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _in_child(fn, args, kwargs):
+    """fn(*args, **kwargs) in a forked child that forgets this process's process groups (it builds
+    its own fake world; nothing it registers reaches this process); its result or its UserError
+    comes back through a pipe. The child touches no device: its tensors are on the meta device."""
+    import os
+    import pickle
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        try:
+            os.close(read)
+            _forget_process_groups()
+            try:
+                res = ("ok", fn(*args, **kwargs))
+            except UserError as err:
+                res = ("user", str(err))
+            except BaseException as err:  # noqa: BLE001 - reported in the parent
+                res = ("error", f"{type(err).__name__}: {err}")
+            with os.fdopen(write, "wb") as f:
+                f.write(pickle.dumps(res))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError("hybridpar check: the dry run's child process died without a result")
+    kind, value = pickle.loads(data)
+    if kind == "user":
+        raise UserError(value)
+    if kind == "error":
+        raise RuntimeError(f"hybridpar check: the dry run failed: {value}")
+    return value
+
+
+_PARENT_GROUPS: list = []  # in a forked child: the parent's process-group state, never released
+
+
+def _forget_process_groups() -> None:
+    """In a forked child: a fresh torch.distributed world state (no default group), so the dry run's
+    fake world can be initialised. The parent's groups stay as they were in the parent."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from hybridpar.runtime import dtensors
+
+    names = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+    # Kept alive: a real group destroyed in the child waits forever for its threads, which fork left behind.
+    _PARENT_GROUPS.append((c10d._world, [getattr(c10d, n) for n in names]))
+    for name in names:
+        setattr(c10d, name, {})  # _World's properties read these module globals
+    c10d._world = c10d._World()
+    c10d._world.group_count = 0
+    unregister = getattr(torch._C._distributed_c10d, "_unregister_all_process_groups", None)
+    if unregister is not None:  # the name -> group registry functional collectives resolve through
+        unregister()
+    dtensors._MESHES.clear()
