@@ -292,8 +292,14 @@ def main() -> None:
     ap.add_argument("--measure-stretch", action="store_true",
                     help="measure each run's compute stretch (all ranks computing at once vs one alone) right "
                          "before it and predict with it (--time-share) instead of the model's ranks/cores")
+    ap.add_argument("--rounds", type=int, default=2, help="hybridpar profile rounds (per op the faster is kept)")
+    ap.add_argument("--two-rank-groups", action="store_true",
+                    help="per-layer layouts on 2 ranks only (every family and model still covered; the 4-rank "
+                         "channel/filter groups take most of the time on a loaded machine)")
     args = ap.parse_args()
     groups = [(m, r, b, s[:2]) for m, r, b, s in GROUPS[:2]] if args.quick else GROUPS
+    if args.two_rank_groups:
+        groups = [g for g in groups if g[1] == 2]
     mp_groups = MP_GROUPS[:2] if args.quick else MP_GROUPS
     tmp = Path(tempfile.mkdtemp(prefix="hybridpar-validation-"))
     os.environ.setdefault("HYBRIDPAR_CALIBRATION", str(tmp / "calibration.json"))
@@ -308,7 +314,8 @@ def main() -> None:
         # the per-layer models at 1/2 and 1/4 of samples, channels, filters; the MP models whole and at
         # half the batch (a replica's share in mp x sample=2)
         splits = {m: ("1,2" if m in mp_models else "1,2,4") for m in batch_of}
-        prof_s = profile(set(batch_of), batch_of, Path(os.environ["HYBRIDPAR_CALIBRATION"]), splits_of=splits)
+        prof_s = profile(set(batch_of), batch_of, Path(os.environ["HYBRIDPAR_CALIBRATION"]), rounds=args.rounds,
+                         splits_of=splits)
     rows = []
     for model, ranks, batch, strategies in groups:
         plan_file = str(tmp / f"{model}-{ranks}-{batch}.json")
