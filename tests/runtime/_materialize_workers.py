@@ -51,9 +51,13 @@ def piecewise_engine(strategy: str, layers: dict | None = None, seed: int = 3, t
     return eng, mat
 
 
-def same_as_serial(cases: list) -> list:
+def same_as_serial(cases: list, rows_bytes: int | None = None) -> list:
     """Per case: whether the gathered piecewise weights equal the model built whole (same seed), bit
     for bit, and what the materializer said (fallback notes)."""
+    from hybridpar.runtime import materialize
+
+    if rows_bytes is not None:  # weights generated a few rows at a time, the blocks cut across pieces
+        materialize.ROWS_BYTES = rows_bytes
     out = []
     for strategy, layers, trunc in cases:
         eng, mat = piecewise_engine(strategy, layers, trunc=trunc)

@@ -14,7 +14,10 @@ from hybridpar.runtime.materialize import Materializer, record_build
 from . import _materialize_workers as w
 
 
-def test_replay_in_one_process_equals_the_factory_and_frees_as_it_goes():
+def test_replay_in_one_process_equals_the_factory_and_frees_as_it_goes(monkeypatch):
+    from hybridpar.runtime import materialize
+
+    monkeypatch.setattr(materialize, "ROWS_BYTES", 64)  # uniform_ weights drawn a row or two at a time
     meta, record, why = record_build(w.Net)
     assert why is None and all(p.is_meta for p in meta.parameters())
     mat = Materializer(w.Net, record, seed=5)
@@ -44,7 +47,7 @@ def test_a_factory_that_branches_on_the_device_is_caught_and_built_whole():
 
 def test_two_ranks_sample_channel_filter_and_a_value_reading_factory():
     rows = spawn(w.same_as_serial, 2, [("sample=2", None, False), ("channel=2", None, False),
-                                       ("filter=2", None, False), ("channel=2", None, True)])
+                                       ("filter=2", None, False), ("channel=2", None, True)], 100)
     assert [r["equal"] for r in rows] == [True] * 4, rows
     assert [bool(r["notes"]) for r in rows] == [False, False, False, True], rows  # trunc_normal_: said
     assert rows[1]["local_bytes"] < rows[0]["local_bytes"]  # channel=2 holds pieces, sample=2 all
@@ -53,5 +56,6 @@ def test_two_ranks_sample_channel_filter_and_a_value_reading_factory():
 @pytest.mark.slow
 def test_four_ranks_channel_by_filter_and_a_mixed_plan():
     mixed = {"conv1": "channel=4", "conv2": "sample=4"}
-    rows = spawn(w.same_as_serial, 4, [("channel=2,filter=2", None, False), ("sample=2,channel=2", mixed, False)])
+    rows = spawn(w.same_as_serial, 4, [("channel=2,filter=2", None, False), ("sample=2,channel=2", mixed, False)],
+                 100)
     assert [r["equal"] for r in rows] == [True, True] and not any(r["notes"] for r in rows), rows
