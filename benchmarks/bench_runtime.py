@@ -13,6 +13,9 @@ shared machine hits both alike; medians are reported. Only ratios mean anything,
 `--collectives`: what one collective costs between compute on these ranks (20 convolutions, each
 followed by nothing, by gloo's allreduce of 32 floats, or by hybridpar's one-round allreduce of them;
 also 9 global batch-norm layers' worth: the runtime's cost floor for global statistics).
+`--one-round-ab`: per layout, in one world, the engine with gloo's own collectives against the
+runtime's one-round exchanges (hybridpar.runtime.collectives._one_round switched off and on), steps
+interleaved with DDP's; medians.
 """
 
 from __future__ import annotations
@@ -139,10 +142,48 @@ def collectives_trial(args) -> dict:
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
+def one_round_trial(args) -> dict:
+    """Median ms per step of DDP and, per layout, our engine with and without one-round exchanges."""
+    import torch
+
+    import hybridpar.runtime.collectives as coll
+    from hybridpar.graph.zoo.small import small_resnet
+
+    torch.manual_seed(0)
+    model = small_resnet(width=args.width)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, 3, args.hw, args.hw, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    one_round = coll._one_round
+
+    def switched(step, on: bool):
+        def run():
+            coll._one_round = one_round if on else (lambda group: False)
+            try:
+                step()
+            finally:
+                coll._one_round = one_round
+        return run
+
+    contenders = {"ddp": _ddp(model, x, y)}
+    for lay in args.layout.split(";"):
+        layout, bn = lay.split("/") if "/" in lay else (lay, "global")
+        contenders[f"{lay} gloo's"] = switched(_ours(model, layout, x, y, bn), False)
+        contenders[f"{lay} one-round"] = switched(_ours(model, layout, x, y, bn), True)
+    for step in contenders.values():
+        step()
+    times = {k: [] for k in contenders}
+    for _ in range(args.steps):
+        for k, step in contenders.items():
+            times[k].append(_time_steps(step, 1))
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def worker_main(args) -> None:
     from hybridpar.runtime.launch import spawn
 
-    fn = collectives_trial if args.layout == "collectives" else world_trial
+    fn = collectives_trial if args.layout == "collectives" else \
+        one_round_trial if ";" in args.layout else world_trial
     print("RESULT " + json.dumps(spawn(fn, args.nproc, args)), flush=True)
 
 
@@ -171,9 +212,19 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--collectives", action="store_true",
                     help="only measure what one small collective costs between compute (see above)")
+    ap.add_argument("--one-round-ab", action="store_true",
+                    help="only compare gloo's collectives with the one-round exchanges, in one world")
     args = ap.parse_args()
     if args.worker:
         return worker_main(args)
+    if args.one_round_ab:
+        lays = ";".join([f"sample={args.nproc}/local", f"sample={args.nproc}", "sample=2,channel=2",
+                         "sample=2,filter=2", f"channel={args.nproc}"])
+        r = _trial(ROOT / "src", args, lays)
+        print(f"{args.nproc} gloo ranks, ms per step (medians of {args.steps}, interleaved):")
+        for k, v in r.items():
+            print(f"  {k:36s} {v:7.1f}")
+        return None
     if args.collectives:
         r = _trial(ROOT / "src", args, "collectives")
         print(f"{args.nproc} gloo ranks, ms per 20 convolutions (medians of {args.steps * 3}, interleaved):")

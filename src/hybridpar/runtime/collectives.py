@@ -9,12 +9,12 @@ On gloo (CPU ranks, often more ranks than cores) a collective costs about one sc
 sequential message round, not its bytes: gloo's ring allreduce of a few floats over 4 ranks takes
 2(P-1) = 6 rounds, and was measured at ~6.6 ms each between compute on 4 ranks sharing 2 cores,
 against ~0 for one all_to_all round (`benchmarks/bench_runtime.py --collectives` measures it).
-So on gloo a small allreduce sends the whole buffer to every peer in one all_to_all round
-(`_one_round`) and sums what arrives; over more than 2 ranks, allgather sends this rank's piece to
-every peer, reduce_scatter sends piece k to rank k and sums what arrives, and a large allreduce is
-that reduce_scatter then that allgather (2 rounds, the ring's bytes); 2 ranks keep gloo's own (one
-round either way). Sums run in rank order on every rank, so every rank gets the same bits. NCCL
-keeps its own algorithms."""
+So on gloo, over more than 2 ranks, a small allreduce sends the whole buffer to every peer in one
+all_to_all round (`_one_round`) and sums what arrives; allgather sends this rank's piece to every
+peer; reduce_scatter sends piece k to rank k and sums what arrives; a large allreduce is that
+reduce_scatter then that allgather (2 rounds, the ring's bytes). 2 ranks keep gloo's own: one round
+or two either way, and A/B runs in one world were within noise of each other (-7%..+17%). Sums
+run in rank order on every rank, so every rank gets the same bits. NCCL keeps its own algorithms."""
 
 from __future__ import annotations
 
@@ -166,7 +166,8 @@ def all_reduce_(t: torch.Tensor, group: Group, log: CommLog, tag: str = "", asyn
     """In-place sum over the group. With async_op, returns the work handle (None for 1 rank)."""
     if group.size == 1:
         return None
-    small = _nbytes(t) <= SMALL_ALLREDUCE_BYTES and t.is_contiguous() and _one_round(group)
+    small = group.size > 2 and _nbytes(t) <= SMALL_ALLREDUCE_BYTES and t.is_contiguous() \
+        and _one_round(group)
     if async_op:  # only issued here: the wait happens elsewhere, so there is no time to record
         if small:
             got, work = _exchange(t.unsqueeze(0).expand(group.size, *t.shape), group, async_op=True)
