@@ -8,7 +8,7 @@ channel x filter pieces per weight layer, the plan's and data parallelism's pred
 compute. Planning only (no training), a few seconds
 per case; each tree runs in its own process (PYTHONPATH first).
 
-    python benchmarks/bench_split_efficiency.py [--baseline REV | --baseline-src DIR/src] [--after REV]
+    python benchmarks/bench_split_efficiency.py [--baseline REV | --baseline-src DIR/src] [--after REV] [--scan]
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ CASES = [
     ("resnet50", "lassen", 8, 8),
     ("inception_v3", "dgx1-v100", 32, 32),
 ]
+# --scan: every model x cluster x GPUs x samples per GPU below (96 plans per side, a few minutes)
+SCAN = [(m, c, g, g * per_gpu) for m in ("resnet50", "vgg16", "resnet50_w4", "resnet50_w2")
+        for c in ("dgx-h100", "dgx-a100", "dgx1-v100", "lassen") for g in (8, 32) for per_gpu in (1, 4, 16)]
 CHILD = r"""
 import json, os, sys
 from hybridpar.search.layers.planner import plan_model
@@ -53,11 +56,11 @@ for m, c, g, b in json.loads(sys.argv[1]):
 """
 
 
-def run(src: str, no_factor: bool = False) -> list[dict]:
+def run(src: str, no_factor: bool = False, cases=CASES) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
     if no_factor:
         env["HYBRIDPAR_BENCH_NO_SIZE_FACTOR"] = "1"
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases)], env=env, check=True,
                          capture_output=True, text=True, cwd=ROOT).stdout
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
 
@@ -72,13 +75,26 @@ def main() -> None:
                                                      "with the size factor switched off)")
     ap.add_argument("--baseline-src", default=None)
     ap.add_argument("--after", default=None, help="a commit for the 'after' side (default: this tree)")
+    ap.add_argument("--scan", action="store_true", help="the 96-plan grid (SCAN); print only changed choices")
     args = ap.parse_args()
+    cases = SCAN if args.scan else CASES
     after_src = str(worktree_src(args.after)) if args.after else str(ROOT / "src")
     if args.baseline or args.baseline_src:
-        before = run(args.baseline_src or str(worktree_src(args.baseline)))
+        before = run(args.baseline_src or str(worktree_src(args.baseline)), cases=cases)
     else:  # the same code with and without the factor: nothing else differs
-        before = run(after_src, no_factor=True)
-    after = run(after_src)
+        before = run(after_src, no_factor=True, cases=cases)
+    after = run(after_src, cases=cases)
+    if args.scan:
+        changed = [(b, a) for b, a in zip(before, after) if (b["split"], b["pieces"]) != (a["split"], a["pieces"])]
+        for b, a in changed:
+            way = "less" if a["pieces"] < b["pieces"] else "more"
+            print(f"{b['case']}: {b['split']}/{b['weights']} layers split, {b['pieces']:.2f} pieces -> "
+                  f"{a['split']}/{a['weights']}, {a['pieces']:.2f} ({way} splitting); step {_ms(b['step_s'])} -> "
+                  f"{_ms(a['step_s'])} ms, DP {_ms(a['dp_step_s'])} ms")
+        less = sum(a["pieces"] < b["pieces"] for b, a in changed)
+        print(f"{len(cases)} plans: {len(changed)} choices changed, {less} toward less splitting, "
+              f"{len(changed) - less} toward more")
+        return
     print(f"load average {os.getloadavg()[0]:.1f} (planning only: predictions do not depend on it)")
     print(f"{'case':40} {'':6} {'split/weights':>13} {'pieces':>6} {'plan ms':>8} {'compute':>8} {'DP ms':>8} "
           f"{'DP comp':>8}")
