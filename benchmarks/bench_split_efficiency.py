@@ -9,6 +9,8 @@ compute. Planning only (no training), a few seconds
 per case; each tree runs in its own process (PYTHONPATH first).
 
     python benchmarks/bench_split_efficiency.py [--baseline REV | --baseline-src DIR/src] [--after REV] [--scan]
+    hybridpar profile --model small_cnn --batch 8 --splits 2,4 --ranks 2 --out cal.json
+    python benchmarks/bench_split_efficiency.py --local cal.json
 """
 
 from __future__ import annotations
@@ -65,6 +67,31 @@ def run(src: str, no_factor: bool = False, cases=CASES) -> list[dict]:
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
 
 
+def local_pieces(calibration: str) -> None:
+    """localhost: each small_cnn conv/linear at a quarter of its samples, channels, filters and at
+    sample=2,channel=2, priced from `calibration` (measure it with `hybridpar profile --model small_cnn
+    --batch 8 --splits 2,4`), against a quarter of the whole layer's time."""
+    from hybridpar.cluster import load_cluster
+    from hybridpar.cluster.calibration import load_calibration
+    from hybridpar.cost.compute import op_time
+    from hybridpar.graph.models import load_model
+    from hybridpar.graph.tracing import trace
+
+    cal = load_calibration(calibration, required=True)
+    print("matmul (FLOPs: GFLOP/s):", ", ".join(f"{f:.0e}: {r / 1e9:.1f}" for f, r in cal.matmul_curve))
+    m = load_model("small_cnn", batch=8)
+    g = trace(m.module, m.example_inputs)
+    dev = load_cluster("localhost", gpus=2, calibration=calibration).device.model_copy(update={"time_share": 1.0})
+    splits = (("samples/4", {"sample_frac": 0.25}), ("channels/4", {"channel_frac": 0.25}),
+              ("filters/4", {"filter_frac": 0.25}), ("s2 c2", {"sample_frac": 0.5, "channel_frac": 0.5}))
+    for n in g.nodes:
+        if n.op in ("conv2d", "linear"):
+            whole = op_time(n, dev, calibration=cal).total_s
+            cells = [f"{name} {op_time(n, dev, calibration=cal, **kw).total_s / (whole / 4):.2f}x"
+                     for name, kw in splits]
+            print(f"{n.name:6} {n.op:7} whole {whole * 1e6:8.1f} us; piece / (whole/4): " + ", ".join(cells))
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:8.2f}"
 
@@ -76,7 +103,12 @@ def main() -> None:
     ap.add_argument("--baseline-src", default=None)
     ap.add_argument("--after", default=None, help="a commit for the 'after' side (default: this tree)")
     ap.add_argument("--scan", action="store_true", help="the 96-plan grid (SCAN); print only changed choices")
+    ap.add_argument("--local", metavar="CALIBRATION", default=None,
+                    help="instead: localhost's measured pieces of small_cnn from this calibration file")
     args = ap.parse_args()
+    if args.local:
+        local_pieces(args.local)
+        return
     cases = SCAN if args.scan else CASES
     after_src = str(worktree_src(args.after)) if args.after else str(ROOT / "src")
     if args.baseline or args.baseline_src:
