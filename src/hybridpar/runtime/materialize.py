@@ -9,8 +9,10 @@ parameter's or buffer's storage, copies this rank's piece of it into the paralle
 storage (`untyped_storage().resize_(0)`, as FSDP frees parameters). A storage whose next access
 overwrites it whole without reading it (normal_, uniform_, fill_, zero_, copy_, ...) is freed in
 between and given back just before that op, so init loops at the end of a factory (torchvision's
-ResNet re-initialises every conv there) still hold one layer at a time. Peak at start-up: the rank's
-pieces plus about one whole layer. The same ops in the same order draw the same random numbers, so
+ResNet re-initialises every conv there) still hold one layer at a time; a weight whose last write is
+`uniform_` over all of it (Conv/Linear's default init) is drawn by blocks of rows straight into the
+rank's piece (`ROWS_BYTES`), never whole. Peak at start-up: the rank's pieces plus at most one whole
+tensor of another kind (or one block). The same ops in the same order draw the same random numbers, so
 every piece equals the same range of the model built whole in one process with that seed.
 
 A factory the replay cannot follow (it branches on the device, reads values on meta, keeps tensors
