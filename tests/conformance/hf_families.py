@@ -74,9 +74,11 @@ class Family:
     channels: int = 3
     shrunk: tuple[str, ...] = ()  # the steps of the rule that were kept
 
-    def build(self, *, attn: str | None = None, seed: int = 0) -> nn.Module:
-        """The tiny model (train mode, random init with `seed`), wrapped as x -> logits."""
-        return Wrapped(_instantiate(self.model_class, self.config, attn=attn, seed=seed))
+    def build(self, *, attn: str | None = None, seed: int = 0, dropout: bool = True) -> nn.Module:
+        """The tiny model (train mode, random init with `seed`), wrapped as x -> logits.
+        dropout=False: every dropout/drop-path probability of the config set to 0 (see no_dropout)."""
+        config = self.config if dropout else no_dropout(self.config)
+        return Wrapped(_instantiate(self.model_class, config, attn=attn, seed=seed))
 
     def inputs(self, batch: int = BATCH, seed: int = 0) -> tuple[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -92,6 +94,15 @@ class Wrapped(nn.Module):
 
     def forward(self, x):
         return self.model(pixel_values=x).logits
+
+
+def no_dropout(config):
+    """The config with every float whose key contains `drop` (dropout, attention/classifier dropout,
+    drop_path_rate, drop_connect_rate, ...) set to 0: for train checks against one process, whose
+    random masks no set of ranks reproduces."""
+    zeros = {k: 0.0 for k, v in _flat(config.to_dict()).items()
+             if "drop" in k[-1] and isinstance(v, float) and v > 0}
+    return _with(config, zeros) if zeros else config
 
 
 def _model_class_name(family: str) -> str:
@@ -308,18 +319,20 @@ def _why(class_name: str, config, size: int, channels: int) -> str:
 
 
 # `hybridpar inspect --model tests/conformance/hf_families.py:<family>` (dashes as underscores):
-# the factory returns (module, example inputs) at batch 2.
+# the factory returns (module, example inputs) at batch 2. `<family>_train`: the same without dropout
+# (train checks against one process).
 def __getattr__(attr: str):
     if attr.startswith("_") or not available():
         raise AttributeError(attr)
     names = {n.replace("-", "_"): n for n in family_names()}
-    if attr not in names:
+    base = attr.removesuffix("_train")
+    if base not in names:
         raise AttributeError(attr)
 
     def factory():
-        fam = tiny_family(names[attr])
+        fam = tiny_family(names[base])
         if fam.refused:
             raise RuntimeError(fam.refused)
-        return fam.build(), fam.inputs()
+        return fam.build(dropout=attr == base), fam.inputs()
 
     return factory

@@ -3,7 +3,13 @@ hf_families.py's shrink rule, random init, offline) through the graph: `hybridpa
 counts every trainable parameter, and the traced FLOPs equal FlopCounterMode's (eager attention) in
 forward and backward. Skipped when `transformers` is not installed; a family that cannot be built
 here (a missing optional library, a model that also needs text) is skipped with its reason.
-`plan`/`place` per family are in benchmarks/bench_conformance.py (a few seconds each)."""
+`plan`/`place` per family are in benchmarks/bench_conformance.py (a few seconds each).
+
+Train (`hybridpar train`'s code path, 2 SGD steps against one process, <= 1e-4): a representative
+subset here, every family and layout in the benchmark: batch norm (ResNet: every 2-rank layout),
+depthwise (grouped) 7x7 convolutions and channels-first LayerNorm (ConvNeXt: channel=2), LayerNorm
+and attention (ViT: sample=2; its channel-split dry run costs DTensor 1-2 min of sharding
+propagation here, so it is in the benchmark only). One spawned world of 2 ranks serves them all."""
 
 from __future__ import annotations
 
@@ -53,6 +59,28 @@ def test_inspect_counts_every_parameter(families, name):
     fam = _family(families, name)
     result = check_inspect(fam)
     assert result.ok, (result.status, result.detail)
+
+
+TRAIN_SUBSET = {
+    "resnet": (("sample=2", 2), ("channel=2", 2), ("filter=2", 2)),
+    "convnext": (("sample=2", 2), ("channel=2", 2)),
+    "vit": (("sample=2", 2),),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_equals_one_process_and_gradient_bytes_as_predicted(families, tmp_path):
+    """Each run exact (<= 1e-4 against one process) or refused before start with one line (exit 2 in
+    the CLI); the planner's sample-only gradient allreduce bytes = the bytes train sent, within 1%."""
+    from train_checks import check_train
+
+    fams = [_family(families, name) for name in TRAIN_SUBSET]
+    got = check_train(fams, tmp_path, layouts=TRAIN_SUBSET)
+    bad = {(f, c): (r.status, r.detail) for f, per in got.items() for c, r in per.items()
+           if r.status == "failed" or (c in ("sample=2", "grad_bytes") and r.status != "exact")}
+    assert not bad, bad
+    assert got["resnet"]["channel=2"].ok and got["resnet"]["filter=2"].ok  # served, not refused
 
 
 def test_the_suite_covers_the_installed_families():

@@ -163,14 +163,26 @@ def _gathered(tree, level: str):
 
 
 def install(module: torch.nn.Module, grid, meshes) -> None:
-    """Run `module`'s forward under ChannelCatMode (forward pre-hook enters it, forward hook leaves)."""
+    """Run `module`'s forward under ChannelCatMode (forward pre-hook enters it, forward hook leaves),
+    with scaled_dot_product_attention pinned to its math kernel: the dry run (on meta tensors, where
+    SDPA always decomposes into bmm/softmax) validates that one, while CPU would pick its flash
+    kernel, whose backward has no DTensor strategy and whose output strides break DTensor's
+    view of a reshape (both measured on HF BEiT/CLIP, torch 2.13: crashes after the ranks started)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     mode = ChannelCatMode(grid, meshes)
+    pinned: list = []
 
     def enter(_m, _inputs):
         mode.calls = 0
         mode.__enter__()
+        ctx = sdpa_kernel([SDPBackend.MATH])
+        ctx.__enter__()
+        pinned.append(ctx)
 
     def leave(_m, _inputs, _output):
+        while pinned:
+            pinned.pop().__exit__(None, None, None)
         mode.__exit__(None, None, None)
 
     module.register_forward_pre_hook(enter)
