@@ -318,11 +318,11 @@ def main() -> None:
                          splits_of=splits)
     rows = []
     for model, ranks, batch, strategies in groups:
-        plan_file = str(tmp / f"{model}-{ranks}-{batch}.json")
+        plan_file = str(tmp / f"{_short(model)}-{ranks}-{batch}.json")  # a file model's spec is a path
         plan = predict(model, ranks, batch, ["--out", plan_file])
         chosen = sorted({row["choice"] for row in plan["layers"] if row["algorithm"] != "join"})
         runs = [(s, ["--strategy", s], ["--strategy", s]) for s in strategies]
-        runs.append(("plan: " + " | ".join(chosen), ["--plan", str(tmp / f"{model}-{ranks}-{batch}.json")], []))
+        runs.append(("plan: " + " | ".join(chosen), ["--plan", plan_file], []))
         for label, train_args, plan_args in runs:
             # the load from other jobs changes by the minute: measure the stretch right before the run
             stretch = compute_stretch(ranks) if args.measure_stretch else None
@@ -342,7 +342,7 @@ def main() -> None:
                          "bytes_model": model_bytes, "bytes_logged": logged,
                          "bytes_equal": model_bytes == {k: v for k, v in logged.items() if v}})
     for model, batch, dp in mp_groups:
-        plan_file = tmp / f"mp-{Path(model).stem}-{dp}.json"
+        plan_file = tmp / f"mp-{_short(model)}-{dp}.json"
         pred = predict_mp(model, batch, dp, plan_file)
         print(f"  {model} x{2 * dp} batch {batch}: {pred['strategy']} (placer's placement)", file=sys.stderr)
         measured, measured_comm, _ = measure(model, 2 * dp, batch, args.steps, ["--plan", str(plan_file)])

@@ -78,7 +78,8 @@ def test_unrolled_two_layer_lstm_finds_the_wavefront():
     split = place_model(g, "dgx1-v100", 2, time_chunks=4, time_limit_s=10, workers=1)
     assert split.result.status == "optimal"
     # without chunks the layers can only run one after the other: nothing to gain from two devices
-    assert whole.speedup == pytest.approx(1.0, abs=1e-6)
+    # (the MP runtime's loss allreduce per step is its only cost over one process)
+    assert whole.result.step_time_s == pytest.approx(whole.single_step_s + whole.problem.step_overhead_s, rel=1e-9)
     assert split.speedup > 1.2  # K = 4: ideally 8 layer-chunks in 5 slots each way, less the transfers
     assert split.plan.placement["l1"] != split.plan.placement["l2"]
     assert _overlap(split.result) > 0.2 * split.result.step_time_s
