@@ -147,6 +147,11 @@ def build_engine(cfg: TrainConfig, device, resume_from=None):
     if cfg.plan.mp == 1:
         build = functools.partial(load_model, cfg.model, batch=1, input_shape=cfg.input_shape)
         meta, record, why = record_build(build)
+        if meta is not None:
+            try:
+                spec = data_spec(meta)  # one forward on meta: shapes only
+            except Exception as err:  # noqa: BLE001 - a forward reading values (.item(): HF Perceiver): whole
+                meta, why = None, f"its forward on meta: {type(err).__name__}: {' '.join(str(err).split())[:120]}"
         if meta is None and dist.get_rank() == 0:
             import sys
 
@@ -159,7 +164,6 @@ def build_engine(cfg: TrainConfig, device, resume_from=None):
         engine = make_engine(loaded.module.to(device), cfg.plan, bn_stats=cfg.bn_stats,
                              micro_batches=cfg.micro_batches)
         return loaded, spec, engine, resumed
-    spec = data_spec(meta)  # one forward on meta: shapes only
     mat = Materializer(build, record, cfg.seed, torch.device(device))
     engine = make_engine(meta.module, cfg.plan, bn_stats=cfg.bn_stats, micro_batches=cfg.micro_batches,
                          materialize=mat)
