@@ -140,6 +140,13 @@ class DistConv2d(nn.Module):
 
     meshes = None  # hybridpar.runtime.dtensors.Meshes, set by parallelize: DTensor in, DTensor out
 
+    # nn.Conv2d's geometry, for model code that reads it from the layer (HF MobileNet's TF padding)
+    stride = property(lambda self: self.geo.stride)
+    padding = property(lambda self: self.geo.padding)
+    dilation = property(lambda self: self.geo.dilation)
+    kernel_size = property(lambda self: tuple(self.weight.shape[2:]))
+    groups, padding_mode = 1, "zeros"
+
     def forward(self, x):
         if self.meshes is None:  # local pieces in and out (layer-level use without global semantics)
             return self._local_forward(x)
