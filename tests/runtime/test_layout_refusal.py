@@ -3,37 +3,19 @@ naming the op and the module, no partial files (the dry run on meta tensors, hyb
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hybridpar.cli.main import main
 
-NET = '''
-import torch
-from torch import nn
-
-
-class Counting(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.head = nn.Linear(8, 10)
-
-    def forward(self, x):
-        h = self.conv(x)
-        distinct = torch.unique(h.argmax(1)).numel()  # a data-dependent shape: no DTensor rule
-        return self.head(h.mean((2, 3))) * distinct
-
-
-def net():
-    return Counting()
-'''
+MODEL = Path(__file__).parent / "refusal_models.py"
 
 
 @pytest.mark.parametrize("strategy", ["channel=2", "filter=2"])
 def test_unsupported_op_is_refused_before_start(tmp_path, capsys, strategy):
-    (tmp_path / "net.py").write_text(NET)
     save, metrics = tmp_path / "final.pt", tmp_path / "m.jsonl"
-    code = main(["train", "--model", f"{tmp_path / 'net.py'}:net", "--input-shape", "3,8,8", "--strategy", strategy,
+    code = main(["train", "--model", f"{MODEL}:net", "--input-shape", "3,8,8", "--strategy", strategy,
                  "--nproc", "2", "--batch", "4", "--steps", "1", "--save", str(save), "--metrics", str(metrics)])
     err = capsys.readouterr().err.strip()
     assert code == 2

@@ -10,23 +10,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.runtime.refusal_models import Counting
 from torch import nn
 
 import hybridpar
 from hybridpar.errors import UserError
 from hybridpar.runtime.launch import spawn
-
-
-class Counting(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.head = nn.Linear(8, 10)
-
-    def forward(self, x):
-        h = self.conv(x)
-        distinct = torch.unique(h.argmax(1)).numel()  # a data-dependent shape: no DTensor rule
-        return self.head(h.mean((2, 3))) * distinct
 
 
 class Good(nn.Module):
