@@ -61,3 +61,11 @@ def test_train_refuses_a_mixing_model_with_one_line():
     assert bad.returncode == 2, bad.stderr[-2000:]
     err = [ln for ln in bad.stderr.splitlines() if "error:" in ln]
     assert len(err) == 1 and "mixes samples" in err[0] and "Traceback" not in bad.stderr
+
+
+def test_the_dry_run_of_a_sample_layout_does_not_judge_meta_tensors():
+    """hybridpar.check runs on meta tensors: no values, so no mixing verdict (it refused every model)."""
+    import hybridpar
+
+    dry = hybridpar.check(PerSample(), "sample=2", torch.randn(4, 8), world_size=2)
+    assert dry.world_size == 2 and dry.output_shapes == [(4, 4)]  # the whole batch's outputs

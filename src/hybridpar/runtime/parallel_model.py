@@ -273,9 +273,12 @@ def _refuse_mixed_samples(module: nn.Module, args, kwargs, grid) -> None:
     unlogged 1-element allreduce, not part of a step), so either all raise or none does."""
     import torch
     import torch.distributed as dist
+    from torch.utils._pytree import tree_flatten
 
     from hybridpar.runtime.sample_io import samples_mixed
 
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
+        return  # the dry run (meta tensors, fake world): there are no values to compare
     reason = samples_mixed(module, args, kwargs)
     flag = torch.tensor([1.0 if reason else 0.0], device=_device_of(module))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=grid.replica_group.pg)
