@@ -31,19 +31,21 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 def test_torchrun_restarts_killed_rank_from_checkpoint(tmp_path):
     ref, out, ck = tmp_path / "ref.pt", tmp_path / "out.pt", tmp_path / "ck"
-    strategy = ["--strategy", "sample=2,channel=2"]
-    subprocess.run([str(BIN / "hybridpar"), *TRAIN, *strategy, "--nproc", "4", "--save", str(ref)],
+    # Two ranks and four steps keep it short (at 4 ranks, 6 steps it was the suite's slowest test, 77 s);
+    # torchrun's restart and the resume from the checkpoint do not depend on the mesh's shape.
+    strategy, steps = ["--strategy", "channel=2"], ["--steps", "4"]
+    subprocess.run([str(BIN / "hybridpar"), *TRAIN, *strategy, *steps, "--nproc", "2", "--save", str(ref)],
                    env=_env(), check=True, capture_output=True, timeout=300)
-    # Rank 2 exits abruptly (like a kill) before step 3 on the first attempt; checkpoints every 2 steps.
-    run = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", "--max-restarts", "1",
-                          "-m", "hybridpar.cli.main", *TRAIN, *strategy, "--checkpoint-dir", str(ck),
+    # Rank 1 exits abruptly (like a kill) before step 3 on the first attempt; checkpoints every 2 steps.
+    run = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                          "-m", "hybridpar.cli.main", *TRAIN, *strategy, *steps, "--checkpoint-dir", str(ck),
                           "--checkpoint-every", "2", "--resume", "--save", str(out)],
-                         env=_env(HYBRIDPAR_TEST_FAIL_RANK="2", HYBRIDPAR_TEST_FAIL_STEP="3"),
+                         env=_env(HYBRIDPAR_TEST_FAIL_RANK="1", HYBRIDPAR_TEST_FAIL_STEP="3"),
                          capture_output=True, text=True, timeout=360, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "test fault: rank 2 exits at step 3" in run.stderr
-    steps = [s["step"] for s in json.loads(run.stdout)["steps"]]
-    assert steps == [2, 3, 4, 5]  # the restarted group resumed from the step-2 checkpoint
+    assert "test fault: rank 1 exits at step 3" in run.stderr
+    done = [s["step"] for s in json.loads(run.stdout)["steps"]]
+    assert done == [2, 3]  # the restarted group resumed from the step-2 checkpoint
     want, got = _weights(ref), _weights(out)
     assert want.keys() == got.keys()
     for k in want:
