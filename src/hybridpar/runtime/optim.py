@@ -12,6 +12,10 @@
 - `clip_grad_norm(params, max_norm, norms)`: the global gradient norm (whole tensors, over every
   rank) and clipping to `max_norm`.
 - `autocast(precision, device)`: the forward's autocast context (bf16 on CPU and CUDA).
+- fp64 (`to_precision`, `cast_inputs`): the model's floating parameters and buffers are converted to
+  float64 once it is built (materialised, loaded from --init-from or a checkpoint), each batch's
+  floating inputs are cast to float64, and no autocast runs: for checking a layout against one
+  process where float32 rounding alone differs by more than the tolerance (ill-conditioned models).
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hybridpar.errors import UserError
 
 OPTIMIZERS = ("sgd", "adamw", "lars")
 SCHEDULES = ("constant", "cosine", "poly")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 LARS_ETA = 0.001
 
 
@@ -170,9 +175,32 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norms: Whole
     return total
 
 
+def param_dtype(precision: str) -> torch.dtype | None:
+    """The dtype the model's floating tensors are converted to (None: kept as built)."""
+    return torch.float64 if precision == "fp64" else None
+
+
+def to_precision(module: nn.Module, precision: str) -> nn.Module:
+    """`module` with its floating parameters and buffers in the run's dtype (in place; nn.Module.to
+    converts floating tensors only: integer buffers such as num_batches_tracked stay)."""
+    dtype = param_dtype(precision)
+    return module.to(dtype) if dtype is not None else module
+
+
+def cast_inputs(x, precision: str):
+    """A batch's floating inputs (a tensor, a tuple/list or dict of them) in the run's dtype; token
+    ids, masks and other non-floating inputs as they are."""
+    dtype = param_dtype(precision)
+    if dtype is None:
+        return x
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
+
+
 def autocast(precision: str, device: torch.device):
-    """The autocast context of a training step's forward (nothing for fp32)."""
-    if precision == "fp32":
+    """The autocast context of a training step's forward (nothing for fp32 and fp64)."""
+    if precision in ("fp32", "fp64"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -162,6 +162,8 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
         per_rank = estimate_rank_memory(loaded.module, the_plan, batch, data_bytes, act_bytes,
                                         optimizer_slots=2 if optimizer == "adamw" else 1 if momentum else 0,
                                         input_bytes=batch * sample_bytes)
+    if precision == "fp64":  # both figures count fp32 bytes; weights, grads, optimizer state, activations double
+        per_rank = 2 * (per_rank - data_bytes) + data_bytes
     _check_memory(per_rank, local_ranks or world, launched=launcher_world is not None)
 
     notes: list[str] = []
@@ -559,6 +561,15 @@ def _step_flops(loaded, batch: int) -> int | None:
 def _peak(plan: Plan, precision: str) -> float | None:
     from hybridpar.runtime.metrics import peak_flops
 
+    if precision == "fp64":  # only a stated fp64 rate (a GPU's is far below its fp32 one): else no mfu
+        from hybridpar.cluster import load_cluster
+
+        try:
+            stated = "fp64" in load_cluster(plan.cluster).device.peak_flops
+        except Exception:  # noqa: BLE001 - metrics must never stop a run
+            stated = False
+        if not stated:
+            return None
     return peak_flops(plan.cluster, precision)
 
 

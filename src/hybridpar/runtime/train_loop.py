@@ -142,6 +142,7 @@ def build_engine(cfg: TrainConfig, device, resume_from=None):
     from hybridpar.runtime.data import data_spec
     from hybridpar.runtime.engine import make_engine
     from hybridpar.runtime.materialize import Materializer, record_build
+    from hybridpar.runtime.optim import to_precision
 
     meta = record = None
     if cfg.plan.mp == 1:
@@ -161,12 +162,14 @@ def build_engine(cfg: TrainConfig, device, resume_from=None):
         loaded = build_module(cfg)
         resumed = ckpt.load_checkpoint(info, loaded.module) if (info := resume_from) else None
         spec = data_spec(loaded)
-        engine = make_engine(loaded.module.to(device), cfg.plan, bn_stats=cfg.bn_stats,
-                             micro_batches=cfg.micro_batches)
+        engine = make_engine(to_precision(loaded.module.to(device), cfg.precision), cfg.plan,
+                             bn_stats=cfg.bn_stats, micro_batches=cfg.micro_batches)
         return loaded, spec, engine, resumed
     mat = Materializer(build, record, cfg.seed, torch.device(device))
-    engine = make_engine(meta.module, cfg.plan, bn_stats=cfg.bn_stats, micro_batches=cfg.micro_batches,
-                         materialize=mat)
+    # fp64: the meta model's dtypes first; the pieces are then made in float64 and get the build's
+    # values converted (the materializer, --init-from and resume copy_ into them)
+    engine = make_engine(to_precision(meta.module, cfg.precision), cfg.plan, bn_stats=cfg.bn_stats,
+                         micro_batches=cfg.micro_batches, materialize=mat)
     loaded = replace(mat.last_build, module=engine.module)  # the real example inputs; weights: the engine's
     if cfg.init_from:
         ckpt.load_init_pieces(cfg.init_from, engine)
@@ -189,7 +192,8 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     from hybridpar.runtime.data import batches, default_workers, open_dataset
     from hybridpar.runtime.launch import current_device
     from hybridpar.runtime.metrics import peak_memory_bytes, reset_peak_memory
-    from hybridpar.runtime.optim import WholeNorms, autocast, clip_grad_norm, lr_at, make_optimizer, set_lr
+    from hybridpar.runtime.optim import (WholeNorms, autocast, cast_inputs, clip_grad_norm, lr_at, make_optimizer,
+                                         set_lr)
 
     if cfg.deterministic:
         from hybridpar.runtime.determinism import enable_determinism
@@ -228,7 +232,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
         faults.maybe_inject_failure(step)
         if tracer is not None:
             tracer.before(step)
-        x_loc, y_loc = engine.local_batch(x, y)
+        x_loc, y_loc = engine.local_batch(cast_inputs(x, cfg.precision), y)
         lr = lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, last)
         set_lr(opt, lr)
         t0 = time.perf_counter()

@@ -63,8 +63,9 @@ def register(app: click.Group) -> None:
                   show_default=True, help="after the warm-up: constant, cosine to 0, or poly (power 2) to 0")
     @click.option("--warmup-steps", type=int, default=0, show_default=True, help="linear warm-up steps")
     @click.option("--grad-clip", type=float, default=None, help="clip the global gradient norm to this")
-    @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
-                  help="bf16: autocast (CPU and CUDA)")
+    @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16", "fp64"]), default="fp32",
+                  show_default=True, help="bf16: autocast (CPU and CUDA); fp64: weights, buffers and inputs in "
+                                          "float64, for checking a layout against one process")
     @click.option("--metrics", type=click.Path(), default=None,
                   help="stream one JSON record per step to FILE.jsonl (loss, lr, samples/s, FLOP/s, mfu, memory, comm)")
     @click.option("--tensorboard", type=click.Path(), default=None,
