@@ -192,8 +192,7 @@ def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     from hybridpar.runtime.data import batches, default_workers, open_dataset
     from hybridpar.runtime.launch import current_device
     from hybridpar.runtime.metrics import peak_memory_bytes, reset_peak_memory
-    from hybridpar.runtime.optim import (WholeNorms, autocast, cast_inputs, clip_grad_norm, lr_at, make_optimizer,
-                                         set_lr)
+    from hybridpar.runtime.optim import WholeNorms, autocast, cast_inputs, clip_grad_norm, lr_at, make_optimizer, set_lr
 
     if cfg.deterministic:
         from hybridpar.runtime.determinism import enable_determinism
