@@ -39,7 +39,6 @@ from hybridpar.layout import (
     Split,
     moved_channels,
     moved_elements,
-    piece_sizes,
     received_channels,
 )
 from hybridpar.plans.schema import LayerLayout, Plan
@@ -73,6 +72,12 @@ def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, inp
     return []
 
 
+def _piece(n: int, p: int, k: int) -> int:
+    """piece_sizes(n, p)[k] without the list (torch.chunk's convention)."""
+    full = -(-n // p)
+    return max(0, min(full, n - k * full))
+
+
 def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, in_pieces, b: int):
     S, c, f = lay.sample, lay.channel, lay.filter
     G = c * f
@@ -82,15 +87,19 @@ def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, 
         x, y = (x[0], x[-1], prod(x[1:-1])), (y[0], y[-1], prod(y[1:-1]))
     in_sp, out_sp = (prod(x[2:]) if len(x) > 2 else 1), (prod(y[2:]) if len(y) > 2 else 1)
     ops: list[CommOp] = []
-    weight = dict(node.param_shapes)
-    w_shape = next((s for k, s in node.param_shapes if k.endswith("weight")), None)
-    bias_shape = next((s for k, s in node.param_shapes if k.endswith("bias")), None)
+    w_name = next((k for k, _ in node.param_shapes if k.endswith("weight")), None)
+    b_name = next((k for k, _ in node.param_shapes if k.endswith("bias")), None)
+    shapes = dict(node.param_shapes)
+    w_shape, bias_shape = shapes.get(w_name), shapes.get(b_name)
+    # parameters besides the weight and bias that the tracer gave this node (a free parameter no op
+    # reads goes to its module's first node): not split by the layout, whole on every rank, and
+    # their gradients summed over the sample groups with the shard's
+    others = sum(prod(s) for k, s in node.param_shapes if k not in (w_name, b_name))
     if G > 1:
         pos = GridPos(c, f, position % G)
-        in_sizes = in_pieces or piece_sizes(x[1], G)
-        out_sizes = piece_sizes(y[1], G)
-        cols = sum(in_sizes[k] for k in pos.in_piece_ids())
-        rows = sum(out_sizes[k] for k in pos.out_piece_ids())
+        # single pieces by formula (the planner asks for G up to thousands: no list of all G pieces)
+        cols = sum(in_pieces[k] if in_pieces else _piece(x[1], G, k) for k in pos.in_piece_ids())
+        rows = sum(_piece(y[1], G, k) for k in pos.out_piece_ids())
         if f > 1:
             ops.append(CommOp("allgather", f, n * cols * in_sp * b, "filter", "fwd"))
         if c > 1:
@@ -99,10 +108,10 @@ def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, 
         if f > 1 and input_grad:
             ops.append(CommOp("reduce_scatter", f, n * cols * in_sp * b, "filter", "bwd"))
         k_sp = prod(w_shape[2:]) if w_shape and len(w_shape) > 2 and node.op == "conv2d" else 1
-        shard = rows * cols * k_sp + (out_sizes[pos.g] if bias_shape else 0)
+        shard = (rows * cols * k_sp if w_shape else 0) + (_piece(y[1], G, pos.g) if bias_shape else 0) + others
         # a linear's columns are feature pieces already (cols counts features), so k_sp is 1 there
     else:
-        shard = sum(prod(s) for s in weight.values())
+        shard = sum(prod(s) for s in shapes.values())
     if S > 1 and shard:
         ops.append(CommOp("allreduce", S, shard * b, "replica", "grad"))
     return ops
@@ -112,7 +121,7 @@ def _batchnorm(node: Node, lay: LayerLayout, position: int, input_grad: bool, bn
     S, G = lay.sample, lay.channel * lay.filter
     if S == 1:
         return []
-    cg = piece_sizes(node.in_shapes[0][1], G)[position % G]
+    cg = _piece(node.in_shapes[0][1], G, position % G)
     ops = []
     if bn_stats == "global":
         ops.append(CommOp("allgather", S, S * (2 * cg + 1) * b, "replica", "fwd"))
@@ -235,7 +244,7 @@ def grad_ready_bytes(node: Node, layout: LayerLayout, *, position: int = 0, in_p
     bias = next((s for k, s in node.param_shapes if k.endswith("bias")), None)
     if node.op in ("conv2d", "linear") and bias:
         g = layout.channel * layout.filter
-        b = piece_sizes(bias[0], g)[position % g] * dtype_bytes if g > 1 else prod(bias) * dtype_bytes
+        b = _piece(bias[0], g, position % g) * dtype_bytes if g > 1 else prod(bias) * dtype_bytes
         if not 0 < b < total:
             return [total]
         return [total - b, b] if g == 1 and node.op == "conv2d" else [b, total - b]
