@@ -22,6 +22,7 @@ FACTORY_FILE = Path(hf_families.__file__).resolve()
 class Result:
     status: str  # "exact" | "refused" | "failed"
     detail: str = ""
+    precision: str = "fp32"  # train: "fp64" when judged by its --precision fp64 run (train_checks.py)
 
     @property
     def ok(self) -> bool:
