@@ -123,8 +123,8 @@ def _batchnorm(node: Node, lay: LayerLayout, position: int, input_grad: bool, bn
         return []
     cg = _piece(node.in_shapes[0][1], G, position % G)
     ops = []
-    if bn_stats == "global":
-        ops.append(CommOp("allgather", S, S * (2 * cg + 1) * b, "replica", "fwd"))
+    if bn_stats == "global":  # (count, count*mean, M2, count*mean^2) in float64: runtime/layers/norm.py
+        ops.append(CommOp("allreduce", S, (3 * cg + 1) * 8, "replica", "fwd"))
         if input_grad:
             ops.append(CommOp("allreduce", S, 2 * cg * b, "replica", "bwd"))
     if node.param_shapes:
