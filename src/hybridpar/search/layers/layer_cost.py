@@ -90,6 +90,8 @@ class CostContext:
         # layer costs by what decides them (shapes, FLOPs, attributes, layout), not by node name:
         # ResNet-50's 16 bottleneck blocks have 10 distinct shapes between them
         self.layer_memo: dict[tuple, LayerCost] = {}
+        # a node's gradient bytes in backward's ready order per layout (planner.grad_bucket_schedule)
+        self.grad_ready_memo: dict[tuple, tuple] = {}
 
     def _time(self, kind: str, bytes_: int, key, groups) -> float:
         k = (kind, bytes_, key)
