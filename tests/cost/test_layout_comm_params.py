@@ -73,3 +73,16 @@ def test_a_weight_not_named_weight_is_whole():
     node = Node("c", "conv2d", inputs=("x",), in_shapes=((8, 6, 10, 10),), out_shape=(8, 12, 10, 10),
                 param_shapes=(("kernel", (12, 6, 3, 3)),))
     assert _grad(node, LayerLayout(sample=2, channel=2, filter=2)) == 12 * 6 * 9 * B
+
+
+def test_pieces_summed_in_closed_form_equal_the_piece_list():
+    from hybridpar.cost.layout_comm import _pieces_sum
+
+    for n in (0, 1, 3, 10, 17, 64, 1000):
+        for p in (1, 2, 3, 4, 7, 16, 1024):
+            sizes = piece_sizes(n, p)
+            for step in {1, 2, 3, p}:
+                for start in range(min(p, step + 3)):
+                    for count in range(0, (p - 1 - start) // step + 2):
+                        want = sum(sizes[start + i * step] for i in range(count))
+                        assert _pieces_sum(n, p, start, step, count) == want, (n, p, start, step, count)

@@ -78,6 +78,20 @@ def _piece(n: int, p: int, k: int) -> int:
     return max(0, min(full, n - k * full))
 
 
+def _pieces_sum(n: int, p: int, start: int, step: int, count: int) -> int:
+    """sum(piece_sizes(n, p)[start + i * step] for i in range(count)) in closed form: pieces
+    0 .. n // full - 1 are full, the next holds the remainder, the rest are empty (the planner asks
+    for G up to thousands of pieces, thousands of times)."""
+    full = -(-n // p)
+    if full == 0 or count <= 0:
+        return 0
+    nfull, rem = divmod(n, full)
+    whole = 0 if start >= nfull else min(count, (nfull - 1 - start) // step + 1)
+    i, r = divmod(nfull - start, step)
+    partial = rem if rem and nfull < p and nfull >= start and r == 0 and i < count else 0
+    return whole * full + partial
+
+
 def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, in_pieces, b: int):
     S, c, f = lay.sample, lay.channel, lay.filter
     G = c * f
@@ -97,9 +111,11 @@ def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, 
     others = sum(prod(s) for k, s in node.param_shapes if k not in (w_name, b_name))
     if G > 1:
         pos = GridPos(c, f, position % G)
-        # single pieces by formula (the planner asks for G up to thousands: no list of all G pieces)
-        cols = sum(in_pieces[k] if in_pieces else _piece(x[1], G, k) for k in pos.in_piece_ids())
-        rows = sum(_piece(y[1], G, k) for k in pos.out_piece_ids())
+        # pieces by formula (the planner asks for G up to thousands: no list of all G pieces); this
+        # rank's columns are pieces i*f .. i*f+f-1, its rows pieces j, f+j, ..., (c-1)f+j (GridPos)
+        cols = (sum(in_pieces[k] for k in pos.in_piece_ids()) if in_pieces
+                else _pieces_sum(x[1], G, pos.i * f, 1, f))
+        rows = _pieces_sum(y[1], G, pos.j, f, c)
         if f > 1:
             ops.append(CommOp("allgather", f, n * cols * in_sp * b, "filter", "fwd"))
         if c > 1:

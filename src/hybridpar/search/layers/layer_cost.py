@@ -92,6 +92,7 @@ class CostContext:
         self.layer_memo: dict[tuple, LayerCost] = {}
         # a node's gradient bytes in backward's ready order per layout (planner.grad_bucket_schedule)
         self.grad_ready_memo: dict[tuple, tuple] = {}
+        self.grad_ready_sigs: dict[int, tuple] = {}
 
     def _time(self, kind: str, bytes_: int, key, groups) -> float:
         k = (kind, bytes_, key)

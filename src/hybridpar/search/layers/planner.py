@@ -154,20 +154,8 @@ def _scaled(graph, batch: int):
 
 # -- options -----------------------------------------------------------------------------------
 
-def _linear_in_pieces(graph, node, pieces: int) -> list[int] | None:
-    """A linear layer's input-feature pieces as the runtime splits them (its producer's channels)."""
-    if graph is None or node.op != "linear" or pieces == 1:
-        return None
-    from hybridpar.cost import layout_comm
-
-    # the runtime on DTensor splits a linear's input as DTensor chunks it (layout_comm's default then);
-    # older layout_comm derived the pieces from the producer's channels
-    pieces_of = getattr(layout_comm, "_linear_in_pieces", None)
-    return None if pieces_of is None else pieces_of(graph, node, pieces)
-
-
 def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout], capacity: float,
-                    even_only: bool, empty_ok: bool = False, graph=None) -> VertexOptions:
+                    even_only: bool, empty_ok: bool = False) -> VertexOptions:
     node = v.node
     cin, cout = channels_of(node.in_shapes[0]), channels_of(node.out_shape)
     groups = int(node.attr("groups", 1) or 1)
@@ -177,12 +165,10 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
         reason = layout_problem(lay, ctx.batch, cin, cout, splittable=groups == 1, even=even_only,
                                empty_ok=empty_ok)
         if reason is None:
-            pieces = _linear_in_pieces(graph, node, lay.channel * lay.filter)
-            key = (sig, lay, None if pieces is None else tuple(pieces))
+            key = (sig, lay)
             cost = ctx.layer_memo.get(key)
             if cost is None:
-                cost = ctx.layer_memo[key] = weight_layer_cost(node, v.followers, lay, ctx, input_grad=v.input_grad,
-                                                               in_pieces=pieces)
+                cost = ctx.layer_memo[key] = weight_layer_cost(node, v.followers, lay, ctx, input_grad=v.input_grad)
             if cost.memory_bytes > capacity:
                 reason = f"needs {_size(cost.memory_bytes)} per device for this layer alone"
             else:
@@ -211,7 +197,7 @@ def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequenc
     out = []
     for v in lg.vertices:
         if v.is_weight:
-            vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok, lg.graph)
+            vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok)
             if not vo.options:
                 why = "; ".join(f"{p.layout.to_strategy()}: {p.reason}" for p in vo.pruned[:3])
                 raise InfeasibleError(f"layer {v.node.module or v.name} has no feasible decomposition ({why})")
@@ -314,17 +300,23 @@ def grad_bucket_schedule(lg: LayerGraph, opts: list[VertexOptions], choice: Sequ
         key = layout_of(lay.sample, g)
         if n.op not in SPLIT_OPS and g > 1:  # a replicated DTensor parameter
             return key, (), grad_allreduce_bytes(n, key, ctx.elem, ctx.bn_stats)
-        pieces = _linear_in_pieces(lg.graph, n, g) if n.op == "linear" else None
-        return key, tuple(grad_ready_bytes(n, lay, in_pieces=pieces, dtype_bytes=ctx.elem)), 0
+        # a linear's input features split as DTensor chunks them (layout_comm's default pieces)
+        return key, tuple(grad_ready_bytes(n, lay, dtype_bytes=ctx.elem)), 0
 
-    memo = ctx.grad_ready_memo  # per node object (kept alive in the value) and layout: the search
-    # predicts many choices that share most layers' layouts
+    memo, sigs = ctx.grad_ready_memo, ctx.grad_ready_sigs
 
     def place(n, lay: LayerLayout, i: int) -> None:
-        hit = memo.get((id(n), lay))
-        if hit is None or hit[0] is not n:
-            hit = memo[(id(n), lay)] = (n, grads(n, lay))
-        key, now, after = hit[1]
+        # memoised by what decides the bytes (identical layers share them) and the layout: the search
+        # predicts many choices that share most layers' layouts
+        sig = sigs.get(id(n))
+        if sig is None or sig[0] is not n:  # the node kept alive in the value: its id is not reused
+            params = tuple((name.rsplit(".", 1)[-1], tuple(shape)) for name, shape in n.param_shapes)
+            sig = sigs[id(n)] = (n, (n.op, n.in_shapes, n.out_shape, params))
+        k = (sig[1], lay)
+        hit = memo.get(k)
+        if hit is None:
+            hit = memo[k] = grads(n, lay)
+        key, now, after = hit
         if after:
             late.append((key, after, None))
         for b in now:
