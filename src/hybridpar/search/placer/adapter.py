@@ -84,8 +84,11 @@ def _convex_hull(graph: Graph, names: Sequence[str], succ, index) -> set[str]:
 
 def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids: Sequence[int], *,
                        dtype: str = "fp32", optimizer: str = "momentum",
-                       mem_capacity_bytes: float | None = None) -> PlacementProblem:
-    """The placement problem of `coarse` (a coarsening of `fine`) on `device_ids` of `cluster`."""
+                       mem_capacity_bytes: float | None = None, program_order: bool = True) -> PlacementProblem:
+    """The placement problem of `coarse` (a coarsening of `fine`) on `device_ids` of `cluster`.
+    program_order: priced in the order the MP runtime runs (PlacementProblem.program_order; the coarse
+    nodes in the order of their first member, an approximation where coarsening merged nodes that the
+    traced program interleaves); False prices any order, a what-if."""
     m = len(device_ids)
     b = DTYPE_BYTES[dtype]
     master = 4 if b < 4 else 0
@@ -128,7 +131,7 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
         (f"MP runtime: {node_s * 1e6:.1f} us of executor work per graph node (measured by `hybridpar profile`), "
          f"{step_s * 1e3:.3g} ms loss allreduce per step",) if node_s else ())
     return PlacementProblem(coarse.name, tuple(tasks), m, (cap,) * m, bw, lat, links, tuple(device_ids),
-                            notes, step_s)
+                            notes, step_s, program_order)
 
 
 def executor_node_overhead_s(cluster: Cluster) -> float:

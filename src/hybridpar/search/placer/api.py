@@ -119,13 +119,20 @@ def what_if_note(chunks: int) -> str:
             "run this schedule")
 
 
+FREE_ORDER_NOTE = ("WHAT-IF (free order): priced with each device free to run any ready operation first "
+                   "(DLPlacer's schedule); the MP runtime runs every device in program order, so `train` is "
+                   "slower than this prediction where the placement needs reordering")
+
+
 def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, batch: int | None = None,
                   coarsen: int | None = None, input_shape=None, dtype: str = "fp32",
-                  mem_capacity_bytes: float | None = None, time_chunks: int | None = None
-                  ) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
+                  mem_capacity_bytes: float | None = None, time_chunks: int | None = None,
+                  free_order: bool = False) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
     """The placement problem of a model; `time_chunks` K >= 2 splits recurrent nodes into K tied time
-    chunks, a what-if the runtime does not run (None: the default, off; 0: off). The returned coarse
-    graph has one node per task."""
+    chunks, a what-if the runtime does not run (None: the default, off; 0: off). Priced in the MP
+    runtime's program order (schedule.program_schedule) unless `free_order` or time chunks ask for a
+    free schedule (DLPlacer's, the runtime does not run it: a what-if). The returned coarse graph has
+    one node per task."""
     if devices < 1:
         raise UserError(f"devices must be >= 1, got {devices}", param="devices")
     if coarsen is not None and coarsen < 2:
@@ -144,7 +151,8 @@ def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2,
     chunks = time_chunks or 0  # off by default (what_if_note)
     coarse = _coarse(fine, coarsen or DEFAULT_COARSEN, chunks if chunks >= 2 else 0)
     prob = problem_from_graph(coarse, fine, cl, tuple(range(devices)), dtype=dtype,
-                              mem_capacity_bytes=mem_capacity_bytes)
+                              mem_capacity_bytes=mem_capacity_bytes,
+                              program_order=not free_order and "time_chunks" not in dict(coarse.meta))
     return prob, coarse, fine, cl, name
 
 
@@ -152,12 +160,13 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
                 time_limit_s: float = 30.0, batch: int | None = None, coarsen: int | None = None,
                 input_shape=None, dtype: str = "fp32", workers: int = 2,
                 mem_capacity_bytes: float | None = None, time_chunks: int | None = None,
-                seed: int = 0) -> PlaceOutcome:
+                seed: int = 0, free_order: bool = False) -> PlaceOutcome:
     """Place `model` over `devices` devices (0..devices-1) of `cluster` at `batch` samples per step.
 
     Returns the placement (solver result with schedule and gap), the one-device step for the speedup,
     every baseline's step, and a Plan (mp=devices, placement keyed by module name). The ILP's answer
-    depends only on the inputs, `time_limit_s` (deterministic time), `workers` and `seed`."""
+    depends only on the inputs, `time_limit_s` (deterministic time), `workers` and `seed`. Priced in
+    the MP runtime's program order; `free_order` prices DLPlacer's free schedule (a labelled what-if)."""
     from hybridpar.search.placer import BASELINES, SOLVERS, solve
 
     if solver not in SOLVERS:
@@ -171,7 +180,8 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
                      "place on fewer devices")
     prob, coarse, fine, cl, name = build_problem(model, cluster, devices, batch=batch, coarsen=coarsen,
                                                  input_shape=input_shape, dtype=dtype,
-                                                 mem_capacity_bytes=mem_capacity_bytes, time_chunks=time_chunks)
+                                                 mem_capacity_bytes=mem_capacity_bytes, time_chunks=time_chunks,
+                                                 free_order=free_order)
     if solver == "ilp":
         budget.check(f"placement of {len(prob.tasks):,} tasks on {devices:,} devices",
                      budget.placer_ilp_estimate(len(prob.tasks), devices),
@@ -198,5 +208,7 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
                        *([what_if_note(dict(coarse.meta)["time_chunks"])] if "time_chunks" in dict(coarse.meta)
                          else [])])
     k = dict(coarse.meta).get("time_chunks", 0)
-    return PlaceOutcome(result, single_time, single is not None, baselines, plan, coarse, len(fine),
-                        (what_if_note(k),) if k else ())
+    notes = ((what_if_note(k),) if k else ()) + ((FREE_ORDER_NOTE,) if free_order and not k else ())
+    if notes and not k:
+        plan = plan.model_copy(update={"notes": [*plan.notes, *notes]})
+    return PlaceOutcome(result, single_time, single is not None, baselines, plan, coarse, len(fine), notes)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybridpar.search.placer.problem import PlacementProblem, Task
-from hybridpar.search.placer.schedule import Op, build_ops, replay
+from hybridpar.search.placer.schedule import Op, build_ops, program_schedule, replay
 from hybridpar.toposort import topological_order
 
 INF = math.inf
@@ -333,7 +333,8 @@ def _place_side(problem: PlacementProblem, assignment: list[int], side: Sequence
             trial[t] = d
             ops = build_ops(problem, trial, q)
             ks = dec.keys(ops)
-            span = replay(ops, topological_order([op.preds for op in ops], key=lambda i: (ks[i], i))).makespan
+            span = (program_schedule(ops) if problem.program_order else
+                    replay(ops, topological_order([op.preds for op in ops], key=lambda i: (ks[i], i)))).makespan
             if best is None or span < best[0]:
                 best = (span, d)
         a[t] = best[1]

@@ -6,7 +6,10 @@ p[u,a,b] (u on a and some consumer on b) that makes present one optional forward
 links[a][b] and one gradient transfer on links[b][a]. Constraints: one device per task; per-device
 memory (tasks + receive buffers); NoOverlap per device (forward and backward intervals) and per link
 (transfers); precedence with the transfer delays, exactly the rules of schedule.build_ops. Objective:
-the step's makespan.
+the step's makespan. A problem in program order (the MP runtime's: problem.program_order) also fixes
+each device's order: its forwards in task order, then its backwards in reverse (`_program_order`);
+transfers keep a free order on their link (a relaxation: the answer is replayed in program order, and
+called optimal only when that replay meets the proven bound).
 
 Tightening (none of it changes the optimum): identical devices are interchangeable, so a device may
 only be used once the device before it is (symmetry breaking); the makespan is bounded below by the
@@ -36,7 +39,7 @@ from ortools.sat.python import cp_model
 from hybridpar.errors import InfeasibleError
 from hybridpar.search.placer.problem import PlacementProblem, fmt_bytes
 from hybridpar.search.placer.result import PlacementResult, fits
-from hybridpar.search.placer.schedule import Op, Schedule, build_ops, list_schedule, replay
+from hybridpar.search.placer.schedule import Op, Schedule, build_ops, program_schedule, replay, timed
 from hybridpar.toposort import topological_order
 
 # The time limit is CP-SAT's deterministic time (work, calibrated to about a second of one core), so
@@ -198,8 +201,34 @@ def build_model(problem: PlacementProblem, q: Callable[[float], int], horizon: i
             md.add(sf[t] >= ef[u])
             md.add(sb[u] >= eb[t])
         md.add(span >= eb[t])
+    if problem.program_order:
+        _program_order(md, problem, x, sf, sb, ef, eb, horizon)
     md.minimize(span)
     return _Model(md, x, sf, sb, pres, tf, tb, span, fdur)
+
+
+def _program_order(md: cp_model.CpModel, problem: PlacementProblem, x, sf, sb, ef, eb, horizon: int) -> None:
+    """The MP runtime's order on every device (schedule.program_schedule): two tasks on one device run
+    their forwards in task order and their backwards in reverse (only pairs with no path between them
+    need it: a path orders them already), and a device starts its first backward after its last
+    forward."""
+    n, m = len(problem.tasks), problem.num_devices
+    anc = [0] * n  # ancestors as bit masks (tasks are in topological order)
+    for t in range(n):
+        for u in problem.preds[t]:
+            anc[t] |= anc[u] | (1 << u)
+    for d in range(m):
+        fwd_done = md.new_int_var(0, horizon, f"fwd_done{d}")
+        for t in range(n):
+            md.add(fwd_done >= ef[t]).only_enforce_if(x[t][d])
+            md.add(sb[t] >= fwd_done).only_enforce_if(x[t][d])
+    for v in range(n):
+        for u in range(v):
+            if anc[v] >> u & 1:
+                continue
+            for d in range(m):
+                md.add(sf[v] >= ef[u]).only_enforce_if([x[u][d], x[v][d]])
+                md.add(sb[u] >= eb[v]).only_enforce_if([x[u][d], x[v][d]])
 
 
 def _break_symmetry(md: cp_model.CpModel, problem: PlacementProblem, x: list[list]) -> None:
@@ -336,7 +365,7 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     if hint is not None:
         a = canonical(problem, hint.assignment)
         ops = build_ops(problem, a, q)
-        starts.append(_Start(a, ops, list_schedule(ops), hint.solver))
+        starts.append(_Start(a, ops, timed(problem, ops), hint.solver))
     lower = critical_path(problem, fdur, bdur)
     polish = float(time_limit_s)  # deterministic seconds for the whole-problem search
     # wall-clock safety net only: model building is not deterministic time, so allow for it generously
@@ -357,8 +386,7 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
                 a = dec.assignment
                 ops = build_ops(problem, a, q)
                 keys = dec.keys(ops)
-                starts.append(_Start(a, ops, replay(ops, _order_by_start(ops, keys)),
-                                     "decomposition"))
+                starts.append(_Start(a, ops, _replayed(problem, ops, keys), "decomposition"))
     starts.sort(key=lambda s: s.makespan)
     best = starts[0] if starts else None
     if best is not None and best.makespan <= lower:  # the warm start meets the proven bound
@@ -371,12 +399,15 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     sol = run(mdl, problem, det_time=polish, wall_s=max(deadline - time.perf_counter(), 0.05 * time_limit_s),
               workers=workers, seed=seed)
     bound = max(sol.bound, lower)
-    if sol.assignment is not None and (best is None or sol.objective < best.makespan):
+    if sol.assignment is not None:
         ops = build_ops(problem, sol.assignment, q)
-        order = _order_by_start(ops, [sol.starts[op.name] for op in ops])
-        best = _Start(list(sol.assignment), ops, replay(ops, order), "ilp")
+        found = _Start(list(sol.assignment), ops, _replayed(problem, ops, [sol.starts[op.name] for op in ops]), "ilp")
+        if best is None or found.makespan < best.makespan:
+            best = found
     if best is not None:
-        status = "optimal" if sol.status == "optimal" or best.makespan <= bound else "feasible"
+        # in program order the solve is a relaxation (free transfer order): optimal once the replay meets it
+        proven = sol.status == "optimal" and not problem.program_order
+        status = "optimal" if proven or best.makespan <= bound else "feasible"
         return _finish(problem, hint, best, t0, status, bound * unit, notes)
     if sol.status == "infeasible":
         raise InfeasibleError(f"{problem.name}: no placement on {m} device(s) fits in memory "
@@ -405,8 +436,7 @@ def _finish(problem: PlacementProblem, hint: PlacementResult | None, best: _Star
     """The schedule in exact seconds (the integer schedule's order on every resource, replayed); the
     baseline's own result when it is faster (the ILP never returns a slower step than its warm start)."""
     elapsed = time.perf_counter() - t0
-    order = _order_by_start(best.ops, best.sched.start)
-    sched = replay(build_ops(problem, best.assignment), order)
+    sched = _replayed(problem, build_ops(problem, best.assignment), best.sched.start)
     if best.label not in ("ilp", "decomposition"):
         notes = [*notes, f"ILP kept its warm start ({best.label})"]
     result = PlacementResult(problem, tuple(best.assignment), sched, "ilp", elapsed, status, bound_s, tuple(notes))
@@ -414,6 +444,14 @@ def _finish(problem: PlacementProblem, hint: PlacementResult | None, best: _Star
         return PlacementResult(problem, hint.assignment, hint.schedule, "ilp", elapsed, "feasible", bound_s,
                                (*notes, f"ILP kept its warm start ({hint.solver})"))
     return result
+
+
+def _replayed(problem: PlacementProblem, ops: Sequence[Op], start: Sequence[float]) -> Schedule:
+    """The schedule of `ops` run in the order these starts give (program order when the problem is in
+    the runtime's program order: the starts only came from a relaxation of it)."""
+    if problem.program_order:
+        return program_schedule(ops)
+    return replay(ops, _order_by_start(ops, start))
 
 
 def _order_by_start(ops: Sequence[Op], start: Sequence[float]) -> list[int]:

@@ -49,6 +49,10 @@ class PlacementProblem:
     serialised (the solver and the simulator both treat a link as one resource).
     step_overhead_s: a fixed cost of every step of the MP runtime, whatever the placement (its loss
     allreduce across the group); added to the schedule's makespan in PlacementResult.step_time_s.
+    program_order: each device runs its operations in the MP runtime's order (schedule.program_schedule):
+    its forwards in task order, then its backwards in reverse task order, waiting for a value it needs
+    rather than running a later operation meanwhile. False: any order (DLPlacer's free schedule, which
+    the runtime does not run; a what-if).
     """
 
     name: str
@@ -61,6 +65,7 @@ class PlacementProblem:
     device_ids: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default=())
     step_overhead_s: float = 0.0
+    program_order: bool = False
 
     def __post_init__(self) -> None:
         m = self.num_devices
@@ -226,4 +231,4 @@ def _toposort(tasks: list[Task]) -> list[Task]:
 def _replace_tasks(problem: PlacementProblem, tasks: list[Task]) -> PlacementProblem:
     return PlacementProblem(problem.name, tuple(tasks), problem.num_devices, problem.mem_capacity_bytes,
                             problem.bw_Bps, problem.latency_s, problem.links, problem.device_ids, problem.notes,
-                            problem.step_overhead_s)
+                            problem.step_overhead_s, problem.program_order)

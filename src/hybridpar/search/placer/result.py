@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from hybridpar.search.placer.problem import PlacementProblem
-from hybridpar.search.placer.schedule import Breakdown, Schedule, breakdown, build_ops, list_schedule
+from hybridpar.search.placer.schedule import Breakdown, Schedule, breakdown, build_ops, timed
 
 
 def memory_per_device(problem: PlacementProblem, assignment: Sequence[int]) -> list[int]:
@@ -70,6 +70,7 @@ class PlacementResult:
 
 
 def evaluate(problem: PlacementProblem, assignment: Sequence[int], solver: str, **kw) -> PlacementResult:
-    """Time a placement with the list scheduler (how every baseline is costed)."""
-    sched = list_schedule(build_ops(problem, assignment))
+    """Time a placement (how every baseline is costed): in the runtime's program order when the problem
+    says so, else with the list scheduler."""
+    sched = timed(problem, build_ops(problem, assignment))
     return PlacementResult(problem, tuple(assignment), sched, solver, **kw)
