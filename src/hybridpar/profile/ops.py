@@ -12,7 +12,6 @@ group) and as the runtime's global-statistics function without its two allreduce
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,7 +21,7 @@ from torch import nn
 from hybridpar.cluster.calibration import Measurement, OpRecord
 from hybridpar.cost.compute import local_shapes
 from hybridpar.graph.types import Node
-from hybridpar.profile.timing import measure, summarize
+from hybridpar.profile.timing import clock, measure, summarize
 
 
 @dataclass(frozen=True)
@@ -175,8 +174,9 @@ def _global_bn(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) 
 
 
 def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
-    """Forward, backward-data (grad of x only) and backward-weight (grad of w only). The three are
-    timed in turn within each repeat, so a burst of load from elsewhere hits all three alike."""
+    """Forward, backward-data (grad of x only) and backward-weight (grad of w only), as CPU time of
+    this thread (profile.timing). The three are timed in turn within each repeat, so a burst of load
+    from elsewhere (cache pressure) hits all three alike."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(spec.x, generator=g).requires_grad_(True)
     w = b = None
@@ -205,9 +205,9 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     samples: list[list[float]] = [[] for _ in passes]
     for _ in range(repeats):
         for i, fn in enumerate(passes):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            samples[i].append(time.perf_counter() - t0)
+            samples[i].append(clock() - t0)
     fwd, bwd_data, *rest = (summarize(s) for s in samples)
     return OpRecord(key=spec.key, op=spec.op, fwd=fwd, bwd_data=bwd_data, bwd_weight=rest[0] if rest else None)
 

@@ -1,4 +1,11 @@
-"""Repeated timing: warm-up runs, then the median and spread of `repeats` runs."""
+"""Repeated timing: warm-up runs, then the median and spread of `repeats` runs.
+
+Times are CPU time of the calling thread (`clock`, time.thread_time), not wall-clock time: on a
+shared machine the wall clock of an op also counts the time other jobs hold its core, which put the
+op table at about twice a quiet step under load (issue 13); a thread's CPU time counts only its own
+work. It needs the timed work to run on the calling thread: the profile runs torch single-threaded
+(one rank = one core), and nothing timed here waits on another process.
+"""
 
 from __future__ import annotations
 
@@ -20,13 +27,17 @@ def summarize(samples: Sequence[float]) -> Measurement:
     return Measurement(median_s=statistics.median(xs), p10_s=q[0], p90_s=q[-1], repeats=len(xs))
 
 
+clock = time.thread_time  # seconds of CPU time of the calling thread
+
+
 def measure(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 10) -> Measurement:
-    """Time `fn()` after `warmup` untimed calls; the median resists the odd preempted run."""
+    """CPU time of `fn()` on this thread after `warmup` untimed calls; the median resists the odd
+    slow run (a cache flushed by another job)."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        samples.append(time.perf_counter() - t0)
+        samples.append(clock() - t0)
     return summarize(samples)
