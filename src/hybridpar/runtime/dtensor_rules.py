@@ -23,7 +23,8 @@ aten = torch.ops.aten
 # Ops known to lack a DTensor strategy that users' models need; the dry run may add more.
 REPLICATED_OPS = (aten.avg_pool3d_backward.default, aten.avg_pool2d_backward.default,
                   aten.max_pool2d_with_indices_backward.default,
-                  aten.hardtanh_backward.default)  # ReLU6's backward (HF MobileNet): no strategy in 2.13
+                  aten.hardtanh_backward.default,  # ReLU6's backward (HF MobileNet): no strategy in 2.13
+                  aten.hardswish_backward.default)  # Hardswish's (HF LeViT): none either
 
 _installed: set = set()
 
