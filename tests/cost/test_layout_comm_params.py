@@ -78,8 +78,8 @@ def test_a_weight_not_named_weight_is_whole():
 def test_pieces_summed_in_closed_form_equal_the_piece_list():
     from hybridpar.cost.layout_comm import _pieces_sum
 
-    for n in (0, 1, 3, 10, 17, 64, 1000):
-        for p in (1, 2, 3, 4, 7, 16, 1024):
+    for n in (0, 1, 3, 10, 17, 64, 100):
+        for p in (1, 2, 3, 4, 7, 16, 33):
             sizes = piece_sizes(n, p)
             for step in {1, 2, 3, p}:
                 for start in range(min(p, step + 3)):

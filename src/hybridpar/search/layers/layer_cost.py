@@ -42,6 +42,8 @@ from hybridpar.search.layers.decomposition import (
 
 WEIGHT_OPS = ("conv2d", "linear")
 JOIN_OPS = ("add", "mul", "concat")
+# recurrent layers: no layout splits them; every rank of a sample group runs the whole layer on its samples
+WHOLE_OPS = ("lstm",)
 
 
 @dataclass(frozen=True)
@@ -225,13 +227,24 @@ def layout_collectives(node: Node, followers: Sequence[Node], layout: LayerLayou
     return ops
 
 
-def _follower_time(followers: Sequence[Node], dist: Distribution, ctx: CostContext) -> tuple[float, float]:
+def node_time(n: Node, dist: Distribution, ctx: CostContext):
+    """Compute of a node that runs on a vertex's distribution (a follower, or a node before the first
+    layer on the first vertex's): its piece of the channels, but a recurrent layer whole on each rank
+    for the rank's samples. The rule is the MP placer's: hybridpar.cost.compute.op_time at the
+    rank's shape, the record `hybridpar profile` measured there first (an LSTM's), else the roofline."""
+    frac = 1.0 if n.op in WHOLE_OPS else piece_frac(channels_of(n.out_shape), dist.channel)
+    return ctx.op(n, dist.sample, frac)
+
+
+def nodes_time(nodes: Sequence[Node], dist: Distribution, ctx: CostContext) -> tuple[float, float]:
+    """Forward and backward seconds of `nodes` (`node_time` each)."""
     fwd = bwd = 0.0
-    for n in followers:
-        t = ctx.op(n, dist.sample, piece_frac(channels_of(n.out_shape), dist.channel))
+    for n in nodes:
+        t = node_time(n, dist, ctx)
         fwd += t.fwd_s
         bwd += t.bwd_s
     return fwd, bwd
+
 
 
 def _summarise(ops: Sequence[CommOp], ctx: CostContext) -> tuple[float, float, float, dict[str, int]]:
@@ -258,7 +271,7 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     s, c, f = layout.sample, layout.channel, layout.filter
     dist = Distribution(s, c * f)
     t = ctx.op(node, s, 1.0 / c, 1.0 / f)  # op_time cuts C and F to ceil(dim / pieces) itself
-    ffwd, fbwd = _follower_time(followers, dist, ctx)
+    ffwd, fbwd = nodes_time(followers, dist, ctx)
     ops = layout_collectives(node, followers, layout, ctx, input_grad=input_grad, in_pieces=in_pieces)
     cf, cb, grad, nbytes = _summarise(ops, ctx)
     mem = weight_layer_memory(node, followers, layout, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
@@ -270,7 +283,7 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
 
 def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerCost:
     t = ctx.op(node, dist.sample, piece_frac(channels_of(node.out_shape), dist.channel))
-    ffwd, fbwd = _follower_time(followers, dist, ctx)
+    ffwd, fbwd = nodes_time(followers, dist, ctx)
     mem = join_memory([node, *followers], batch=ctx.batch, sample=dist.sample, pieces=dist.channel, elem=ctx.elem)
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, mem.persistent_bytes, {})
 

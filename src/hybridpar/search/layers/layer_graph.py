@@ -47,6 +47,9 @@ class LayerGraph:
     vertices: tuple[Vertex, ...]
     edges: tuple[LayerEdge, ...]
     graph: Graph | None = None  # the node graph it was built from
+    # nodes before the first layer (on the graph's inputs alone: an embedding, recurrent layers over
+    # it): they run on the first vertex's distribution
+    prefix: tuple[Node, ...] = ()
 
 
 def _per_sample(shape: tuple[int, ...]) -> int:
@@ -57,6 +60,7 @@ def build_layer_graph(graph: Graph) -> LayerGraph:
     owner: dict[str, int | None] = {}
     verts: list[tuple[Node, list[Node], bool]] = []
     edges: dict[tuple[int, int], int] = {}
+    prefix: list[Node] = []
     for node in graph.nodes:
         owners = [owner.get(i) for i in node.inputs]
         distinct = sorted({o for o in owners if o is not None})
@@ -73,6 +77,8 @@ def build_layer_graph(graph: Graph) -> LayerGraph:
             verts[distinct[0]][1].append(node)
         else:
             owner[node.name] = None  # graph input and what runs on it before the first layer
+            if node.op != "input":
+                prefix.append(node)
     return LayerGraph(tuple(Vertex(n, tuple(f), g) for n, f, g in verts),
                       tuple(LayerEdge(u, v, k) for (u, v), k in sorted(edges.items(), key=lambda e: e[0][::-1])),
-                      graph)
+                      graph, tuple(prefix))

@@ -46,6 +46,8 @@ from hybridpar.search.layers.layer_cost import (
     grad_allreduce,
     join_cost,
     node_signature,
+    node_time,
+    nodes_time,
     redistribution_time,
     weight_layer_cost,
 )
@@ -221,10 +223,19 @@ def runtime_layouts(ranks: int, batch: int) -> dict[int, list[LayerLayout]]:
 
 # -- problem and prediction --------------------------------------------------------------------
 
+def _prefix_time(lg: LayerGraph, dist: Distribution, ctx: CostContext) -> tuple[float, float]:
+    """Forward and backward seconds of the nodes before the first layer (an embedding, recurrent
+    layers over it), on the first vertex's distribution (`layer_cost.node_time`)."""
+    return nodes_time(lg.prefix, dist, ctx) if lg.prefix else (0.0, 0.0)
+
+
 def _problem(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext, grad_weight: float,
              edge_cost: tuple[np.ndarray, ...] | None = None) -> ChoiceProblem:
     node_cost = tuple(np.array([c.fwd_s + c.bwd_s + c.comm_fwd_s + c.comm_bwd_s + grad_weight * c.grad_sync_s
                                 for c in vo.costs]) for vo in opts)
+    if lg.prefix and opts:  # the nodes before the first layer run on the first vertex's distribution
+        node_cost = (node_cost[0] + np.array([sum(_prefix_time(lg, opts[0].dist(k), ctx))
+                                              for k in range(len(opts[0].options))]), *node_cost[1:])
     node_mem = tuple(np.array([c.memory_bytes for c in vo.costs]) for vo in opts)
     if edge_cost is None:
         edge_cost = _edge_costs(lg, opts, ctx)
@@ -382,7 +393,8 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
                                              opts[e.dst].dist(choice[e.dst]), ctx)
     extras = _step_extras(opts, choice, ctx)
     extra_s = sum(ctx.comm_time(op) for op in extras)
-    t = sum(c.fwd_s + c.comm_fwd_s for c in costs) + sum(r / 2 for r in redist) + extra_s
+    pre_fwd, pre_bwd = _prefix_time(lg, opts[0].dist(choice[0]), ctx)
+    t = pre_fwd + sum(c.fwd_s + c.comm_fwd_s for c in costs) + sum(r / 2 for r in redist) + extra_s
     comm_free = 0.0
     done = []  # when each vertex's backward ends, in backward order
     for c, r in zip(reversed(costs), reversed(redist)):
@@ -390,6 +402,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
         done.append(t)
         if grad_sync == "overlap" and c.grad_sync_s:
             comm_free = max(comm_free, t) + c.grad_sync_s
+    t += pre_bwd  # backward's last: the nodes before the first layer (their gradients ready after)
     by_key: dict[LayerLayout, int] = {}
     for c in costs:
         if c.grad_bytes and c.grad_key is not None:
@@ -412,7 +425,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     else:
         grad = sum(ctx.comm_time(grad_allreduce(b, key)) for key, b in by_key.items())
         step = t + grad
-    compute = sum(c.fwd_s + c.bwd_s for c in costs)
+    compute = pre_fwd + pre_bwd + sum(c.fwd_s + c.bwd_s for c in costs)
     comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs) + sum(redist) + grad + extra_s
     nbytes: dict[str, int] = {}
     for op in [*extras, *(grad_allreduce(b, k) for k, b in by_key.items())]:
@@ -433,6 +446,12 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
                            extra_transient_bytes=max(redist_tmp, _step_tmp(opts, choice, ctx)))
     mem = int(rank_mem.total_bytes)
     per_layer = {}
+    d0 = opts[0].dist(choice[0])
+    for n in lg.prefix:  # before the first layer (an embedding, recurrent layers): compute only
+        nt = node_time(n, d0, ctx)
+        if nt.fwd_s or nt.bwd_s:
+            per_layer[n.module or n.name] = {"fwd_s": nt.fwd_s, "bwd_s": nt.bwd_s, "comm_s": 0.0, "grad_sync_s": 0.0,
+                                             "memory_bytes": 0.0}
     for vo, c, r in zip(opts, costs, redist):
         key = vo.vertex.node.module or vo.vertex.name
         per_layer[key] = {"fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.comm_fwd_s + c.comm_bwd_s + r,
