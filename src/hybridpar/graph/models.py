@@ -118,19 +118,22 @@ def rebatch(inputs: tuple, batch: int | None, input_shape: tuple[int, ...] | Non
 
     def take(x):
         if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == given:
-            return x[rows.to(x.device)] if x.device.type != "meta" else x.new_empty((want, *x.shape[1:]))
+            return x[rows.to(x.device)]  # the same ops on meta and on CPU (the materialiser replays them)
         return x
 
     return tuple(tree_map(take, x) for x in inputs)
 
 
 def _fresh_like(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    if x.device.type == "meta":
-        return x.new_empty(shape)
+    # Floating and boolean inputs run the same ops on meta as on CPU (runtime/materialize.py records a
+    # factory on meta and replays it, this included, on CPU); integers need the example's values.
     g = torch.Generator().manual_seed(0)
     if x.dtype == torch.bool:
         return torch.ones(shape, dtype=torch.bool, device=x.device)
     if x.is_floating_point() or x.is_complex():
-        return torch.randn(shape, generator=g, dtype=x.dtype).to(x.device)
+        on = "meta" if x.device.type == "meta" else "cpu"  # the generator is a CPU one
+        return torch.randn(shape, generator=g, dtype=x.dtype, device=on).to(x.device)
+    if x.device.type == "meta":
+        return x.new_empty(shape)
     lo, hi = (int(x.min()), int(x.max())) if x.numel() else (0, 0)
     return torch.randint(lo, hi + 1, shape, generator=g, dtype=x.dtype).to(x.device)

@@ -142,9 +142,12 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.record = Record()
         self.storages = _Storages()
+        self.probes = _MetaHiddenFromProbes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.probes.todo:
+            self.probes.check()
         out = func(*args, **kwargs)
         if _op_name(func) in _UNSEEN:
             return out
@@ -420,6 +423,34 @@ def _copy_piece(target: torch.Tensor, full: torch.Tensor, info: ShardInfo | None
         target.copy_(piece)
 
 
+# Libraries that skip their weight init when they see a meta-device context: the record must hold the
+# init the real build runs, so while recording, their probe answers "no device context" (the replay still
+# checks every op against the record, so a library that then branches otherwise falls back as usual).
+# transformers' PreTrainedModel.init_weights skips initialize_weights on meta (modeling_utils, 5.x).
+_DEVICE_PROBES = (("transformers.modeling_utils", "get_torch_context_manager_or_global_device"),)
+
+
+class _MetaHiddenFromProbes:
+    """Patches each probe once its library is imported: a factory file imports it inside the build,
+    before the model's first op, so checking at every recorded op catches it before the probe runs."""
+
+    def __init__(self):
+        self.patched: list[tuple[object, str, object]] = []
+        self.todo = list(_DEVICE_PROBES)
+
+    def check(self) -> None:
+        for item in list(self.todo):
+            mod = sys.modules.get(item[0])
+            if mod is not None and callable(getattr(mod, item[1], None)):
+                self.patched.append((mod, item[1], getattr(mod, item[1])))
+                setattr(mod, item[1], lambda: None)
+                self.todo.remove(item)
+
+    def restore(self) -> None:
+        for mod, attr, fn in self.patched:
+            setattr(mod, attr, fn)
+
+
 def record_build(build: Callable[[], object]) -> tuple[object, Record | None, str | None]:
     """Run `build()` on the meta device under the Recorder, the RNG untouched. Returns what it built
     (on meta), the record, and None; or (None, None, why) when it cannot run on meta."""
@@ -433,3 +464,5 @@ def record_build(build: Callable[[], object]) -> tuple[object, Record | None, st
     except (Exception, SystemExit) as err:  # noqa: BLE001 - a user's factory can fail on meta in any way
         # (.item(), numpy, sys.exit): the whole build then says what it is, as it always has
         return None, None, f"on meta: {type(err).__name__}: {' '.join(str(err).split())[:160]}"
+    finally:
+        rec.probes.restore()
