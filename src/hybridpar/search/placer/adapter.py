@@ -19,6 +19,7 @@ from hybridpar.cost.collectives import allreduce_time
 from hybridpar.cost.compute import op_time
 from hybridpar.cost.memory import OPTIMIZER_STATE_BYTES, kept_activations
 from hybridpar.graph.coarsen import merge_groups
+from hybridpar.graph.params import owner_of
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 from hybridpar.search.placer.problem import PlacementProblem, Task
 from hybridpar.search.placer.unroll import chunk_of, share, tie_name
@@ -37,13 +38,48 @@ def node_modules(node: Node) -> tuple[str, ...]:
     return tuple(mods) if mods is not None else ((node.module,) if node.module else ())
 
 
+RUNTIME_LEAVES = "runtime_leaves"  # Graph.meta key: modules with weights the MP runtime runs as one node
+
+
+def runtime_leaves(module) -> tuple[str, ...]:
+    """Qualified names of the submodules with parameters that the MP runtime calls as one node: its
+    torch.fx trace keeps torch.nn's own modules whole (fx's default leaf rule: nn.MultiheadAttention,
+    nn.TransformerEncoderLayer, nn.LSTM, ...), where the placer's graph sees their ops one by one.
+    Outermost only."""
+    from torch import fx, nn
+
+    tracer = fx.Tracer()
+    containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)  # never called
+    out: list[str] = []
+    for name, mod in module.named_modules():
+        if not name or isinstance(mod, containers) or any(name.startswith(f"{leaf}.") for leaf in out):
+            continue
+        if tracer.is_leaf_module(mod, name) and next(mod.parameters(), None) is not None:
+            out.append(name)
+    return tuple(out)
+
+
+def leaf_of(scope: str | None, leaves) -> str | None:
+    """The runtime leaf module (runtime_leaves) whose forward made a node of this scope, if any."""
+    if not scope:
+        return None
+    return next((leaf for leaf in leaves if scope == leaf or scope.startswith(f"{leaf}.")), None)
+
+
 def tie_shared_modules(graph: Graph) -> Graph:
     """Merge the nodes that call one module with weights (e.g. a shared embedding) and every node on a
-    path between them: its weights can live on one device only, and the merged set is convex."""
+    path between them: its weights can live on one device only, and the merged set is convex. So are
+    the nodes of a module the MP runtime runs whole (Graph.meta RUNTIME_LEAVES: nn.MultiheadAttention's
+    in-projection, attention and out-projection), which it cannot split over devices."""
     by_mod: dict[str, list[str]] = {}
     weighted: set[str] = set()
+    leaves = dict(graph.meta).get(RUNTIME_LEAVES, ())
     for n in graph.nodes:
-        if n.module:
+        leaf = leaf_of(n.attr("scope"), leaves)
+        if leaf is not None:
+            by_mod.setdefault(f"leaf:{leaf}", []).append(n.name)
+            weighted.add(f"leaf:{leaf}")
+        elif n.module:
             by_mod.setdefault(n.module, []).append(n.name)
             if n.params:  # parameters are attributed to a module's first call only
                 weighted.add(n.module)
@@ -191,8 +227,18 @@ def placement_by_module(coarse: Graph, assignment: Sequence[int], fine: Graph | 
     devices (a reused dropout) is left out as a module; its calls are then placed by node name."""
     out: dict[str, int] = {}
     clash: set[str] = set()
+    leaves = dict(fine.meta).get(RUNTIME_LEAVES, ()) if fine is not None else ()
     for n, d in zip(coarse.nodes, assignment):
-        for mod in node_modules(n):
+        mods = list(node_modules(n))
+        for x in members(n) if fine is not None else ():
+            fn = fine.by_name.get(x)
+            if fn is None:
+                continue
+            # the modules owning its weights (nn.MultiheadAttention's in-projection is a node that no
+            # module calls: its weights belong to the attention module) and the runtime leaf it is in
+            mods += [owner_of(p) for p, _ in fn.param_shapes if owner_of(p)]
+            mods += [leaf for leaf in [leaf_of(fn.attr("scope"), leaves)] if leaf]
+        for mod in dict.fromkeys(mods):
             if out.get(mod, d) != d:
                 clash.add(mod)
             out.setdefault(mod, d)

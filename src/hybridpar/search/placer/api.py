@@ -12,7 +12,13 @@ from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import Plan, Prediction
 from hybridpar.search import budget
-from hybridpar.search.placer.adapter import placement_by_module, problem_from_graph, tie_shared_modules
+from hybridpar.search.placer.adapter import (
+    RUNTIME_LEAVES,
+    placement_by_module,
+    problem_from_graph,
+    runtime_leaves,
+    tie_shared_modules,
+)
 from hybridpar.search.placer.problem import PlacementProblem
 from hybridpar.search.placer.result import PlacementResult
 from hybridpar.search.placer.unroll import has_recurrence, unroll
@@ -73,7 +79,15 @@ def _traced(model: str, batch: int, input_shape: tuple[int, ...] | None) -> tupl
 
     # meta tensors: tracing needs shapes only, so BigLSTM's 1.8 B weights are never allocated
     lm = load_model(model, batch=batch, input_shape=input_shape, device="meta")
-    return trace(lm.module, lm.example_inputs, lm.name), lm.name
+    return _with_leaves(trace(lm.module, lm.example_inputs, lm.name), lm.module), lm.name
+
+
+def _with_leaves(graph: Graph, module) -> Graph:
+    """The graph with the modules the MP runtime runs whole noted in its meta (adapter.runtime_leaves)."""
+    import dataclasses
+
+    leaves = runtime_leaves(module)
+    return dataclasses.replace(graph, meta=(*graph.meta, (RUNTIME_LEAVES, leaves))) if leaves else graph
 
 
 def model_graph(model, batch: int, input_shape: tuple[int, ...] | None = None) -> tuple[Graph, str]:
@@ -86,7 +100,7 @@ def model_graph(model, batch: int, input_shape: tuple[int, ...] | None = None) -
     if isinstance(model, tuple) and len(model) == 2:
         from hybridpar.graph.tracing import trace
 
-        g = trace(model[0], model[1])
+        g = _with_leaves(trace(model[0], model[1]), model[0])
         return g, g.name
     raise UserError("model must be a zoo name, 'file.py:factory', a Graph or (module, example_inputs)")
 
