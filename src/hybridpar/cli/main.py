@@ -12,18 +12,52 @@ import click
 from hybridpar.errors import UserError
 
 
-def build_app() -> click.Group:
-    @click.group(name="hybridpar", context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The command modules, imported when needed: running `hybridpar plan` imports the module named
+    for the command (hybridpar.cli.commands.plan) and no other command's (their imports cost a
+    planner run ~10%); listing the commands, or a name no module is named for (an alias), imports
+    them all."""
+
+    _loaded: set[str]
+
+    def _load(self, names) -> None:
+        for name in names:
+            if name not in self._loaded:
+                self._loaded.add(name)
+                mod = importlib.import_module(f"hybridpar.cli.commands.{name}")
+                if hasattr(mod, "register"):
+                    mod.register(self)
+
+    def _modules(self) -> list[str]:
+        from hybridpar.cli import commands
+
+        return sorted(m.name for m in pkgutil.iter_modules(commands.__path__))
+
+    def get_command(self, ctx, cmd_name):
+        if cmd_name not in self.commands:
+            mod = cmd_name.replace("-", "_")
+            self._load([mod] if mod in self._modules() else [])
+        if cmd_name not in self.commands:
+            self._load(self._modules())
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx):
+        self._load(self._modules())
+        return super().list_commands(ctx)
+
+
+def build_app(lazy: bool = False) -> click.Group:
+    """The `hybridpar` group; `lazy`: command modules imported when a command is asked for (the
+    console script), else all at once (`.commands` complete)."""
+
+    @click.group(name="hybridpar", cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(package_name="hybridpar")
     def app() -> None:
         """Plan and run hybrid-parallel (data x model x channel/filter) deep-learning training."""
 
-    from hybridpar.cli import commands
-
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        mod = importlib.import_module(f"hybridpar.cli.commands.{info.name}")
-        if hasattr(mod, "register"):
-            mod.register(app)
+    app._loaded = set()
+    if not lazy:
+        app._load(app._modules())
     return app
 
 
@@ -44,7 +78,7 @@ def in_flags(err: UserError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    app = build_app()
+    app = build_app(lazy=True)
     try:
         rv = app.main(args=argv, prog_name="hybridpar", standalone_mode=False)
         if isinstance(rv, int) and rv:

@@ -150,8 +150,7 @@ def _solve_with_terminals(problem: ChoiceProblem, sources: list[int], sinks: lis
 def _minplus(a: np.ndarray, mid: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """out[i, j] = min_x a[i, x] + mid[x] + b[x, j], and the argmin x."""
     cube = a[:, :, None] + mid[None, :, None] + b[None, :, :]
-    arg = np.argmin(cube, axis=1)
-    return np.take_along_axis(cube, arg[:, None, :], axis=1)[:, 0, :], arg
+    return cube.min(axis=1), np.argmin(cube, axis=1)  # the minimum is the entry at the argmin
 
 
 _STRUCTURE: dict[tuple, dict] = {}  # (n, edges) -> memo of cuts and components (pure graph structure)
