@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -73,8 +73,12 @@ class VertexOptions:
     pruned: tuple[Pruned, ...]
 
     def dist(self, k: int) -> Distribution:
-        o = self.options[k]
-        return o if isinstance(o, Distribution) else distribution_of(o)
+        return self.dists[k]
+
+    @cached_property
+    def dists(self) -> tuple[Distribution, ...]:
+        """Each option's distribution (asked for per edge of every prediction)."""
+        return tuple(o if isinstance(o, Distribution) else distribution_of(o) for o in self.options)
 
 
 @dataclass(frozen=True)
