@@ -20,7 +20,7 @@ Ill-conditioned families: where one process's own float32 and float64 runs diffe
 with variances far below eps), a float32 run cannot be judged at TOL. There each layout is also run
 with `train --precision fp64` and judged against the float64 one-process reference at TOL: "exact
 (fp64)" when within it, failed otherwise (the float32 run's error and the spread are kept in the
-detail; a float32 run within TOL anyway is plain exact). The fp64 run is the fp32 run's TrainConfig
+detail; a float32 run within TOL anyway is plain exact, see `judge_fp64`). The fp64 run is the fp32 run's TrainConfig
 with precision fp64 (run_config's checks, including the dry run, do not depend on it), so a
 layout's dry run is paid once.
 
@@ -204,18 +204,20 @@ def judge(rec: dict, saved: str, ref: dict[str, torch.Tensor]) -> Result:
 def judge_fp64(rec32: dict, saved32: str, ref32: dict[str, torch.Tensor], rec64: dict, saved64: str,
                ref64: dict[str, torch.Tensor], spread: float) -> Result:
     """A family whose float32 spread exceeds TOL, run in both precisions: exact when the float32 run
-    is within TOL of the float32 reference anyway; else "exact (fp64)" when the fp64 run is within TOL
-    of the float64 reference. Failed when either run errs or the fp64 run is not within TOL (the
-    float32 run's error and the spread in the detail)."""
+    is within TOL of the float32 reference anyway (the fp64 run's figure in the detail: a model that
+    is chaotic in float64 too, such as the tiny CvT, where a 1e-14 relative change of the input moves
+    the loss by 6%, cannot be judged there); else "exact (fp64)" when the fp64 run is within TOL of
+    the float64 reference; failed otherwise or when either run errs."""
     if rec32.get("error"):
         return Result("failed", f"fp32 run: {rec32['error']}")
     got64 = judge(rec64, saved64, ref64)
     err32, where32 = max_error(saved32, ref32)
+    if err32 <= TOL and not rec64.get("error"):
+        return Result("exact", f"max error {err32:.1e}; one process float32 vs float64: {spread:.2e}; fp64 run "
+                               f"against float64: {got64.detail}")
     why = f"one process float32 vs float64: {spread:.2e}; fp32 run's max error {err32:.2e} at {where32}"
     if got64.status != "exact":
         return Result("failed", f"fp64 run: {got64.detail}; {why}")
-    if err32 <= TOL:
-        return Result("exact", f"max error {err32:.1e} (and the fp64 run's {got64.detail})")
     return Result("exact", f"fp64 run's {got64.detail}; {why}", precision="fp64")
 
 
