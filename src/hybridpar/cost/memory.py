@@ -36,7 +36,7 @@ the figure `hybridpar plan` states per device and `hybridpar train` compares its
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from math import ceil, prod
 from typing import Literal
@@ -240,8 +240,14 @@ def boundary_numel(shape: Sequence[int], batch: int, sample: int, pieces: int) -
     return batch // sample * ceil(shape[1] / pieces) * spatial
 
 
-def _kept(nodes: Sequence[Node], batch: int, sample: int, pieces: int, elem: int) -> float:
-    return float(sum(boundary_numel(n.out_shape, batch, sample, pieces) * elem for n in nodes if n.out_shape))
+def _kept(nodes: Sequence[Node], batch: int, sample: int, pieces: int, elem: int,
+          kept: Collection[str] | None = None) -> float:
+    """Bytes of the outputs autograd keeps for backward among `nodes` (`kept`: kept_activations of the
+    graph; None counts every output). A batch norm's or an add's output that only feeds a ReLU is freed
+    once the ReLU has run: counting every output priced ResNet-50 at 9.2 GiB of activations where an H200
+    measured 5.5 GiB for the whole step (2026-11-30, docs/planner.md)."""
+    return float(sum(boundary_numel(n.out_shape, batch, sample, pieces) * elem for n in nodes
+                     if n.out_shape and (kept is None or n.name in kept)))
 
 
 def conv_transient_bytes(node: Node, layout: LayerLayout, batch: int, elem: int, *, input_grad: bool = True) -> float:
@@ -263,22 +269,24 @@ def conv_transient_bytes(node: Node, layout: LayerLayout, batch: int, elem: int,
 
 def weight_layer_memory(node: Node, followers: Sequence[Node], layout: LayerLayout, *, batch: int, elem: int,
                         optimizer: str = DEFAULT_OPTIMIZER, momentum: float = 0.0,
-                        input_grad: bool = True) -> LayerMemory:
-    """A conv/linear layer and its followers (batch norm, ReLU, pooling...) under `layout` on one rank."""
+                        input_grad: bool = True, kept: Collection[str] | None = None) -> LayerMemory:
+    """A conv/linear layer and its followers (batch norm, ReLU, pooling...) under `layout` on one rank;
+    `kept`: the graph's kept_activations (the outputs held for backward)."""
     s, g = layout.sample, layout.channel * layout.filter
     weights = (node.params + sum(n.params for n in followers)) / g * elem
-    kept = _kept([node, *followers], batch, s, g, elem)
+    kept_b = _kept([node, *followers], batch, s, g, elem, kept)
     if layout.filter > 1:  # stationary-y/-w keep the input gathered over the filter group for dw
-        kept += boundary_numel(node.in_shapes[0], batch, s, g) * layout.filter * elem
+        kept_b += boundary_numel(node.in_shapes[0], batch, s, g) * layout.filter * elem
     return LayerMemory(weights_bytes=weights, grads_bytes=weights,
                        optimizer_bytes=weights * optimizer_state_copies(optimizer, momentum),
-                       activations_bytes=kept, buckets_bytes=weights if s > 1 else 0.0,
+                       activations_bytes=kept_b, buckets_bytes=weights if s > 1 else 0.0,
                        transient_bytes=conv_transient_bytes(node, layout, batch, elem, input_grad=input_grad))
 
 
-def join_memory(nodes: Sequence[Node], *, batch: int, sample: int, pieces: int, elem: int) -> LayerMemory:
+def join_memory(nodes: Sequence[Node], *, batch: int, sample: int, pieces: int, elem: int,
+                kept: Collection[str] | None = None) -> LayerMemory:
     """A join (add, concat) and its followers on the distribution (sample, pieces)."""
-    return LayerMemory(activations_bytes=_kept(nodes, batch, sample, pieces, elem))
+    return LayerMemory(activations_bytes=_kept(nodes, batch, sample, pieces, elem, kept))
 
 
 def redistribution_transient_bytes(tensor_numel: int, ranks: int, elem: int) -> float:
@@ -362,15 +370,17 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
     elem = DTYPE_BYTES[dtype]
     per_layer: list[LayerMemory] = []
     dist: dict[str, tuple[int, int]] = {}
+    kept = frozenset(kept_activations(graph))
     for head, followers, input_grad in _layers(graph):
         if head.op in WEIGHT_OPS:
             lay = layers.get(head.module or "", default) if head.module else default
             per_layer.append(weight_layer_memory(head, followers, lay, batch=batch, elem=elem, optimizer=optimizer,
-                                                 momentum=momentum, input_grad=input_grad))
+                                                 momentum=momentum, input_grad=input_grad, kept=kept))
             d = (lay.sample, lay.channel * lay.filter)
         else:
             d = next((dist[i] for i in head.inputs if i in dist), (default.sample, default.channel * default.filter))
-            per_layer.append(join_memory([head, *followers], batch=batch, sample=d[0], pieces=d[1], elem=elem))
+            per_layer.append(join_memory([head, *followers], batch=batch, sample=d[0], pieces=d[1], elem=elem,
+                                         kept=kept))
         for n in (head, *followers):
             dist[n.name] = d
     fw = framework_bytes_for() if framework_bytes is None else float(framework_bytes)

@@ -92,6 +92,9 @@ class CostContext:
         # layer costs by what decides them (shapes, FLOPs, attributes, layout), not by node name:
         # ResNet-50's 16 bottleneck blocks have 10 distinct shapes between them
         self.layer_memo: dict[tuple, LayerCost] = {}
+        # the graph's outputs autograd keeps for backward (cost.memory.kept_activations); the planner
+        # sets it, and its layer-cost memo keys say which of a layer's nodes are kept
+        self.kept: frozenset[str] | None = None
         # a node's gradient bytes in backward's ready order per layout (planner.grad_bucket_schedule)
         self.grad_ready_memo: dict[tuple, tuple] = {}
         self.grad_ready_sigs: dict[int, tuple] = {}
@@ -275,7 +278,7 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     ops = layout_collectives(node, followers, layout, ctx, input_grad=input_grad, in_pieces=in_pieces)
     cf, cb, grad, nbytes = _summarise(ops, ctx)
     mem = weight_layer_memory(node, followers, layout, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
-                              momentum=ctx.momentum, input_grad=input_grad)
+                              momentum=ctx.momentum, input_grad=input_grad, kept=ctx.kept)
     grad_bytes = sum(op.bytes_ for op in ops if op.phase == "grad")
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, mem.persistent_bytes, nbytes, grad_bytes,
                      layout_of(s, c * f), mem.transient_bytes)
@@ -284,7 +287,8 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
 def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerCost:
     t = ctx.op(node, dist.sample, piece_frac(channels_of(node.out_shape), dist.channel))
     ffwd, fbwd = nodes_time(followers, dist, ctx)
-    mem = join_memory([node, *followers], batch=ctx.batch, sample=dist.sample, pieces=dist.channel, elem=ctx.elem)
+    mem = join_memory([node, *followers], batch=ctx.batch, sample=dist.sample, pieces=dist.channel, elem=ctx.elem,
+                      kept=ctx.kept)
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, mem.persistent_bytes, {})
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.cost.collectives import CommOp
 from hybridpar.cost.layout_comm import BUCKET_BYTES
+from hybridpar.cost.memory import kept_activations
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import LayerLayout, Plan, Prediction, parse_strategy
@@ -166,7 +167,7 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
     cin, cout = channels_of(node.in_shapes[0]), channels_of(node.out_shape)
     groups = int(node.attr("groups", 1) or 1)
     opts, costs, pruned = [], [], []
-    sig = (node_signature(node), tuple(node_signature(f) for f in v.followers), v.input_grad)
+    sig = (node_signature(node), tuple(node_signature(f) for f in v.followers), v.input_grad, _kept_flags(v, ctx))
     for lay in layouts:
         reason = layout_problem(lay, ctx.batch, cin, cout, splittable=groups == 1, even=even_only,
                                empty_ok=empty_ok)
@@ -185,8 +186,14 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
     return VertexOptions(v, tuple(opts), tuple(costs), tuple(pruned))
 
 
+def _kept_flags(v: Vertex, ctx: CostContext) -> tuple[bool, ...] | None:
+    """Which of a layer's nodes autograd keeps (two layers of equal shapes can differ: a batch norm
+    that feeds a ReLU is freed, one that feeds an add's ReLU too, one that feeds a conv is kept)."""
+    return None if ctx.kept is None else tuple(n.name in ctx.kept for n in (v.node, *v.followers))
+
+
 def _join_options(v: Vertex, ctx: CostContext, dists: Sequence[Distribution]) -> VertexOptions:
-    sig = ("join", node_signature(v.node), tuple(node_signature(f) for f in v.followers))
+    sig = ("join", node_signature(v.node), tuple(node_signature(f) for f in v.followers), _kept_flags(v, ctx))
     costs = []
     for d in dists:
         cost = ctx.layer_memo.get((sig, d))
@@ -518,6 +525,7 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: f
     capacity = float(memory_limit) if memory_limit is not None else float(cl.device.memory_bytes)
     ctx = CostContext(cl, batch, gpus, dtype, calibration, optimizer=optimizer, momentum=momentum,
                       weight_decay=weight_decay)
+    ctx.kept = frozenset(kept_activations(lg.graph))
     return _Setup(lg, ctx, capacity, shape, cl.name, name)
 
 
