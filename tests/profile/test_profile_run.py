@@ -35,7 +35,7 @@ def test_profile_writes_a_calibration_that_localhost_uses(calibration, capsys):
     assert {r.op for r in cal.ops.values()} == {"conv2d", "linear", "batchnorm", "batchnorm_global", "relu",
                                                "maxpool", "adaptive_avgpool"}
     assert {(f.kind, f.world_size, f.group_size) for f in cal.collectives} == {
-        (k, 2, 2) for k in ("allreduce", "allgather", "reduce_scatter", "alltoall", "p2p")}
+        (k, 2, 2) for k in ("allreduce", "allgather", "reduce_scatter", "alltoall", "p2p", "p2p_post")}
     assert cal.mp_node_overhead_s is not None and cal.mp_node_overhead_s > 0
     c = load_cluster("localhost", gpus=2, calibration=path)
     assert c.device.peak("fp32") == cal.peak_flops_fp32

@@ -96,3 +96,32 @@ def test_models_are_placed_in_program_order_unless_asked_for_a_free_order():
     assert runtime.problem.program_order and not free.problem.program_order
     assert FREE_ORDER_NOTE in free.notes and FREE_ORDER_NOTE in free.plan.notes
     assert FREE_ORDER_NOTE not in runtime.plan.notes
+
+
+def test_posting_a_transfer_keeps_the_sender_busy():
+    """The runtime's copy and isend run on the sender's thread (PlacementProblem.post_time_s): on the
+    sender's device before the transfer, and for the gradient on the consumer's device after its
+    backward."""
+    bw, lat, links = uniform_links(2, 1e6)  # 1 byte per us
+    ten = (10 * US,) * 2
+    tasks = (Task("a", (), ten, ten, 0, 5), Task("b", ("a",), ten, ten))
+    p = PlacementProblem("chain", tasks, 2, (10**9,) * 2, bw, lat, links, program_order=True,
+                         post_s=2 * US, post_s_per_byte=0.2 * US)  # 3 us for 5 bytes
+    ops = build_ops(p, (0, 1))
+    kinds = [(op.kind, op.device) for op in ops]
+    assert kinds == [("fwd", 0), ("post", 0), ("send", 1), ("fwd", 1), ("bwd", 1), ("gpost", 1), ("grad", 0),
+                     ("bwd", 0)]
+    # 10 + 3 + 5 + 10 | 10 + 3 + 5 + 10
+    assert evaluate(p, (0, 1), "given").step_time_s == pytest.approx(56 * US)
+    assert evaluate(p, (0, 0), "given").step_time_s == pytest.approx(40 * US)  # no transfer, no post
+
+
+@pytest.mark.parametrize("n,seed", [(6, 1), (7, 3)])
+def test_ilp_with_posts_against_brute_force(n, seed):
+    p = dataclasses.replace(_random(n, seed), post_s=1 * US, post_s_per_byte=0.5 * US)
+    best = min(program_schedule(build_ops(p, (0, *rest))).makespan
+               for rest in itertools.product(range(2), repeat=n - 1) if fits(p, (0, *rest)))
+    r = solve(p, "ilp", time_unit_s=US, time_limit_s=10, workers=1)
+    assert r.schedule.makespan == pytest.approx(program_schedule(build_ops(p, r.assignment)).makespan)
+    assert r.bound_s <= best + 1e-12 <= r.schedule.makespan + 2e-12
+    assert r.status == "optimal" and r.schedule.makespan == pytest.approx(best)

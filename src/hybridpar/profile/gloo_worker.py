@@ -16,6 +16,11 @@ the buffer; allgather: the gathered result; reduce_scatter: the input; alltoall:
 the others; p2p: the tensor one rank sends to its pair, timed as the MP runtime sends activations, in
 pairs of ranks only). The per-repeat sample is the maximum over ranks (the collective is done when the last
 rank is done). Rank 0 writes the samples as JSON.
+
+p2p_post is not a transfer's time but the sender's own work to start one: the CPU time of the MP
+runtime's copy and gloo isend call on the sending thread (the socket write happens there), which the
+sender's compute waits for. On inception_mini's MP step these calls took 0.3-0.8 ms each (1-2 MB),
+about 4% of each rank's step, where the transfer model had the sender free.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from datetime import timedelta
 
 from hybridpar.files import atomic_write
 
-KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "p2p")
+KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "p2p", "p2p_post")
+P2P_KINDS = ("p2p", "p2p_post")
 P2P_GROUP = 2  # p2p is timed between pairs of ranks only
 
 
@@ -91,6 +97,29 @@ def _p2p(nbytes: int, group):
     return lambda: dist.irecv(buf, peer).wait()
 
 
+def _p2p_post(nbytes: int, group):
+    """The sender's CPU time of posting one activation as the MP runtime does (copy, then gloo isend),
+    not counting the wait for its delivery; the receiver takes it and reports 0."""
+    import torch
+    import torch.distributed as dist
+
+    peer = group.ranks[group.index ^ 1]
+    buf = torch.ones(max(1, nbytes // 4))
+    if group.index % 2 == 0:
+        def post() -> float:
+            t0 = time.thread_time()
+            work = dist.isend(buf.detach().contiguous().clone(), peer)
+            spent = time.thread_time() - t0
+            work.wait()
+            return spent
+        return post
+
+    def take() -> float:
+        dist.irecv(buf, peer).wait()
+        return 0.0
+    return take
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
@@ -135,13 +164,24 @@ def main() -> None:
     keys, samples = [], []
     for g, group in groups.items():
         for kind in kinds:
-            if kind == "p2p" and g != P2P_GROUP:
+            if kind in P2P_KINDS and g != P2P_GROUP:
                 continue
             # The first collectives of a new group pay for connection set-up: run some before timing.
-            warm = _collective(kind, 4096, group)
+            warm = _collective("p2p" if kind == "p2p_post" else kind, 4096, group)
             for _ in range(5):
                 warm()
             for size in sizes:
+                if kind == "p2p_post":  # the post's own CPU time, between slices of compute as in a step
+                    post = _p2p_post(size, group)
+                    for _ in range(args.warmup):
+                        post()
+                    times = []
+                    for _ in range(args.repeats):
+                        dist.barrier()
+                        compute()
+                        times.append(max(1e-7, post()))
+                    samples.append(times)
+                    continue
                 fn = _collective(kind, size, group)
                 for _ in range(args.warmup):
                     fn()

@@ -166,8 +166,13 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
     notes = (f"{cluster.name}: {dev.name}, {dtype}",) + (
         (f"MP runtime: {node_s * 1e6:.1f} us of executor work per graph node (measured by `hybridpar profile`), "
          f"{step_s * 1e3:.3g} ms loss allreduce per step",) if node_s else ())
+    post = cluster.measured_collective("p2p_post", 2)  # the sender's work per transfer (localhost)
+    if post is not None:
+        notes += (f"MP runtime: posting a transfer keeps the sender busy {post.intercept_s * 1e6:.0f} us "
+                  f"+ {post.slope_s_per_byte * 1e9:.3g} ns/B (measured by `hybridpar profile`)",)
     return PlacementProblem(coarse.name, tuple(tasks), m, (cap,) * m, bw, lat, links, tuple(device_ids),
-                            notes, step_s, program_order)
+                            notes, step_s, program_order, post.intercept_s if post else 0.0,
+                            post.slope_s_per_byte if post else 0.0)
 
 
 def executor_node_overhead_s(cluster: Cluster) -> float:

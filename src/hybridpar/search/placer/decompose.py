@@ -310,7 +310,7 @@ def solve_decomposed(problem: PlacementProblem, q: Callable[[float], int], *, bu
             if seg.entry is not None and i == 0 and kind in ("fwd", "bwd"):
                 continue  # the entry's own compute belongs to the segment before
             name = f"{kind}:{names[i]}" + (f"@{perm[dev]}" if dev >= 0 else "")
-            keys[name] = fwd_off + s if kind in ("fwd", "send") else bwd_off + (s - p.fwd_end)
+            keys[name] = fwd_off + s if kind in ("fwd", "send", "post") else bwd_off + (s - p.fwd_end)
         fwd_off += p.fwd_end
     if sp.side:
         assignment = _place_side(problem, assignment, sp.side, keys, q)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from hybridpar.search.placer.result import PlacementResult
 
-COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "send": "#55A868", "grad": "#C44E52"}
+COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "send": "#55A868", "grad": "#C44E52", "post": "#8172B3",
+          "gpost": "#937860"}
 LABELS = {"fwd": "forward", "bwd": "backward (+ update)", "send": "activation transfer",
-          "grad": "gradient transfer"}
+          "grad": "gradient transfer", "post": "posting a transfer", "gpost": "posting a gradient"}
 
 
 def gantt_rows(result: PlacementResult) -> dict[str, list[tuple[float, float, str, str]]]:
@@ -21,7 +22,7 @@ def gantt_rows(result: PlacementResult) -> dict[str, list[tuple[float, float, st
         rows[f"device {d} (gpu {dev})"] = []
     labels = list(rows)
     for op, s, e in zip(result.schedule.ops, result.schedule.start, result.schedule.end):
-        if op.kind in ("fwd", "bwd"):
+        if op.kind in ("fwd", "bwd", "post", "gpost"):  # on a device
             rows[labels[op.device]].append((s, e - s, op.kind, op.name))
         else:
             for link in op.resources:

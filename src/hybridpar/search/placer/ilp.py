@@ -70,6 +70,8 @@ class _Model:
     tb: dict
     span: cp_model.IntVar
     fdur: list[list[int]]
+    ps: dict = None  # (u, a, b) -> start of the sender's post of send:u@b (problems with post_time_s)
+    gs: dict = None  # (u, a, b) -> start of device b's post of grad:u@b
 
 
 @dataclass
@@ -148,6 +150,8 @@ def build_model(problem: PlacementProblem, q: Callable[[float], int], horizon: i
     pres: dict[tuple[int, int, int], cp_model.IntVar] = {}
     tf: dict[tuple[int, int, int], cp_model.IntVar] = {}
     tb: dict[tuple[int, int, int], cp_model.IntVar] = {}
+    ps: dict[tuple[int, int, int], cp_model.IntVar] = {}
+    gs: dict[tuple[int, int, int], cp_model.IntVar] = {}
     for u in range(n):
         if not S[u]:
             continue
@@ -172,6 +176,17 @@ def build_model(problem: PlacementProblem, q: Callable[[float], int], horizon: i
                 mem_terms[b].append(problem.tasks[u].out_bytes * p)
                 md.add(tf[k] >= ef[u])
                 md.add(sb[u] >= tb[k] + xdur[(u, b, a)]).only_enforce_if(p)
+                pdur = q(problem.post_time_s(problem.tasks[u].out_bytes))
+                if pdur > 0:  # the sender posts the transfer (busy), then it travels; likewise the gradient
+                    ps[k] = md.new_int_var(0, horizon, f"ps{u}_{a}_{b}")
+                    gs[k] = md.new_int_var(0, horizon, f"gs{u}_{a}_{b}")
+                    on_dev[a].append(md.new_optional_fixed_size_interval_var(ps[k], pdur, p, f"P{u}_{a}_{b}"))
+                    on_dev[b].append(md.new_optional_fixed_size_interval_var(gs[k], pdur, p, f"G{u}_{a}_{b}"))
+                    md.add(ps[k] >= ef[u]).only_enforce_if(p)
+                    md.add(tf[k] >= ps[k] + pdur).only_enforce_if(p)
+                    md.add(tb[k] >= gs[k] + pdur).only_enforce_if(p)
+                    for v in S[u]:
+                        md.add(gs[k] >= eb[v]).only_enforce_if([x[u][a], x[v][b]])
                 for v in S[u]:
                     md.add(sf[v] >= tf[k] + xdur[(u, a, b)]).only_enforce_if([x[u][a], x[v][b]])
                     md.add(tb[k] >= eb[v]).only_enforce_if([x[u][a], x[v][b]])
@@ -204,7 +219,7 @@ def build_model(problem: PlacementProblem, q: Callable[[float], int], horizon: i
     if problem.program_order:
         _program_order(md, problem, x, sf, sb, ef, eb, horizon)
     md.minimize(span)
-    return _Model(md, x, sf, sb, pres, tf, tb, span, fdur)
+    return _Model(md, x, sf, sb, pres, tf, tb, span, fdur, ps, gs)
 
 
 def _program_order(md: cp_model.CpModel, problem: PlacementProblem, x, sf, sb, ef, eb, horizon: int) -> None:
@@ -297,6 +312,9 @@ def add_hint(mdl: _Model, problem: PlacementProblem, assignment: Sequence[int], 
         # absent transfers: any value consistent with the unconditional tf >= ef[u]
         md.add_hint(mdl.tf[(u, a, b)], start[f"send:{name}@{b}"] if present else end[f"fwd:{name}"])
         md.add_hint(mdl.tb[(u, a, b)], start[f"grad:{name}@{b}"] if present else 0)
+        if (u, a, b) in mdl.ps:
+            md.add_hint(mdl.ps[(u, a, b)], start[f"post:{name}@{b}"] if present else 0)
+            md.add_hint(mdl.gs[(u, a, b)], start[f"gpost:{name}@{b}"] if present else 0)
     md.add_hint(mdl.span, int(sched.makespan))
 
 
@@ -330,9 +348,10 @@ def run(mdl: _Model, problem: PlacementProblem, *, det_time: float, wall_s: floa
             s = solver.value(mdl.sb[t])
         elif op.kind == "send":
             s = solver.value(mdl.tf[(t, assignment[t], op.device)])
-        else:
-            src = int(op.name.rsplit("@", 1)[1])
-            s = solver.value(mdl.tb[(t, assignment[t], src)])
+        else:  # grad, post, gpost: keyed by the consumer's device in the name
+            b = int(op.name.rsplit("@", 1)[1])
+            var = {"grad": mdl.tb, "post": mdl.ps, "gpost": mdl.gs}[op.kind]
+            s = solver.value(var[(t, assignment[t], b)])
         starts[op.name] = int(s)
     bound = math.ceil(solver.best_objective_bound - 1e-9)
     return Solved("optimal" if status == cp_model.OPTIMAL else "feasible", int(solver.objective_value),

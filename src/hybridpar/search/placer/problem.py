@@ -66,6 +66,10 @@ class PlacementProblem:
     notes: tuple[str, ...] = field(default=())
     step_overhead_s: float = 0.0
     program_order: bool = False
+    # the sender's own work to start one transfer (the runtime's copy and isend call on its thread),
+    # seconds + seconds per byte: the sending device is busy for it (localhost: measured, p2p_post)
+    post_s: float = 0.0
+    post_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         m = self.num_devices
@@ -116,6 +120,12 @@ class PlacementProblem:
         if a == b or bytes_ <= 0:
             return 0.0
         return self.latency_s[a][b] + bytes_ / self.bw_Bps[a][b]
+
+    def post_time_s(self, bytes_: int) -> float:
+        """The sender's busy time to start a transfer of `bytes_` (0 where the problem has none)."""
+        if bytes_ <= 0 or not (self.post_s or self.post_s_per_byte):
+            return 0.0
+        return self.post_s + bytes_ * self.post_s_per_byte
 
     def serial_time_s(self, device: int = 0) -> float:
         return sum(t.fwd_s[device] + t.bwd_s[device] for t in self.tasks)
@@ -231,4 +241,5 @@ def _toposort(tasks: list[Task]) -> list[Task]:
 def _replace_tasks(problem: PlacementProblem, tasks: list[Task]) -> PlacementProblem:
     return PlacementProblem(problem.name, tuple(tasks), problem.num_devices, problem.mem_capacity_bytes,
                             problem.bw_Bps, problem.latency_s, problem.links, problem.device_ids, problem.notes,
-                            problem.step_overhead_s, problem.program_order)
+                            problem.step_overhead_s, problem.program_order, problem.post_s,
+                            problem.post_s_per_byte)

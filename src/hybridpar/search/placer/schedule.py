@@ -3,7 +3,9 @@
 For a fixed assignment (task -> device) a step is a set of operations:
   fwd:<t> and bwd:<t> on the task's device (bwd includes the weight update),
   send:<u>@<b>: u's output to device b, once, when some consumer of u is on b != device(u),
-  grad:<u>@<b>: the gradient of that output back from b, after every consumer on b ran backward.
+  grad:<u>@<b>: the gradient of that output back from b, after every consumer on b ran backward;
+  post:<u>@<b> / gpost:<u>@<b>: where the problem has a sender's cost (PlacementProblem.post_time_s),
+  the sending device's own work to start send:<u>@<b> (on u's device) and grad:<u>@<b> (on b).
 A device runs one operation at a time; a link carries one transfer at a time.
 The ILP (ilp.py) encodes exactly these rules; `list_schedule` and `replay` evaluate them in floats.
 
@@ -68,10 +70,15 @@ def build_ops(problem: PlacementProblem, assignment: Sequence[int],
             ps.append(fwd[p] if assignment[p] == d else send[(p, d)])
         fwd[u] = len(ops)
         ops.append(Op(f"fwd:{t.name}", "fwd", u, d, (device_resource(d),), scale(t.fwd_s[d]), tuple(ps)))
+        post = problem.post_time_s(t.out_bytes)
+        prev = fwd[u]
         for b in sorted({assignment[v] for v in problem.succs[u]} - {d}):
+            if post > 0:  # the runtime posts each send right after the producer, one after the other
+                ops.append(Op(f"post:{t.name}@{b}", "post", u, d, (device_resource(d),), scale(post), (prev,)))
+                prev = len(ops) - 1
             send[(u, b)] = len(ops)
             ops.append(Op(f"send:{t.name}@{b}", "send", u, b, problem.links[d][b],
-                          scale(problem.transfer_s(t.out_bytes, d, b)), (fwd[u],)))
+                          scale(problem.transfer_s(t.out_bytes, d, b)), (prev,)))
     # Backward in reverse task order. The gradient of u's output goes back from device b once b has run
     # the backward of u's first consumer there: the runtime receives u lazily, just before that
     # consumer, so its reverse pass sends the gradient right after it (transfers received at one
@@ -98,10 +105,15 @@ def build_ops(problem: PlacementProblem, assignment: Sequence[int],
         ops.append(Op(f"bwd:{t.name}", "bwd", w, d, (device_resource(d),), scale(t.bwd_s[d]), tuple(ps)))
         for u, b in sorted(back_at.get(w, ()), reverse=True):
             a = assignment[u]
+            name, nbytes = problem.tasks[u].name, problem.tasks[u].out_bytes
+            deps = tuple(bwd[v] for v in succ[u] if assignment[v] == b)
+            post = problem.post_time_s(nbytes)
+            if post > 0:
+                ops.append(Op(f"gpost:{name}@{b}", "gpost", u, b, (device_resource(b),), scale(post), deps))
+                deps = (len(ops) - 1,)
             grad[(u, b)] = len(ops)
-            ops.append(Op(f"grad:{problem.tasks[u].name}@{b}", "grad", u, a, problem.links[b][a],
-                          scale(problem.transfer_s(problem.tasks[u].out_bytes, b, a)),
-                          tuple(bwd[v] for v in succ[u] if assignment[v] == b)))
+            ops.append(Op(f"grad:{name}@{b}", "grad", u, a, problem.links[b][a],
+                          scale(problem.transfer_s(nbytes, b, a)), deps))
     return ops
 
 
