@@ -199,7 +199,8 @@ def size_factor(op: str, device: DeviceSpec, dtype: str, flops: float, cpu: Curv
     if kind is None or flops <= 0:
         return 1.0
     if device.kind == "gpu":
-        precision = "fp16" if dtype in ("fp16", "bf16") and device.peak(dtype) > device.peak("fp32") else "fp32"
+        tensor_cores = dtype in ("fp16", "bf16", "tf32") and device.peak(dtype) > device.peak("fp32")
+        precision = "fp16" if tensor_cores else "fp32"  # DeepBench's tensor-core (fp16) rows for TF32 too
         return _gpu_factor(kind, precision, flops, thin)
     return _cpu_factor(cpu, flops) if cpu is not None else 1.0
 
@@ -241,6 +242,17 @@ def _nbytes(shapes, dtype: str) -> float:
     return float(sum(math.prod(s) for s in shapes if s)) * DTYPE_BYTES[dtype]
 
 
+def compute_dtype(op: str, dtype: str, device: DeviceSpec) -> str:
+    """The rate an op of a `dtype` model runs at. PyTorch runs fp32 convolutions on TF32 tensor cores
+    where the GPU has them (torch.backends.cudnn.allow_tf32 is True by default; fp32 matmuls are not:
+    torch.backends.cuda.matmul.allow_tf32 is False), so a GPU with a TF32 rate (A100, H100) prices fp32
+    convolutions at it. Measured on an H200 (2026-11-30, ResNet-50, batch 64, plain PyTorch 2.11):
+    32.1 ms per step, against 66.6 ms predicted at the fp32 peak and 29.7 ms at the TF32 peak."""
+    if dtype == "fp32" and op == "conv2d" and "tf32" in device.peak_flops:
+        return "tf32"
+    return dtype
+
+
 def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample_frac: float = 1.0,
                   channel_frac: float = 1.0, filter_frac: float = 1.0, cpu: Curve | None = None) -> OpTime:
     """max(FLOPs / (peak * compute_eff * size_factor(FLOPs)), bytes / (mem_bw * memory_eff)) + launch,
@@ -250,7 +262,8 @@ def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample
     loc = local_shapes(node, sample_frac, channel_frac, filter_frac)
     table = efficiency_table()[device.kind]
     eff = table["classes"][op_class(node.op)]
-    peak = device.peak(dtype) if node.op in _MATMUL else device.peak("fp32")
+    rate_dtype = compute_dtype(node.op, dtype, device)
+    peak = device.peak(rate_dtype) if node.op in _MATMUL else device.peak("fp32")
     b = DTYPE_BYTES[dtype]
     x_b = _nbytes(node.in_shapes, dtype) * loc.x_frac
     y_b = node.out_numel * b * loc.y_frac
@@ -261,7 +274,7 @@ def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample
     def t(flops: float, bytes_: float, thin_dim: int | None) -> float:
         if flops <= 0 and bytes_ <= 0:
             return 0.0
-        rate = peak * eff["compute"] * size_factor(node.op, device, dtype, flops, cpu, thin_dim)
+        rate = peak * eff["compute"] * size_factor(node.op, device, rate_dtype, flops, cpu, thin_dim)
         work = max(flops / rate, bytes_ / (device.mem_bw_Bps * eff["memory"]))
         return (work + table["launch_s"]) * device.time_share
 
