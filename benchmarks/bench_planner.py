@@ -1,8 +1,9 @@
 """Planner speed, before and after side by side: `hybridpar plan` from the command line, as a user runs
 it, for ResNet-50 on 1,024 Lassen GPUs (batch 4096; target: <= 1 s wall, search alone <= 0.3 s) and
 for `make run` (8x-wide ResNet-50, 256 GPUs, batch 512), against the planner of an earlier commit
-(`--baseline REV`, default 9acd161: the last commit before the second round of speed work, with the
-same cost model) built in a git worktree, or any other source tree (`--baseline-src PATH`).
+(`--baseline REV`, default 9acd161: the last commit before the second round of speed work) built in a
+git worktree, or any other source tree (`--baseline-src PATH`), e.g. HEAD with the speed commits
+reverted (8e301f7 d1ae83c 15f2683 359534b), which has the current cost model.
 
 Each run is a fresh process (the traced graph comes from the on-disk cache, filled by one warm-up
 call per tree). Runs alternate between the two trees; medians of `--trials` (default 5): wall time,
@@ -10,8 +11,9 @@ the process's CPU time (user + system: less sensitive than wall time to other jo
 the search alone (`solve_s`, timed inside the process). The results are compared byte for byte: the
 whole `--json` output but its `solve_s` (every layer's layout and costs, the prediction, the data
 parallel baseline, the gradient listing), the Plan JSON, and its per-layer decisions alone. A baseline
-whose cost model differs (6a56b6d, the first round's: the output gathered whole since, linear features
-split as DTensor does, the global batch-norm allreduce) can match in its decisions only.
+whose cost model differs can match in its decisions only: 6a56b6d (the first round's: the output
+gathered whole since, linear features split as DTensor does, the global batch-norm allreduce), 9acd161
+(the memory model's kept activations since, 656567b).
 Also the ResNet-50 GPU scan (16 ... 1,024 GPUs) of the current tree, each plan against evaluating pure
 data parallelism alone. Say the load (`uptime`) beside any figure taken from here.
 
@@ -34,8 +36,7 @@ from pathlib import Path
 from _baseline import worktree_src  # benchmarks/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
-# before the second round of speed work (issue 16, item 4: 6a56b6d was before the first), its cost model
-# the same as after it (the --json output must be byte-identical)
+# before the second round of speed work (issue 16, item 4: 6a56b6d was before the first)
 BASELINE = "9acd161"
 CASES = {
     "resnet50_1024": ["plan", "--model", "resnet50", "--cluster", "lassen", "--gpus", "1024", "--batch", "4096"],
