@@ -13,8 +13,8 @@ The MP runtime (hybridpar.runtime.mp) runs one order only, `program_schedule`: e
 forward nodes in the traced program's order and blocks on a receive until the value arrives (it does
 not run a later node meanwhile), then autograd runs its backward in reverse creation order (CPU
 autograd's ready queue takes the highest sequence number first, and the highest one left is always
-ready), blocking in each gradient receive. Measured on inception_mini (2 gloo ranks): a free schedule
-of the placer's placement, 66 ms, runs 92-105 ms in program order, and program order prices it 88 ms.
+ready), blocking in each gradient receive. Measured on inception_mini (2 gloo ranks, load 0.6): a
+placement priced 66 ms in a free schedule ran a median 99 ms; program order prices it 88 ms.
 """
 
 from __future__ import annotations
