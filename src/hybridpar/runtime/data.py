@@ -384,7 +384,11 @@ def batches(dataset, batch: int, *, start: int = 0, stop: int, seed: int = 0, sh
     sampler = StepSampler(len(dataset), batch, start, stop, shuffle=shuffle, seed=seed, part=part)
     cuda = device is not None and torch.device(device).type == "cuda"
     pin = cuda if pin_memory is None else pin_memory
-    workers = default_workers(dataset) if workers is None else workers
+    if workers is None:
+        # data in memory for a GPU: one loader process indexes and stacks the next batch, its pin thread
+        # pins it, while this step runs (H200, ResNet-50 batch 64: 35.8 ms per step against 36.7 ms with
+        # the batch indexed in the step's process and copied from pageable memory)
+        workers = 1 if cuda and isinstance(dataset, Dataset) else default_workers(dataset)
     if workers < 0:
         raise UserError(f"workers must be >= 0, got {workers}")
     if isinstance(dataset, Dataset) and workers == 0:
