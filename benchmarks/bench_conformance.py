@@ -27,7 +27,8 @@ tests/conformance/train_checks.py), refused (exit 2 with one line: the reason), 
 Writes bench-results/conformance.md and, with HYBRIDPAR_BENCH_OUT, a JSON summary;
 `--readme` also replaces the README's conformance section with the table.
 
-    python benchmarks/bench_conformance.py [--families vit,resnet] [--graph-only | --no-train] [--readme]
+    python benchmarks/bench_conformance.py [--families vit,resnet] [--graph-only | --no-train | --train-only]
+        [--layouts "sample=2;channel=2"] [--cf-families resnet,bit] [--readme]
 """
 
 from __future__ import annotations
