@@ -42,6 +42,10 @@ class GlobalBatchNormFunction(torch.autograd.Function):
         view = (1, -1, *([1] * (x.dim() - 2)))
         c = x.shape[1]
         n_loc = x.numel() // c
+        # bf16/fp16 activations (autocast) are normalised in fp32, as cuDNN's batch norm does
+        x_dtype = x.dtype
+        if x_dtype in (torch.float16, torch.bfloat16):
+            x = x.float()
         # Two passes over the local rows (as F.batch_norm), then one float64 allreduce; an allreduce
         # gives every replica the same bits (the same sum on every rank), so replicas stay identical.
         m_loc = x.sum(dims) / max(n_loc, 1)
@@ -57,7 +61,7 @@ class GlobalBatchNormFunction(torch.autograd.Function):
         invstd = torch.rsqrt(var + eps)
         xhat = xc * invstd.view(view)
         y = xhat if weight is None else xhat * weight.view(view) + bias.view(view)
-        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.save_for_backward(xhat.to(x_dtype), invstd, weight)  # kept at the activations' size
         ctx.count, ctx.comm, ctx.dims, ctx.view = count, comm, dims, view
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
@@ -66,6 +70,8 @@ class GlobalBatchNormFunction(torch.autograd.Function):
     def backward(ctx, dy, _dmean, _dvar):
         xhat, invstd, weight = ctx.saved_tensors
         comm, dims, view = ctx.comm, ctx.dims, ctx.view
+        out_dtype = xhat.dtype
+        xhat, dy = xhat.to(invstd.dtype), dy.to(invstd.dtype)  # fp32 sums for bf16/fp16 activations
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * xhat).sum(dims)
         dx = None
@@ -74,7 +80,7 @@ class GlobalBatchNormFunction(torch.autograd.Function):
             all_reduce_(both, comm.replica_group, comm.log, f"{comm.name}:bwd")
             g_dy, g_dy_xhat = both.split(sum_dy.numel())
             scale = invstd if weight is None else weight * invstd
-            dx = (dy - (g_dy.view(view) + xhat * g_dy_xhat.view(view)) / ctx.count) * scale.view(view)
+            dx = ((dy - (g_dy.view(view) + xhat * g_dy_xhat.view(view)) / ctx.count) * scale.view(view)).to(out_dtype)
         # Parameter gradients stay local: the segmented allreduce sums them over sample groups.
         dw = sum_dy_xhat if weight is not None else None
         db = sum_dy if weight is not None else None
