@@ -12,9 +12,9 @@ boundary tensors split into G channel pieces (uneven: torch.chunk's, as DTensor'
                     group (P_C > 1). bwd: allgather dy in the channel group; reduce_scatter dx in the
                     filter group (only if the input needs a gradient). grad: allreduce of the weight
                     (and bias) shard over the S ranks holding it (the segmented allreduce).
-  batchnorm         (global statistics, S > 1) fwd: 1 allgather of S (2 C_g + 1) floats (each rank's
-                    count, mean and sum of squared deviations: exact in fp32, as SyncBatchNorm);
-                    bwd: 1 allreduce of 2 C_g floats; grad: allreduce of the 2 C_g affine
+  batchnorm         (global statistics, S > 1) fwd: 1 allreduce of 3 C_g + 1 float64 values (count,
+                    count*mean, M2, count*mean^2: exact in fp32, constant in S); bwd: 1 allreduce of
+                    2 C_g floats; grad: allreduce of the 2 C_g affine
                     parameters. "local" statistics: only the grad allreduce.
   model output      allgather of the channel-split output over the G ranks of a sample group; with
                     whole_outputs (the API's inputs="global": whole outputs on every rank), then of

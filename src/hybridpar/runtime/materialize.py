@@ -231,7 +231,7 @@ class Replayer(TorchDispatchMode):
         for t in _tensors((args, kwargs)) if rows_sid is None else ():  # a parked (freed) weight, unexpected:
             st = _storage(t) if t.numel() else None  # the kernel would write through a null pointer (segfault)
             if st is not None and st.nbytes() == 0 and t.device.type != "meta":
-                raise self._diverged(f"{_op_name(func)} touches a freed weight (HF inits weights twice)")
+                raise self._diverged(f"{_op_name(func)} touches a weight the meta record had finished with")
         if rows_sid is not None:
             out = args[0]
             self.fill_rows(rows_sid, lambda shape: func(torch.empty(shape, dtype=out.dtype), *args[1:], **kwargs))
