@@ -4,6 +4,7 @@ they are discovered here so that adding a command never edits a shared file."""
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -103,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
 def _exit(code: int, argv: list[str] | None) -> int:
     # As a console script we exit; called from Python (tests) we return the code.
     if argv is None:
+        launch = sys.modules.get("hybridpar.runtime.launch")  # imported only by commands that train
+        if launch is not None and launch.joined_launcher():
+            # A torchrun rank leaves without the interpreter's teardown, as spawned ranks do (launch.py):
+            # gloo's C++ objects can abort there ("terminate called without an active exception", seen
+            # after a finished, restarted 2-rank run), and torchrun would call the finished run failed.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         sys.exit(code)
     return code
 

@@ -30,8 +30,17 @@ def under_launcher() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+_joined = False  # this process joined a launcher's world (init): it leaves without teardown (cli.main)
+
+
+def joined_launcher() -> bool:
+    return _joined
+
+
 def init() -> torch.device:
     """Join the launcher's world; returns the device this rank computes on."""
+    global _joined
+    _joined = True
     if dist.is_initialized():
         return _device()
     cuda = torch.cuda.is_available()
