@@ -84,3 +84,44 @@ def test_priced_buckets_are_the_runtimes():
                                       bucket_bytes=BUCKET_TEST_BYTES)
         assert len(priced) >= 2, priced
         assert [(s, b) for s, _, b in priced] == ran[st], (st, priced, ran[st])
+
+
+def _loss_rides(strategy: str) -> dict:
+    """Two steps of the training engine on 4 ranks (no optimizer step): the second step's reported loss
+    against the global batch's mean loss computed by every rank on the whole batch, and its collectives."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from hybridpar.runtime.engine import ChannelFilterEngine
+
+    torch.manual_seed(0)
+    model = _bucket_model()
+    serial = _bucket_model()
+    serial.load_state_dict(model.state_dict())
+    eng = ChannelFilterEngine(model, strategy, bn_stats="global")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+    eng.train_step(*eng.local_batch(x, y))  # the first step of a DTensor layout watches DTensor's collectives
+    with torch.no_grad():
+        for p in eng.parameters():
+            p.grad = None
+    reported = eng.train_step(*eng.local_batch(x, y))  # no optimizer step: same weights
+    recs = eng.comm_log.step_records()
+    expected = float(F.cross_entropy(serial(x), y))
+    return {"reported": reported, "expected": expected, "rank": dist.get_rank(),
+            "loss": [(r.kind, r.group_size, r.bytes_, r.seconds) for r in recs if r.tag == "loss"],
+            "grad_kinds": sorted({r.kind for r in recs if r.tag == "grad_sync"})}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sample=4", "sample=2,channel=2"])
+def test_loss_rides_in_a_gradient_bucket(strategy):
+    """The reported loss goes with the gradients (GradSync.carry): logged as its own 4-byte allreduce
+    over the sample groups, with no time of its own (no collective of its own), and it is the global
+    batch's mean loss."""
+    r = spawn(_loss_rides, 4, strategy)
+    assert r["grad_kinds"] == ["allreduce"]
+    groups = 4 if strategy == "sample=4" else 2
+    assert r["loss"] == [("allreduce", groups, 4, 0.0)], r
+    assert abs(r["reported"] - r["expected"]) < 1e-5 * max(1.0, abs(r["expected"])), r

@@ -162,10 +162,13 @@ class _SumOnWait:
         return True
 
 
-def all_reduce_(t: torch.Tensor, group: Group, log: CommLog, tag: str = "", async_op: bool = False):
-    """In-place sum over the group. With async_op, returns the work handle (None for 1 rank)."""
+def all_reduce_(t: torch.Tensor, group: Group, log: CommLog, tag: str = "", async_op: bool = False,
+                log_bytes: int | None = None):
+    """In-place sum over the group. With async_op, returns the work handle (None for 1 rank).
+    log_bytes: the bytes to log when part of `t` is logged under another tag (a value riding along)."""
     if group.size == 1:
         return None
+    logged = _nbytes(t) if log_bytes is None else int(log_bytes)
     small = group.size > 2 and _nbytes(t) <= SMALL_ALLREDUCE_BYTES and t.is_contiguous() \
         and _one_round(group)
     if async_op:  # only issued here: the wait happens elsewhere, so there is no time to record
@@ -174,9 +177,9 @@ def all_reduce_(t: torch.Tensor, group: Group, log: CommLog, tag: str = "", asyn
             work = _SumOnWait(work, got, t)
         else:
             work = dist.all_reduce(t, group=group.pg, async_op=True)
-        log.record("allreduce", group.size, _nbytes(t), tag)
+        log.record("allreduce", group.size, logged, tag)
         return work
-    with log.timed("allreduce", group.size, _nbytes(t), tag):
+    with log.timed("allreduce", group.size, logged, tag):
         if small:
             got, _ = _exchange(t.unsqueeze(0).expand(group.size, *t.shape), group)
             torch.sum(got.view(group.size, -1), 0, out=t.view(-1))

@@ -120,8 +120,15 @@ class ChannelFilterEngine:
         over sample groups: the global batch's mean). Returns the global-batch mean loss (every rank)."""
         self.comm_log.mark_step()
         self.module.train()
+        gs, replicas = self.state.grad_sync, self.grid.replica_group
+        # this sample group's mean loss, averaged over the groups for reporting: sent with the
+        # gradients when a bucket goes over the same ranks (GradSync.carry), else on its own below
+        value = None
         if self.state.meshes is None or self._dtensor_records is not None:
             loss = task_loss(self.forward(x), y)
+            value = loss.detach().clone().reshape(1)
+            if gs is not None and gs.enabled and replicas.size > 1:
+                gs.carry(value, replicas, "loss")
             loss.backward()
             for r in self._dtensor_records or ():  # same shapes and placements each step: same collectives
                 if r["group_size"] > 1:
@@ -135,8 +142,10 @@ class ChannelFilterEngine:
                 loss = task_loss(self.forward(x), y)
                 loss.backward()
             self._dtensor_records = list(rec.records)
+        if value is not None and gs is not None and gs.carried():
+            return float(value.item())  # summed over the replicas and divided by their number with the gradients
         value = loss.detach().clone().reshape(1) / self.grid.sample
-        all_reduce_(value, self.grid.replica_group, self.comm_log, "loss")  # for reporting only
+        all_reduce_(value, replicas, self.comm_log, "loss")  # for reporting only
         return float(value.item())
 
     def sync_gradients(self) -> None:

@@ -285,8 +285,15 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
         ops.append(CommOp.placed("allgather", "fwd", gathered, filter_groups(grid), "filter", grid))
     if last.sample > 1:
         key = LayerLayout(sample=last.sample, channel=last.channel)
-        ops.append(CommOp.placed("allreduce", "fwd", ctx.elem, shard_groups(key), "shard", key))
+        ops.append(CommOp.placed("allreduce", "loss", ctx.elem, shard_groups(key), "shard", key))
     return ops
+
+
+def _rides_in_bucket(op: CommOp, buckets) -> bool:
+    """The loss allreduce goes inside a gradient bucket over the same ranks launched during backward
+    (hybridpar.runtime.grad_buckets.GradSync.carry): its bytes are sent, its latency is not paid."""
+    return op.phase == "loss" and any(
+        i is not None and shard_groups(key) == op.groups for key, _, i in buckets)
 
 
 @dataclass(frozen=True)
@@ -403,7 +410,8 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
         redist[e.dst] += redistribution_time(e.per_sample_numel * ctx.batch, opts[e.src].dist(choice[e.src]),
                                              opts[e.dst].dist(choice[e.dst]), ctx)
     extras = _step_extras(opts, choice, ctx)
-    extra_s = sum(ctx.comm_time(op) for op in extras)
+    buckets = grad_bucket_schedule(lg, opts, choice, ctx) if grad_sync == "buckets" else []
+    extra_s = sum(ctx.comm_time(op) for op in extras if not _rides_in_bucket(op, buckets))
     pre_fwd, pre_bwd = _prefix_time(lg, opts[0].dist(choice[0]), ctx)
     t = pre_fwd + sum(c.fwd_s + c.comm_fwd_s for c in costs) + sum(r / 2 for r in redist) + extra_s
     comm_free = 0.0
@@ -425,7 +433,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
         step = max(t, comm_free)
     elif grad_sync == "buckets":  # as hybridpar.runtime.grad_buckets runs it
         grad, step = 0.0, t
-        for key, b, i in grad_bucket_schedule(lg, opts, choice, ctx):
+        for key, b, i in buckets:
             dt = ctx.comm_time(grad_allreduce(b, key))
             grad += dt
             if i is None:  # replicated DTensor parameters: summed after backward, blocking
