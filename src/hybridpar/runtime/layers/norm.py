@@ -36,51 +36,71 @@ class NormComm:
 
 
 class GlobalBatchNormFunction(torch.autograd.Function):
+    """Batch norm with statistics over the replica group, from PyTorch's fused CPU/GPU kernels:
+    the local moments by `batch_norm_update_stats` (one kernel), the normalisation by `batch_norm` in inference form
+    with the global mean and variance (one pass), the backward's two per-channel sums by
+    `native_batch_norm_backward` (one pass) and the input gradient, an affine function of dy and x
+    per channel, by an inference batch norm and an `addcmul_`. The elementwise formulas written out
+    op by op took 9 ms of a 16-sample small_cnn step against 2.6 ms for nn.BatchNorm2d
+    (torch.profiler, one rank, fake process group); torch's SyncBatchNorm kernels
+    (batch_norm_stats, ...) have no CPU version."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, comm: NormComm, count: int):
-        dims = (0, *range(2, x.dim()))  # every dim but the channels (BatchNorm1d/2d/3d)
         view = (1, -1, *([1] * (x.dim() - 2)))
         c = x.shape[1]
         n_loc = x.numel() // c
         # bf16/fp16 activations (autocast) are normalised in fp32, as cuDNN's batch norm does
-        x_dtype = x.dtype
-        if x_dtype in (torch.float16, torch.bfloat16):
+        x_in = x
+        if x.dtype in (torch.float16, torch.bfloat16):
             x = x.float()
-        # Two passes over the local rows (as F.batch_norm), then one float64 allreduce; an allreduce
-        # gives every replica the same bits (the same sum on every rank), so replicas stay identical.
-        m_loc = x.sum(dims) / max(n_loc, 1)
-        m2_loc = ((x - m_loc.view(view)) ** 2).sum(dims)
+        # mean and biased variance per channel, two passes in one kernel (the running-stats kernel
+        # without running stats); var_mean over (0, 2, 3) was 4-5x slower on CPU
+        if x.is_meta:  # the dry run (runtime.dry_run): that kernel has no meta version
+            var_loc, m_loc = torch.var_mean(x, (0, *range(2, x.dim())), correction=0)
+        else:
+            m_loc, var_loc = torch.batch_norm_update_stats(x, None, None, 0.0)
+        # one float64 allreduce; an allreduce gives every replica the same bits (the same sum on every
+        # rank), so replicas stay identical
         m64 = m_loc.double()
-        sums = torch.cat([m64.new_full((1,), float(n_loc)), n_loc * m64, m2_loc.double(), n_loc * m64 * m64])
+        sums = torch.cat([m64.new_full((1,), float(n_loc)), n_loc * m64, n_loc * var_loc.double(),
+                          n_loc * m64 * m64])
         all_reduce_(sums, comm.replica_group, comm.log, f"{comm.name}:fwd")
         n, s1, m2, q = sums[0], sums[1:1 + c], sums[1 + c:1 + 2 * c], sums[1 + 2 * c:]
         mean64 = s1 / n
         var64 = ((m2 + (q - n * mean64 * mean64)) / n).clamp_min(0.0)
         mean, var = mean64.to(x.dtype), var64.to(x.dtype)
-        xc = x - mean.view(view)
         invstd = torch.rsqrt(var + eps)
-        xhat = xc * invstd.view(view)
-        y = xhat if weight is None else xhat * weight.view(view) + bias.view(view)
-        ctx.save_for_backward(xhat.to(x_dtype), invstd, weight)  # kept at the activations' size
-        ctx.count, ctx.comm, ctx.dims, ctx.view = count, comm, dims, view
+        y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        ctx.save_for_backward(x_in, mean, invstd, weight)  # the input as it came (bf16 stays bf16)
+        ctx.count, ctx.comm, ctx.eps, ctx.view = count, comm, eps, view
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
-        xhat, invstd, weight = ctx.saved_tensors
-        comm, dims, view = ctx.comm, ctx.dims, ctx.view
-        out_dtype = xhat.dtype
-        xhat, dy = xhat.to(invstd.dtype), dy.to(invstd.dtype)  # fp32 sums for bf16/fp16 activations
-        sum_dy = dy.sum(dims)
-        sum_dy_xhat = (dy * xhat).sum(dims)
+        x, mean, invstd, weight = ctx.saved_tensors
+        comm, view = ctx.comm, ctx.view
+        out_dtype = x.dtype
+        x, dy = x.to(invstd.dtype), dy.to(invstd.dtype).contiguous()  # fp32 sums for bf16/fp16 activations
+        # sum(dy * xhat) and sum(dy) per channel, fused (the weight's and bias's gradients)
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
         dx = None
         if ctx.needs_input_grad[0]:
             both = torch.cat([sum_dy, sum_dy_xhat])
             all_reduce_(both, comm.replica_group, comm.log, f"{comm.name}:bwd")
             g_dy, g_dy_xhat = both.split(sum_dy.numel())
             scale = invstd if weight is None else weight * invstd
-            dx = ((dy - (g_dy.view(view) + xhat * g_dy_xhat.view(view)) / ctx.count) * scale.view(view)).to(out_dtype)
+            # dx = scale (dy - (g_dy + xhat g_dy_xhat) / count), xhat = (x - mean) invstd
+            #    = scale dy + c0 + c1 x, per channel
+            c1 = -scale * g_dy_xhat * invstd / ctx.count
+            c0 = -scale * g_dy / ctx.count - c1 * mean
+            # c1 x + c0 as an inference batch norm (mean 0, variance 1, eps 0): one fused pass, 3x
+            # faster than a broadcast addcmul on CPU
+            ones = torch.ones_like(c1)
+            dx = F.batch_norm(x, torch.zeros_like(c1), ones, c1, c0, False, 0.0, 0.0)
+            dx = dx.addcmul_(dy, scale.view(view)).to(out_dtype)
         # Parameter gradients stay local: the segmented allreduce sums them over sample groups.
         dw = sum_dy_xhat if weight is not None else None
         db = sum_dy if weight is not None else None
