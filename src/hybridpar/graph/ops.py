@@ -188,7 +188,9 @@ def classify(op_name: str, mod: nn.Module | None, args: tuple, kwargs: dict,
     if kind == "einsum":
         return "attention", {"flops": einsum_flops(args[0] if args else kwargs.get("equation", ""), in_shapes)}
     if kind == "sdpa":
-        return "attention", {"sdpa": True, "k": in_shapes[0][-1] if in_shapes and in_shapes[0] else 1}
+        attrs = {"sdpa": True, "k": in_shapes[0][-1] if in_shapes and in_shapes[0] else 1}
+        p = _arg(args, kwargs, 4, "dropout_p", 0.0)  # decides what autograd keeps (cost.memory.internal_numel)
+        return "attention", {**attrs, "dropout": float(p)} if isinstance(p, (int, float)) and p > 0 else attrs
     if kind == "other":
         raise UnpricedOp(op_name)
     extract = _ATTRS.get(kind)
@@ -319,6 +321,16 @@ def _embedding_attrs(mod, args, kwargs, ins, out) -> dict:
     return {"num_embeddings": w[0], "embedding_dim": w[1]}
 
 
+def _dropout_attrs(mod, args, kwargs, ins, out) -> dict:
+    """The drop probability when the op drops (training, p > 0): autograd then keeps its noise and its
+    output is a new tensor (cost.memory); otherwise it is the identity."""
+    if isinstance(mod, nn.modules.dropout._DropoutNd):
+        p, train = mod.p, mod.training
+    else:
+        p, train = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", kwargs.get("train", True))
+    return {"p": float(p)} if isinstance(p, (int, float)) and p > 0 and train is True else {}
+
+
 def _norm_attrs(mod, args, kwargs, ins, out) -> dict:
     n = getattr(mod, "num_features", None) or (out[1] if len(out) > 1 else out[-1])
     return {"num_features": int(n), "eps": float(getattr(mod, "eps", 1e-5))}
@@ -327,5 +339,5 @@ def _norm_attrs(mod, args, kwargs, ins, out) -> dict:
 _ATTRS = {
     "conv2d": _conv_attrs, "conv": _conv_attrs, "linear": _linear_attrs, "lstm": _lstm_attrs,
     "maxpool": functools.partial(_pool_attrs, is_max=True), "avgpool": functools.partial(_pool_attrs, is_max=False),
-    "embedding": _embedding_attrs, "batchnorm": _norm_attrs,
+    "embedding": _embedding_attrs, "batchnorm": _norm_attrs, "dropout": _dropout_attrs,
 }
