@@ -1,24 +1,30 @@
 """Training memory per device: parameters, gradients, optimizer state, activations kept for backward
 and communication buffers.
 
-Activations: the output of a node is kept when a consumer needs its input for backward (conv, linear,
-normalisation, pooling, ...) or when the node needs its own output (ReLU, softmax); views (flatten,
-reshape) alias their producer and are counted once; max-pool also keeps its int64 indices. LSTM nodes
-also keep their four gates and cell state (approximation: 4x the output). Allocator fragmentation and
-framework workspace are not modelled by `training_memory` (the placer's whole-graph count).
+Activations (`node_kept_bytes`, one rule for `training_memory`, the placer's whole-graph count, and
+`predict_rank_memory`, the per-layer planner's): the output of a node is kept when a consumer needs its
+input for backward (conv, linear, normalisation, pooling, ...) or when the node needs its own output
+(ReLU, softmax); views (flatten, reshape) alias their producer and are counted once; max-pool also keeps
+its int64 indices; recurrent layers and attention keep state inside them (`internal_numel`).
+Allocator fragmentation and framework workspace are not modelled by `training_memory`.
 
 `predict_rank_memory` is what one rank of hybridpar's runtime holds at its peak of a training step,
 the figure `hybridpar plan` states per device and `hybridpar train` compares its measurement with
-(the planner sums the same per-layer terms: `weight_layer_memory`, `join_memory`, `step_memory`):
+(the planner sums the same per-layer terms: `weight_layer_memory`, `nodes_memory`, `step_memory`):
 
-- weights of the local shard (conv/linear weights and their batch norms: 1/(channel x filter));
+- weights of the local shard (conv/linear weights and their batch norms: 1/(channel x filter)), every
+  other parameter whole (embeddings, recurrent and attention layers, layer/group norms); the nodes
+  before the first conv/linear/join (an embedding, recurrent layers over it) on the first layer's
+  distribution, as the planner prices their time;
 - their gradients (same size; `zero_grad(set_to_none=True)` frees them between steps, but they are
   all alive at the end of backward, with the weights);
 - optimizer state per optimizer (`optimizer_state_copies`): plain SGD (train's default, momentum 0)
   none, SGD/LARS with momentum one buffer, AdamW two moments;
-- activations autograd keeps, at their local shapes: every node's output in a layer (the runtime's
-  DTensor pieces, batch / sample x channels / (channel x filter)) and, under stationary-y/-w, the
-  input gathered over the filter group, which DistConvFunction saves for the weight gradient;
+- activations autograd keeps, at their local shapes (`node_kept_bytes`): every kept node's output in
+  a layer (the runtime's DTensor pieces, batch / sample x channels / (channel x filter); a recurrent
+  layer whole for the rank's samples) with the state recurrent and attention nodes keep inside, and,
+  under stationary-y/-w, the input gathered over the filter group, which DistConvFunction saves for
+  the weight gradient;
 - communication buckets (hybridpar.runtime.grad_buckets): under sample > 1 every synchronised
   gradient is copied into a flat bucket that stays alive until backward ends (in flight), so the
   buckets together are one more copy of the synchronised gradients;
@@ -37,7 +43,7 @@ the figure `hybridpar plan` states per device and `hybridpar train` compares its
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from math import ceil, prod
 from typing import Literal
 
@@ -53,9 +59,14 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DistributedDataParallel's default bucket_
 _NEEDS_INPUT = {"conv2d", "linear", "batchnorm", "layernorm", "maxpool", "avgpool", "adaptive_avgpool",
                 "lstm", "attention", "mul", "pointwise", "loss", "embedding"}
 _NEEDS_OUTPUT = {"relu", "softmax"}
-_VIEWS = {"flatten", "reshape", "dropout"}  # dropout keeps a mask, counted as a view of its input here
-_LSTM_STATE_FACTOR = 4
+_VIEWS = {"flatten", "reshape", "dropout"}  # dropout: when it drops nothing (eval, p = 0; else `_is_view`)
+_LSTM_STATE_FACTOR = 4  # (unused here: internal_numel's rule; kept for hybridpar.search.placer.adapter)
 _INDEX_BYTES = 8  # max-pool keeps int64 argmax indices, one per output element
+# Layouts shard the parameters of these ops (hybridpar.cost.layout_comm); every other parameter
+# (embedding, recurrent, attention, layer/group norm, free parameters) is whole on every rank.
+SHARDED_OPS = ("conv2d", "linear", "batchnorm")
+# Recurrent layers: no layout splits them; every rank of a sample group runs the whole layer on its samples.
+WHOLE_OPS = ("lstm",)
 
 
 @dataclass(frozen=True)
@@ -86,21 +97,110 @@ def _fractions(node: Node, layouts: Mapping[str, Fractions] | None, default: Fra
     return default
 
 
+def _is_view(node: Node) -> bool:
+    """A node whose output aliases its input: flatten/reshape, and dropout that drops nothing (a dropout
+    in training with p > 0 writes a new tensor and keeps its noise: `internal_numel`)."""
+    return node.op in _VIEWS and not (node.op == "dropout" and node.attr("p"))
+
+
 def kept_activations(graph: Graph) -> list[str]:
     """Names of the nodes whose outputs autograd keeps for backward (views resolved to producers)."""
     def root(name: str) -> str:
-        while graph.node(name).op in _VIEWS and graph.node(name).inputs:
+        while _is_view(graph.node(name)) and graph.node(name).inputs:
             name = graph.node(name).inputs[0]
         return name
 
     kept: dict[str, None] = {}
     for n in graph.nodes:
-        if n.op in _NEEDS_OUTPUT or n.op == "lstm":
+        # recurrent layers and scaled_dot_product_attention keep their own outputs too
+        if n.op in _NEEDS_OUTPUT or n.op == "lstm" or (n.op == "attention" and n.attr("sdpa")):
             kept[root(n.name)] = None
         if n.op in _NEEDS_INPUT:
             for i in n.inputs:
                 kept[root(i)] = None
     return list(kept)
+
+
+def _recurrent_numel(node: Node) -> int:
+    """What torch's CPU kernels keep inside nn.LSTM/GRU/RNN (torch 2.13, fp32; measured with
+    saved_tensors_hooks over hidden 16-256, input 16-256, 1-3 layers, one and two directions,
+    docs/planner.md). Per layer and direction: an LSTM (oneDNN) a workspace of about 9.5 H + 6 max(I, H)
+    values per sample and step (gates, h and c states), 5 H + 2.5 max(I, H) per sample and 3300 (fitted:
+    within 15% of the workspace, median 2.5%), plus h0, c0, hy, cy; a GRU 7 H per step (its
+    gates and h); an RNN H per step and h0. Every layer's output but the last (the next layer's
+    input); with two directions, an LSTM each direction's output of the last layer, a GRU/RNN a
+    reversed copy of its input. On GPUs cuDNN's reserve space differs (approximation)."""
+    a = dict(node.attrs)
+    shape = node.out_shape
+    if len(shape) == 3:
+        b, t = (shape[0], shape[1]) if a.get("batch_first") else (shape[1], shape[0])
+    else:  # unbatched (steps, features)
+        b, t = 1, shape[0]
+    h, layers = int(a.get("hidden") or shape[-1]), int(a.get("layers") or 1)
+    d = 2 if a.get("bidirectional") else 1
+    cell = a.get("cell", "lstm")
+    n = (layers - 1) * b * t * d * h
+    for layer in range(layers):
+        width = int(a.get("input_size") or h) if layer == 0 else d * h
+        if cell == "lstm":  # least squares over 108 shapes (B 4-8, T 4-32, H 16-128, I 16-128)
+            w = max(width, h)
+            n += d * (b * t * (19 * h + 12 * w) // 2 + b * (10 * h + 5 * w) // 2 + 3300 + 4 * b * h)
+        else:
+            n += d * (7 * b * t * h if cell == "gru" else (t + 1) * b * h)
+    if d > 1:
+        n += d * b * t * h if cell == "lstm" else b * t * int(a.get("input_size") or h)
+    return n
+
+
+def internal_numel(node: Node) -> int:
+    """Elements (at the node's whole batch) autograd keeps inside `node` besides its inputs and its
+    output: a recurrent layer's state (`_recurrent_numel`); a dropout's noise (training, p > 0);
+    scaled_dot_product_attention's log-sum-exp
+    per query row (the flash kernels, CPU and GPU) or, with attention dropout, what torch's math path
+    keeps (the CPU's choice then; GPU kernels keep the flash figure, so an over-estimate there): the
+    scaled q and k, the scores' softmax, the dropout noise and the dropped scores; a whole
+    nn.MultiheadAttention (a torch.fx leaf) its q, k, v projections and attention output, 4x its output.
+    Measured with saved_tensors_hooks on nn.TransformerEncoderLayer (docs/planner.md)."""
+    if not node.out_numel:
+        return 0
+    if node.op == "lstm":
+        return _recurrent_numel(node)
+    if node.op == "dropout" and node.attr("p"):  # its noise (CPU: the activation's dtype; GPUs a bool mask)
+        return node.out_numel
+    if node.op == "attention":
+        rows = node.out_numel // max(node.out_shape[-1], 1)  # batch x heads x queries
+        if node.attr("sdpa") and node.attr("dropout") and len(node.in_shapes) >= 2:
+            q, k = node.in_shapes[0], node.in_shapes[1]
+            return prod(q) + prod(k) + 3 * rows * (k[-2] if len(k) >= 2 else 1)
+        if node.attr("sdpa"):
+            return rows
+        if node.params:
+            return 4 * node.out_numel
+    return 0
+
+
+def node_kept_bytes(node: Node, kept: bool, elem: int, out_numel: float | None = None, *,
+                    indices: bool = True) -> float:
+    """Bytes autograd keeps for backward on behalf of `node` when `out_numel` elements of its output are
+    on this rank (default: all): the output when `kept` (kept_activations), the state it keeps inside
+    (`internal_numel`, in proportion to its output) and, with `indices`, a max-pool's int64 indices."""
+    if not node.out_numel:
+        return 0.0
+    local = float(node.out_numel if out_numel is None else out_numel)
+    acts = local * elem if kept else 0.0
+    inner = internal_numel(node)
+    if inner:
+        acts += inner * local / node.out_numel * elem
+    if indices and node.op == "maxpool":
+        acts += local * _INDEX_BYTES
+    return acts
+
+
+def held_params(nodes: Sequence[Node], pieces: int = 1) -> float:
+    """Parameters of `nodes` one rank holds when their layer's weights are cut in `pieces` shards: a
+    conv/linear/batch norm's shard (SHARDED_OPS), any other node's whole."""
+    sharded = sum(n.params for n in nodes if n.op in SHARDED_OPS)
+    return sharded / pieces + sum(n.params for n in nodes if n.op not in SHARDED_OPS)
 
 
 def training_memory(graph: Graph, *, dtype: str = "fp32", optimizer: Optimizer = "momentum",
@@ -125,12 +225,9 @@ def training_memory(graph: Graph, *, dtype: str = "fp32", optimizer: Optimizer =
     kept = set(kept_activations(graph))
     acts = 0.0
     for n in graph.nodes:
-        if n.name in kept and n.out_shape:
-            loc = local_shapes(n, *_fractions(n, layouts, default))
-            factor = 1 + (_LSTM_STATE_FACTOR if n.op == "lstm" else 0)
-            acts += n.out_numel * b * loc.y_frac * factor
-        if n.op == "maxpool" and n.out_shape:
-            acts += n.out_numel * _INDEX_BYTES * local_shapes(n, *_fractions(n, layouts, default)).y_frac
+        if n.out_numel:
+            y_frac = local_shapes(n, *_fractions(n, layouts, default)).y_frac
+            acts += node_kept_bytes(n, n.name in kept, b, n.out_numel * y_frac)
     master = 4 if b < 4 else 0
     grads = params * b
     if comm_buffer_bytes is None:
@@ -240,14 +337,32 @@ def boundary_numel(shape: Sequence[int], batch: int, sample: int, pieces: int) -
     return batch // sample * ceil(shape[1] / pieces) * spatial
 
 
+def local_numel(shape: Sequence[int], batch: int, sample: int, pieces: int, graph_batch: int | None = None) -> int:
+    """`boundary_numel` of an activation whose shape was traced at `graph_batch` samples, when its first
+    dimension is the batch (at `batch` or `graph_batch`). A tensor whose first dimension is not
+    (time-major: a recurrent layer's (steps, batch, features), the projections inside
+    nn.MultiheadAttention, (steps x batch, features)) scales with the batch and splits over the sample
+    groups, its channels whole (approximation)."""
+    gb = graph_batch or batch
+    if len(shape) >= 2 and shape[0] not in (batch, gb):
+        return prod(shape) * batch // (gb * sample)
+    return boundary_numel(shape, batch, sample, pieces)
+
+
 def _kept(nodes: Sequence[Node], batch: int, sample: int, pieces: int, elem: int,
-          kept: Collection[str] | None = None) -> float:
-    """Bytes of the outputs autograd keeps for backward among `nodes` (`kept`: kept_activations of the
-    graph; None counts every output). A batch norm's or an add's output that only feeds a ReLU is freed
-    once the ReLU has run: counting every output priced ResNet-50 at 9.2 GiB of activations where an H200
-    measured 5.5 GiB for the whole step (2026-11-30, docs/planner.md)."""
-    return float(sum(boundary_numel(n.out_shape, batch, sample, pieces) * elem for n in nodes
-                     if n.out_shape and (kept is None or n.name in kept)))
+          kept: Collection[str] | None = None, graph_batch: int | None = None) -> float:
+    """Bytes autograd keeps for backward among `nodes` at their local shapes (`node_kept_bytes`,
+    `local_numel`; `kept`: kept_activations of the graph, None counts every output): a recurrent layer
+    whole for the rank's samples, any other node's output in `pieces` channel pieces. A batch norm's or
+    an add's output that only feeds a ReLU is freed once the ReLU has run: counting every output priced
+    ResNet-50 at 9.2 GiB of activations where an H200 measured 5.5 GiB for the whole step (2026-11-30,
+    docs/planner.md).
+    Max-pool's int64 indices are left out here (ResNet-50 batch 64 came within 1% of that H200's peak
+    without them; they would add 1.9%)."""
+    return float(sum(node_kept_bytes(n, kept is None or n.name in kept, elem,
+                                     local_numel(n.out_shape, batch, sample, 1 if n.op in WHOLE_OPS else pieces,
+                                                 graph_batch), indices=False)
+                     for n in nodes if n.out_shape))
 
 
 def conv_transient_bytes(node: Node, layout: LayerLayout, batch: int, elem: int, *, input_grad: bool = True) -> float:
@@ -269,24 +384,33 @@ def conv_transient_bytes(node: Node, layout: LayerLayout, batch: int, elem: int,
 
 def weight_layer_memory(node: Node, followers: Sequence[Node], layout: LayerLayout, *, batch: int, elem: int,
                         optimizer: str = DEFAULT_OPTIMIZER, momentum: float = 0.0,
-                        input_grad: bool = True, kept: Collection[str] | None = None) -> LayerMemory:
+                        input_grad: bool = True, kept: Collection[str] | None = None,
+                        graph_batch: int | None = None) -> LayerMemory:
     """A conv/linear layer and its followers (batch norm, ReLU, pooling...) under `layout` on one rank;
-    `kept`: the graph's kept_activations (the outputs held for backward)."""
+    `kept`: the graph's kept_activations (the outputs held for backward); `graph_batch`: the batch the
+    shapes were traced at (`local_numel`)."""
     s, g = layout.sample, layout.channel * layout.filter
-    weights = (node.params + sum(n.params for n in followers)) / g * elem
-    kept_b = _kept([node, *followers], batch, s, g, elem, kept)
+    mem = nodes_memory([node, *followers], batch=batch, sample=s, pieces=g, elem=elem, optimizer=optimizer,
+                       momentum=momentum, kept=kept, graph_batch=graph_batch)
+    gathered = 0.0
     if layout.filter > 1:  # stationary-y/-w keep the input gathered over the filter group for dw
-        kept_b += boundary_numel(node.in_shapes[0], batch, s, g) * layout.filter * elem
+        gathered = boundary_numel(node.in_shapes[0], batch, s, g) * layout.filter * elem
+    return replace(mem, activations_bytes=mem.activations_bytes + gathered,
+                   transient_bytes=conv_transient_bytes(node, layout, batch, elem, input_grad=input_grad))
+
+
+def nodes_memory(nodes: Sequence[Node], *, batch: int, sample: int, pieces: int, elem: int,
+                 optimizer: str = DEFAULT_OPTIMIZER, momentum: float = 0.0,
+                 kept: Collection[str] | None = None, graph_batch: int | None = None) -> LayerMemory:
+    """`nodes` run on the distribution (sample, pieces): a weight layer and its followers, a join (add,
+    concat) and its followers, or the nodes before the first layer (an embedding, recurrent layers over
+    it), which run on the first layer's distribution. Parameters per `held_params` with their gradients,
+    optimizer state and, under sample > 1, their bucket copies; activations per `_kept`."""
+    weights = held_params(nodes, pieces) * elem
     return LayerMemory(weights_bytes=weights, grads_bytes=weights,
                        optimizer_bytes=weights * optimizer_state_copies(optimizer, momentum),
-                       activations_bytes=kept_b, buckets_bytes=weights if s > 1 else 0.0,
-                       transient_bytes=conv_transient_bytes(node, layout, batch, elem, input_grad=input_grad))
-
-
-def join_memory(nodes: Sequence[Node], *, batch: int, sample: int, pieces: int, elem: int,
-                kept: Collection[str] | None = None) -> LayerMemory:
-    """A join (add, concat) and its followers on the distribution (sample, pieces)."""
-    return LayerMemory(activations_bytes=_kept(nodes, batch, sample, pieces, elem, kept))
+                       activations_bytes=_kept(nodes, batch, sample, pieces, elem, kept, graph_batch),
+                       buckets_bytes=weights if sample > 1 else 0.0)
 
 
 def redistribution_transient_bytes(tensor_numel: int, ranks: int, elem: int) -> float:
@@ -320,12 +444,13 @@ def io_bytes(graph: Graph, batch: int, elem: int) -> float:
     return sum(whole(n) for n in inputs) + (whole(graph.nodes[-1]) if graph.nodes else 0.0)
 
 
-def _layers(graph: Graph) -> list[tuple[Node, list[Node], bool]]:
+def _layers(graph: Graph) -> tuple[list[tuple[Node, list[Node], bool]], list[Node]]:
     """(head, followers, input_grad) per layer, grouped as hybridpar.search.layers.build_layer_graph
-    does: a weight layer or join heads a layer; the nodes after it until the next head follow it;
-    what runs on the graph input before the first layer belongs to none."""
+    does: a weight layer or join heads a layer; the nodes after it until the next head follow it. And
+    the prefix: what runs on the graph input before the first layer (an embedding, recurrent layers)."""
     owner: dict[str, int | None] = {}
     out: list[tuple[Node, list[Node], bool]] = []
+    prefix: list[Node] = []
     for node in graph.nodes:
         owners = [owner.get(i) for i in node.inputs]
         distinct = sorted({o for o in owners if o is not None})
@@ -337,7 +462,9 @@ def _layers(graph: Graph) -> list[tuple[Node, list[Node], bool]]:
             out[distinct[0]][1].append(node)
         else:
             owner[node.name] = None
-    return out
+            if node.op != "input":
+                prefix.append(node)
+    return out, prefix
 
 
 def _as_layout(spec: LayerLayout | str) -> LayerLayout:
@@ -371,18 +498,27 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
     per_layer: list[LayerMemory] = []
     dist: dict[str, tuple[int, int]] = {}
     kept = frozenset(kept_activations(graph))
-    for head, followers, input_grad in _layers(graph):
+    heads, prefix = _layers(graph)
+    first: tuple[int, int] | None = None
+    for head, followers, input_grad in heads:
         if head.op in WEIGHT_OPS:
             lay = layers.get(head.module or "", default) if head.module else default
             per_layer.append(weight_layer_memory(head, followers, lay, batch=batch, elem=elem, optimizer=optimizer,
-                                                 momentum=momentum, input_grad=input_grad, kept=kept))
+                                                 momentum=momentum, input_grad=input_grad, kept=kept,
+                                                 graph_batch=graph.batch))
             d = (lay.sample, lay.channel * lay.filter)
         else:
             d = next((dist[i] for i in head.inputs if i in dist), (default.sample, default.channel * default.filter))
-            per_layer.append(join_memory([head, *followers], batch=batch, sample=d[0], pieces=d[1], elem=elem,
-                                         kept=kept))
+            per_layer.append(nodes_memory([head, *followers], batch=batch, sample=d[0], pieces=d[1], elem=elem,
+                                          optimizer=optimizer, momentum=momentum, kept=kept,
+                                          graph_batch=graph.batch))
+        first = first or d
         for n in (head, *followers):
             dist[n.name] = d
+    if prefix:  # on the first layer's distribution, as the planner prices their time
+        s0, g0 = first or (default.sample, default.channel * default.filter)
+        per_layer.append(nodes_memory(prefix, batch=batch, sample=s0, pieces=g0, elem=elem, optimizer=optimizer,
+                                      momentum=momentum, kept=kept, graph_batch=graph.batch))
     fw = framework_bytes_for() if framework_bytes is None else float(framework_bytes)
     return step_memory(per_layer, framework_bytes=fw, io_bytes=io_bytes(graph, batch, elem), optimizer=optimizer,
                        weight_decay=weight_decay)

@@ -14,7 +14,8 @@ distribution. Its cost under a layout is:
   (`concurrent_allreduce_time`, the segmented allreduce, links shared);
 - memory per device: hybridpar.cost.memory's per-layer terms (weights, gradients and optimizer state
   of the local shard, activations kept for backward with the gathered input under stationary-y,
-  gradient buckets under sample > 1, and the layer's largest transient buffer).
+  gradient buckets under sample > 1, and the layer's largest transient buffer); the nodes before the
+  first layer (`dist_memory`) on the first vertex's distribution, as `node_time` prices them.
 
 All groups of a collective (every channel group of a layer, every weight-shard group) run at once
 and share links (`concurrent_collective_time`, `concurrent_allreduce_time`).
@@ -28,7 +29,7 @@ from functools import lru_cache
 from math import ceil, prod
 
 from hybridpar.cost.collectives import CommOp
-from hybridpar.cost.memory import DEFAULT_OPTIMIZER, join_memory, weight_layer_memory
+from hybridpar.cost.memory import DEFAULT_OPTIMIZER, WHOLE_OPS, LayerMemory, nodes_memory, weight_layer_memory
 from hybridpar.graph.types import DTYPE_BYTES, Node
 from hybridpar.plans import LayerLayout
 from hybridpar.search.layers.decomposition import (
@@ -42,8 +43,6 @@ from hybridpar.search.layers.decomposition import (
 
 WEIGHT_OPS = ("conv2d", "linear")
 JOIN_OPS = ("add", "mul", "concat")
-# recurrent layers: no layout splits them; every rank of a sample group runs the whole layer on its samples
-WHOLE_OPS = ("lstm",)
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,7 @@ class LayerCost:
     grad_bytes: int = 0  # local gradient bytes (weights and its batch norms) to allreduce
     grad_key: LayerLayout | None = None  # (sample, channel=c·f): names the shard groups they go to
     transient_bytes: float = 0.0  # the layer's largest transient buffer (not summed over layers)
+    memory: LayerMemory | None = None  # memory_bytes and transient_bytes by what holds them (cost.memory)
 
     @property
     def total_s(self) -> float:
@@ -95,6 +95,8 @@ class CostContext:
         # the graph's outputs autograd keeps for backward (cost.memory.kept_activations); the planner
         # sets it, and its layer-cost memo keys say which of a layer's nodes are kept
         self.kept: frozenset[str] | None = None
+        # the batch the graph was traced at (its time-major shapes were not scaled: cost.memory.local_numel)
+        self.graph_batch: int | None = None
         # a node's gradient bytes in backward's ready order per layout (planner.grad_bucket_schedule)
         self.grad_ready_memo: dict[tuple, tuple] = {}
         self.grad_ready_sigs: dict[int, tuple] = {}
@@ -278,18 +280,27 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     ops = layout_collectives(node, followers, layout, ctx, input_grad=input_grad, in_pieces=in_pieces)
     cf, cb, grad, nbytes = _summarise(ops, ctx)
     mem = weight_layer_memory(node, followers, layout, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
-                              momentum=ctx.momentum, input_grad=input_grad, kept=ctx.kept)
+                              momentum=ctx.momentum, input_grad=input_grad, kept=ctx.kept,
+                              graph_batch=ctx.graph_batch)
     grad_bytes = sum(op.bytes_ for op in ops if op.phase == "grad")
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, mem.persistent_bytes, nbytes, grad_bytes,
-                     layout_of(s, c * f), mem.transient_bytes)
+                     layout_of(s, c * f), mem.transient_bytes, mem)
 
 
 def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerCost:
     t = ctx.op(node, dist.sample, piece_frac(channels_of(node.out_shape), dist.channel))
     ffwd, fbwd = nodes_time(followers, dist, ctx)
-    mem = join_memory([node, *followers], batch=ctx.batch, sample=dist.sample, pieces=dist.channel, elem=ctx.elem,
-                      kept=ctx.kept)
-    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, mem.persistent_bytes, {})
+    mem = dist_memory([node, *followers], dist, ctx)
+    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, mem.persistent_bytes, {}, memory=mem)
+
+
+def dist_memory(nodes: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerMemory:
+    """Memory of nodes that run on a vertex's distribution outside a weight layer's layout: a join and
+    its followers, or the nodes before the first layer on the first vertex's (their parameters whole
+    but for batch norms' channel pieces, a recurrent layer's activations whole for the rank's samples;
+    `node_time`'s rule, hybridpar.cost.memory.nodes_memory)."""
+    return nodes_memory(nodes, batch=ctx.batch, sample=dist.sample, pieces=dist.channel, elem=ctx.elem,
+                        optimizer=ctx.optimizer, momentum=ctx.momentum, kept=ctx.kept, graph_batch=ctx.graph_batch)
 
 
 def redistribution(tensor_numel: int, src: Distribution, dst: Distribution, ctx: CostContext) -> CommOp | None:

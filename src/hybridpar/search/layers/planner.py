@@ -44,6 +44,7 @@ from hybridpar.search.layers.layer_cost import (
     CostContext,
     LayerCost,
     channels_of,
+    dist_memory,
     grad_allreduce,
     join_cost,
     node_signature,
@@ -240,14 +241,26 @@ def _prefix_time(lg: LayerGraph, dist: Distribution, ctx: CostContext) -> tuple[
     return nodes_time(lg.prefix, dist, ctx) if lg.prefix else (0.0, 0.0)
 
 
+def _prefix_memory(lg: LayerGraph, dist: Distribution, ctx: CostContext):
+    """Memory of the nodes before the first layer on the first vertex's distribution (`dist_memory`)."""
+    key = ("prefix", tuple(n.name for n in lg.prefix), dist)
+    hit = ctx.layer_memo.get(key)
+    if hit is None:
+        hit = ctx.layer_memo[key] = dist_memory(lg.prefix, dist, ctx)
+    return hit
+
+
 def _problem(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext, grad_weight: float,
              edge_cost: tuple[np.ndarray, ...] | None = None) -> ChoiceProblem:
     node_cost = tuple(np.array([c.fwd_s + c.bwd_s + c.comm_fwd_s + c.comm_bwd_s + grad_weight * c.grad_sync_s
                                 for c in vo.costs]) for vo in opts)
-    if lg.prefix and opts:  # the nodes before the first layer run on the first vertex's distribution
-        node_cost = (node_cost[0] + np.array([sum(_prefix_time(lg, opts[0].dist(k), ctx))
-                                              for k in range(len(opts[0].options))]), *node_cost[1:])
     node_mem = tuple(np.array([c.memory_bytes for c in vo.costs]) for vo in opts)
+    if lg.prefix and opts:  # the nodes before the first layer run on the first vertex's distribution
+        first = range(len(opts[0].options))
+        node_cost = (node_cost[0] + np.array([sum(_prefix_time(lg, opts[0].dist(k), ctx)) for k in first]),
+                     *node_cost[1:])
+        node_mem = (node_mem[0] + np.array([_prefix_memory(lg, opts[0].dist(k), ctx).persistent_bytes
+                                            for k in first]), *node_mem[1:])
     if edge_cost is None:
         edge_cost = _edge_costs(lg, opts, ctx)
     names = tuple(vo.vertex.name for vo in opts)
@@ -452,25 +465,25 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     for c in costs:
         for k, b in c.comm_bytes.items():
             nbytes[k] = nbytes.get(k, 0) + b
-    from hybridpar.cost.memory import LayerMemory, io_bytes, redistribution_transient_bytes, step_memory
+    from hybridpar.cost.memory import io_bytes, redistribution_transient_bytes, step_memory
 
     redist_tmp = max((redistribution_transient_bytes(e.per_sample_numel * ctx.batch, ctx.ranks, ctx.elem)
                       for e in lg.edges if opts[e.src].dist(choice[e.src]) != opts[e.dst].dist(choice[e.dst])),
                      default=0.0)
-    # per layer its persistent bytes (LayerCost.memory_bytes) and transient; the step adds the largest
-    # transient (a layer's, a redistribution's, the optimizer step's), the input/output and the framework
-    rank_mem = step_memory([LayerMemory(activations_bytes=c.memory_bytes, transient_bytes=c.transient_bytes)
-                            for c in costs], framework_bytes=ctx.framework_bytes,
-                           io_bytes=io_bytes(lg.graph, ctx.batch, ctx.elem),
-                           extra_transient_bytes=max(redist_tmp, _step_tmp(opts, choice, ctx)))
+    d0 = opts[0].dist(choice[0])
+    # every layer's memory and the prefix's; the step adds the largest transient (a layer's, a
+    # redistribution's, the optimizer step's), the input/output and the framework
+    held = [c.memory for c in costs] + ([_prefix_memory(lg, d0, ctx)] if lg.prefix else [])
+    rank_mem = step_memory(held, framework_bytes=ctx.framework_bytes, io_bytes=io_bytes(lg.graph, ctx.batch, ctx.elem),
+                           optimizer=ctx.optimizer, weight_decay=ctx.weight_decay, extra_transient_bytes=redist_tmp)
     mem = int(rank_mem.total_bytes)
     per_layer = {}
-    d0 = opts[0].dist(choice[0])
-    for n in lg.prefix:  # before the first layer (an embedding, recurrent layers): compute only
+    for n in lg.prefix:  # before the first layer (an embedding, recurrent layers), on the first vertex's ranks
         nt = node_time(n, d0, ctx)
-        if nt.fwd_s or nt.bwd_s:
+        nbytes_held = dist_memory([n], d0, ctx).persistent_bytes
+        if nt.fwd_s or nt.bwd_s or nbytes_held:
             per_layer[n.module or n.name] = {"fwd_s": nt.fwd_s, "bwd_s": nt.bwd_s, "comm_s": 0.0, "grad_sync_s": 0.0,
-                                             "memory_bytes": 0.0}
+                                             "memory_bytes": nbytes_held}
     for vo, c, r in zip(opts, costs, redist):
         key = vo.vertex.node.module or vo.vertex.name
         per_layer[key] = {"fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.comm_fwd_s + c.comm_bwd_s + r,
@@ -491,22 +504,6 @@ class _Setup:
     input_shape: tuple[int, ...] | None
     cluster_name: str
     model_name: str
-
-
-def _step_tmp(opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext) -> float:
-    """The optimizer step's temporary (hybridpar.cost.memory.optimizer_step_copies x local weights)."""
-    from hybridpar.cost.memory import optimizer_step_copies
-
-    copies = optimizer_step_copies(ctx.optimizer, ctx.weight_decay)
-    if not copies:
-        return 0.0
-    weights = 0.0
-    for vo, k in zip(opts, choice):
-        lay = vo.options[k]
-        if isinstance(lay, LayerLayout):
-            nodes = (vo.vertex.node, *vo.vertex.followers)
-            weights += sum(n.params for n in nodes) / (lay.channel * lay.filter) * ctx.elem
-    return copies * weights
 
 
 def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: float | None,
@@ -534,6 +531,7 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: f
     ctx = CostContext(cl, batch, gpus, dtype, calibration, optimizer=optimizer, momentum=momentum,
                       weight_decay=weight_decay)
     ctx.kept = frozenset(kept_activations(lg.graph))
+    ctx.graph_batch = graph.batch
     return _Setup(lg, ctx, capacity, shape, cl.name, name)
 
 
