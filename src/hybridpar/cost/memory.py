@@ -123,13 +123,15 @@ def kept_activations(graph: Graph) -> list[str]:
 
 def _recurrent_numel(node: Node) -> int:
     """What torch's CPU kernels keep inside nn.LSTM/GRU/RNN (torch 2.13, fp32; measured with
-    saved_tensors_hooks over hidden 16-256, input 16-256, 1-3 layers, one and two directions,
-    docs/planner.md). Per layer and direction: an LSTM (oneDNN) a workspace of about 9.5 H + 6 max(I, H)
-    values per sample and step (gates, h and c states), 5 H + 2.5 max(I, H) per sample and 3300 (fitted:
-    within 15% of the workspace, median 2.5%), plus h0, c0, hy, cy; a GRU 7 H per step (its
-    gates and h); an RNN H per step and h0. Every layer's output but the last (the next layer's
-    input); with two directions, an LSTM each direction's output of the last layer, a GRU/RNN a
-    reversed copy of its input. On GPUs cuDNN's reserve space differs (approximation)."""
+    saved_tensors_hooks over hidden 16-256, input 16-256, 1-3 layers, one and two directions, with and
+    without projections, docs/planner.md). Per layer and direction: an LSTM (oneDNN) a workspace of
+    about 9.5 H + 6 max(I, H) values per sample and step (gates, h and c states), 5 H + 2.5 max(I, H)
+    per sample and 3300 (a least-squares fit over 108 shapes: within 15% of the workspace, median
+    2.5%), plus h0, c0, hy, cy; an LSTM with projections (torch's own cells: oneDNN has none) 7 H + P
+    per step, a GRU 7 H (gates and h), an RNN H per step and h0. Every layer's output but the last
+    (the next layer's input); with two directions, an oneDNN LSTM each direction's output of the last
+    layer, torch's cells a reversed copy of the input. On GPUs cuDNN's reserve space differs
+    (approximation)."""
     a = dict(node.attrs)
     shape = node.out_shape
     if len(shape) == 3:
@@ -137,18 +139,22 @@ def _recurrent_numel(node: Node) -> int:
     else:  # unbatched (steps, features)
         b, t = 1, shape[0]
     h, layers = int(a.get("hidden") or shape[-1]), int(a.get("layers") or 1)
+    proj = int(a.get("proj") or 0)
     d = 2 if a.get("bidirectional") else 1
     cell = a.get("cell", "lstm")
-    n = (layers - 1) * b * t * d * h
+    onednn = cell == "lstm" and not proj
+    n = (layers - 1) * b * t * d * (proj or h)
     for layer in range(layers):
-        width = int(a.get("input_size") or h) if layer == 0 else d * h
-        if cell == "lstm":  # least squares over 108 shapes (B 4-8, T 4-32, H 16-128, I 16-128)
+        width = int(a.get("input_size") or h) if layer == 0 else d * (proj or h)
+        if onednn:
             w = max(width, h)
             n += d * (b * t * (19 * h + 12 * w) // 2 + b * (10 * h + 5 * w) // 2 + 3300 + 4 * b * h)
+        elif cell == "lstm":
+            n += d * b * t * (7 * h + proj)
         else:
             n += d * (7 * b * t * h if cell == "gru" else (t + 1) * b * h)
     if d > 1:
-        n += d * b * t * h if cell == "lstm" else b * t * int(a.get("input_size") or h)
+        n += d * b * t * h if onednn else b * t * int(a.get("input_size") or h)
     return n
 
 
