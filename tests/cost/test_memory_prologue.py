@@ -78,14 +78,15 @@ def test_every_parameter_and_kept_activation_counted(make):
 
 @pytest.mark.parametrize("strategy,gpus", [("sample=2", 2), ("channel=2", 2)])
 def test_planner_states_the_same_memory_and_lists_the_prologue(strategy, gpus):
-    """`hybridpar plan --strategy S` states predict_rank_memory's figure for a token model, and its
-    per-layer rows give the embedding and the LSTM their memory (they were listed with 0 bytes)."""
+    """`hybridpar plan --strategy S` states predict_rank_memory's figure for a token model (planned at
+    twice the batch it was traced at), and its per-layer rows give the embedding and the LSTM their
+    memory (they were listed with 0 bytes)."""
     from hybridpar.search.layers.planner import plan_model
 
     model, inputs = _model(TokenLSTM)
-    res = plan_model((model, inputs), "localhost", gpus, BATCH, strategy=strategy)
+    res = plan_model((model, inputs), "localhost", gpus, 2 * BATCH, strategy=strategy)
     g = trace(model, inputs)
-    assert res.plan.predicted.memory_bytes[0] == int(predict_rank_memory(g, strategy, batch=BATCH).total_bytes)
+    assert res.plan.predicted.memory_bytes[0] == int(predict_rank_memory(g, strategy, batch=2 * BATCH).total_bytes)
     rows = res.prediction.per_layer
     whole = {name: sum(p.numel() for p in mod.parameters()) * 4 for name, mod in model.named_children()}
     for name in ("embed", "rnn"):  # whole on every rank: weights and gradients at least

@@ -121,13 +121,15 @@ def kept_activations(graph: Graph) -> list[str]:
     return list(kept)
 
 
-def _recurrent_numel(node: Node) -> int:
+def _recurrent_numel(node: Node) -> float:
     """What torch's CPU kernels keep inside nn.LSTM/GRU/RNN (torch 2.13, fp32; measured with
     saved_tensors_hooks over hidden 16-256, input 16-256, 1-3 layers, one and two directions, with and
     without projections, docs/planner.md). Per layer and direction: an LSTM (oneDNN) a workspace of
-    about 9.5 H + 6 max(I, H) values per sample and step (gates, h and c states), 5 H + 2.5 max(I, H)
-    per sample and 3300 (a least-squares fit over 108 shapes: within 15% of the workspace, median
-    2.5%), plus h0, c0, hy, cy; an LSTM with projections (torch's own cells: oneDNN has none) 7 H + P
+    about 9.5 H + 6 max(I, H) values per sample and step (gates, h and c states) and 10 H + 7.5 max(I, H)
+    per sample (a least-squares fit over 108 shapes, B 4-8, T 4-32, H 16-128, I 16-128: median 3.5%,
+    within 16% where B x T >= 96; 32% for the smallest; in proportion to the batch, so that a graph
+    traced at one batch sizes another), plus h0, c0, hy, cy; an LSTM with projections (torch's own
+    cells: oneDNN has none) 7 H + P
     per step, a GRU 7 H (gates and h), an RNN H per step and h0. Every layer's output but the last
     (the next layer's input); with two directions, an oneDNN LSTM each direction's output of the last
     layer, torch's cells a reversed copy of the input. On GPUs cuDNN's reserve space differs
@@ -148,7 +150,7 @@ def _recurrent_numel(node: Node) -> int:
         width = int(a.get("input_size") or h) if layer == 0 else d * (proj or h)
         if onednn:
             w = max(width, h)
-            n += d * (b * t * (19 * h + 12 * w) // 2 + b * (10 * h + 5 * w) // 2 + 3300 + 4 * b * h)
+            n += d * (b * t * (9.5 * h + 6 * w) + b * (10 * h + 7.5 * w) + 4 * b * h)
         elif cell == "lstm":
             n += d * b * t * (7 * h + proj)
         else:
@@ -158,7 +160,7 @@ def _recurrent_numel(node: Node) -> int:
     return n
 
 
-def internal_numel(node: Node) -> int:
+def internal_numel(node: Node) -> float:
     """Elements (at the node's whole batch) autograd keeps inside `node` besides its inputs and its
     output: a recurrent layer's state (`_recurrent_numel`); a dropout's noise (training, p > 0);
     scaled_dot_product_attention's log-sum-exp
