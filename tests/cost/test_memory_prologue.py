@@ -57,11 +57,11 @@ def _saved_bytes(model: nn.Module, inputs: tuple) -> int:
 
 def _model(make):
     torch.manual_seed(0)
-    return make().train(), (torch.randint(0, VOCAB, (BATCH, STEPS)),)
+    return make(), (torch.randint(0, VOCAB, (BATCH, STEPS)),)  # modules start in training mode
 
 
-@pytest.mark.parametrize("make", [TokenLSTM, lambda: TokenLSTM(nn.GRU), TokenEncoder],
-                         ids=["lstm", "gru", "encoder"])
+@pytest.mark.parametrize("make", [TokenLSTM, lambda: TokenLSTM(nn.GRU), TokenEncoder, lambda: TokenEncoder().eval()],
+                         ids=["lstm", "gru", "encoder", "encoder-eval"])  # eval: no dropout, flash attention
 def test_every_parameter_and_kept_activation_counted(make):
     model, inputs = _model(make)
     g = trace(model, inputs)
