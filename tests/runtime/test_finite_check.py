@@ -22,3 +22,42 @@ def test_sparse_gradients_are_checked_by_their_values():
     assert emb.weight.grad.is_sparse and _finite_here([emb.weight.grad])
     emb.weight.grad = torch.sparse_coo_tensor([[1]], torch.full((1, 4), float("nan")), (10, 4))
     assert not _finite_here([emb.weight.grad])
+
+
+def _verdicts() -> dict:
+    """On each of 2 ranks, the train loop's verdict for engines that agree on finiteness in different
+    ways, with a NaN gradient on rank 1 only (where ranks hold different gradients) or on both (where
+    the gradients were summed over every rank, so a NaN shows everywhere)."""
+    import torch.distributed as dist
+
+    from hybridpar.runtime.train_loop import _nonfinite_step
+
+    rank = dist.get_rank()
+
+    class Engine:
+        def __init__(self, grad, **attrs):
+            p = torch.nn.Parameter(torch.zeros(3))
+            p.grad = grad
+            self._p = [p]
+            self.__dict__.update(attrs)
+
+        def parameters(self):
+            return iter(self._p)
+
+    nan_on_1 = torch.tensor([0.0, float("nan") if rank == 1 else 0.0, 0.0])
+    nan_everywhere = torch.tensor([0.0, float("nan"), 0.0])
+    return {"split": _nonfinite_step(1.0, Engine(nan_on_1), "cpu"),  # a collective decides
+            "split ok": _nonfinite_step(1.0, Engine(torch.zeros(3)), "cpu"),
+            "split loss": _nonfinite_step(float("nan") if rank == 1 else 1.0, Engine(torch.zeros(3)), "cpu"),
+            "summed": _nonfinite_step(1.0, Engine(nan_everywhere, grads_agree=True), "cpu"),  # no collective
+            "mp": _nonfinite_step(1.0, Engine(torch.zeros(3), step_grads_finite=False), "cpu"),
+            "rank": rank}
+
+
+def test_every_rank_stops_on_a_nan_that_only_one_rank_holds():
+    from hybridpar.runtime.launch import spawn
+
+    r = spawn(_verdicts, 2)  # rank 0's verdicts: its own gradients and loss are finite in "split"
+    assert r["rank"] == 0
+    assert r["split"] == "gradients" and r["split ok"] is None and r["split loss"] == "loss", r
+    assert r["summed"] == "gradients" and r["mp"] == "gradients", r

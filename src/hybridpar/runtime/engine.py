@@ -79,6 +79,16 @@ class ChannelFilterEngine:
     def parameters(self):
         return self.module.parameters()
 
+    @property
+    def grads_agree(self) -> bool:
+        """Whether every rank ends a step with the same loss and, for every gradient, the sum over all
+        ranks (sample-only layouts), so a NaN or Inf anywhere shows on every rank and the train loop's
+        finiteness check needs no collective of its own."""
+        import torch.distributed as dist
+
+        return (self.state.meshes is None and not self.state.param_grid
+                and self.grid.replica_group.size == dist.get_world_size())
+
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters (its shards; replicated DTensors count their local copy)."""
         return sum(_local(p).numel() * p.element_size() for p in self.module.parameters())

@@ -15,6 +15,7 @@ from torch import nn
 
 from hybridpar.errors import UserError
 from hybridpar.plans import Plan
+from hybridpar.runtime.finite import finite_here
 from hybridpar.runtime.mp.comm import CommLog
 from hybridpar.runtime.mp.executor import crossings, message_count, meta_copy, meta_values, run_forward
 from hybridpar.runtime.mp.grad_sync import BUCKET_BYTES, GradSync
@@ -71,6 +72,7 @@ class MPEngine:
         self.layout = HybridLayout(plan.dp, plan.mp, dist.get_rank())
         self.device = device or _default_device()
         self.comm_log = CommLog()
+        self.step_grads_finite: bool | None = None  # every rank's gradients finite, agreed in the last step
         ordered = dist.get_backend() != "gloo" if ordered_p2p is None else ordered_p2p
         module.train()  # trace the training graph (a forward may branch on self.training)
         self.placement = resolve_placement(plan, module)
@@ -165,9 +167,14 @@ class MPEngine:
         self.link.wait_all()
         if self._grad_sync is not None:
             self._grad_sync.finish()
-        dist.all_reduce(loss_local)  # only each replica's loss device contributes
+        # only each replica's loss device contributes; this rank's gradients' finiteness goes with it,
+        # so the train loop's check needs no collective of its own (step_grads_finite)
+        bad = 0.0 if finite_here([p.grad for p in self._params if p.grad is not None]) else 1.0
+        both = torch.stack([loss_local, loss_local.new_tensor(bad)])
+        dist.all_reduce(both)
         self.comm_log.record("allreduce", dist.get_world_size(), loss_local.element_size(), "loss")
-        return float(loss_local)
+        self.step_grads_finite = bool(both[1] == 0)
+        return float(both[0])
 
     def warm_up(self, sample_shape: tuple[int, ...]) -> None:
         """Nothing to exchange before training (the Engine protocol's hook)."""

@@ -286,8 +286,9 @@ def _edge_costs(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext) -> 
 
 def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext) -> list[CommOp]:
     """Per-step collectives outside the layers, as `hybridpar train` issues them: each sample group's
-    outputs gathered over its channel pieces (when G > 1), and the loss (each group's mean) allreduced
-    over the sample groups for reporting (hybridpar.runtime.engine)."""
+    outputs gathered over its channel pieces (when G > 1), the loss (each group's mean) allreduced
+    over the sample groups for reporting (hybridpar.runtime.engine), and the finiteness check's flags
+    where ranks hold different gradients (phase "check": priced, not counted in the step's bytes)."""
     last = opts[-1].dist(choice[-1])
     out_node = opts[-1].vertex.out_node
     grid = LayerLayout(sample=last.sample, channel=1, filter=last.channel)
@@ -299,6 +300,12 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
     if last.sample > 1:
         key = LayerLayout(sample=last.sample, channel=last.channel)
         ops.append(CommOp.placed("allreduce", "loss", ctx.elem, shard_groups(key), "shard", key))
+    sample_only = all(vo.dist(k).channel == 1 and vo.dist(k).sample == ctx.ranks for vo, k in zip(opts, choice))
+    if ctx.ranks > 1 and not sample_only:
+        # the train loop's finiteness check: where ranks hold different gradients, one small allreduce
+        # of its own before each update (hybridpar.runtime.train_loop._nonfinite_step); not step traffic
+        world = LayerLayout(sample=ctx.ranks)
+        ops.append(CommOp.placed("allreduce", "check", 2 * 8, shard_groups(world), "world", world))
     return ops
 
 
@@ -460,7 +467,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     compute = pre_fwd + pre_bwd + sum(c.fwd_s + c.bwd_s for c in costs)
     comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs) + sum(redist) + grad + extra_s
     nbytes: dict[str, int] = {}
-    for op in [*extras, *(grad_allreduce(b, k) for k, b in by_key.items())]:
+    for op in [*(op for op in extras if op.phase != "check"), *(grad_allreduce(b, k) for k, b in by_key.items())]:
         nbytes[op.kind] = nbytes.get(op.kind, 0) + op.bytes_
     for c in costs:
         for k, b in c.comm_bytes.items():
