@@ -60,7 +60,6 @@ _NEEDS_INPUT = {"conv2d", "linear", "batchnorm", "layernorm", "maxpool", "avgpoo
                 "lstm", "attention", "mul", "pointwise", "loss", "embedding"}
 _NEEDS_OUTPUT = {"relu", "softmax"}
 _VIEWS = {"flatten", "reshape", "dropout"}  # dropout: when it drops nothing (eval, p = 0; else `_is_view`)
-_LSTM_STATE_FACTOR = 4  # (unused here: internal_numel's rule; kept for hybridpar.search.placer.adapter)
 _INDEX_BYTES = 8  # max-pool keeps int64 argmax indices, one per output element
 # Layouts shard the parameters of these ops (hybridpar.cost.layout_comm); every other parameter
 # (embedding, recurrent, attention, layer/group norm, free parameters) is whole on every rank.

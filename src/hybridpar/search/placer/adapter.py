@@ -213,16 +213,9 @@ def _p2p(cluster: Cluster, a: int, b: int) -> tuple[float, float]:
 
 
 def _activation_bytes(node: Node, kept: bool, b: int) -> float:
-    """cost.memory.training_memory's activation rule for one node (its constants, so the sum over a
+    """cost.memory.training_memory's activation rule for one node (the same function, so the sum over a
     graph's nodes equals training_memory's total; a test checks it)."""
-    if not node.out_shape:
-        return 0.0
-    acts = 0.0
-    if kept:
-        acts += node.out_numel * b * (1 + (cost_memory._LSTM_STATE_FACTOR if node.op == "lstm" else 0))
-    if node.op == "maxpool":  # argmax indices kept for backward
-        acts += node.out_numel * cost_memory._INDEX_BYTES
-    return acts
+    return cost_memory.node_kept_bytes(node, kept, b)
 
 
 def placement_by_module(coarse: Graph, assignment: Sequence[int], fine: Graph | None = None) -> dict[str, int]:
