@@ -451,19 +451,25 @@ def io_bytes(graph: Graph, batch: int, elem: int) -> float:
     return sum(whole(n) for n in inputs) + (whole(graph.nodes[-1]) if graph.nodes else 0.0)
 
 
-def _layers(graph: Graph) -> tuple[list[tuple[Node, list[Node], bool]], list[Node]]:
-    """(head, followers, input_grad) per layer, grouped as hybridpar.search.layers.build_layer_graph
-    does: a weight layer or join heads a layer; the nodes after it until the next head follow it. And
-    the prefix: what runs on the graph input before the first layer (an embedding, recurrent layers)."""
+def layer_groups(graph: Graph) -> tuple[list[tuple[Node, list[Node], bool]], list[Node]]:
+    """(head, followers, input_grad) per layer, and the prefix: how hybridpar.search.layers.build_layer_graph
+    and predict_rank_memory see a graph. A weight layer or join heads a layer; the nodes after it until
+    the next head follow it. The prefix is what runs on the graph input before the first layer (an
+    embedding, recurrent layers). `input_grad`: whether autograd computes the gradient of the head's
+    input, i.e. some node upstream has trainable parameters (a prologue's embedding too; the graph
+    inputs never need one), as hybridpar.cost.layout_comm.model_collectives decides it."""
     owner: dict[str, int | None] = {}
+    grad: dict[str, bool] = {}  # whether a node's output needs a gradient
     out: list[tuple[Node, list[Node], bool]] = []
     prefix: list[Node] = []
     for node in graph.nodes:
+        input_grad = any(grad.get(i, False) for i in node.inputs)
+        grad[node.name] = node.op != "input" and (bool(node.param_shapes) or input_grad)
         owners = [owner.get(i) for i in node.inputs]
         distinct = sorted({o for o in owners if o is not None})
         if node.op in WEIGHT_OPS or node.op in JOIN_OPS or len(distinct) > 1:
             owner[node.name] = len(out)
-            out.append((node, [], bool(distinct)))
+            out.append((node, [], input_grad))
         elif distinct:
             owner[node.name] = distinct[0]
             out[distinct[0]][1].append(node)
@@ -505,7 +511,7 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
     per_layer: list[LayerMemory] = []
     dist: dict[str, tuple[int, int]] = {}
     kept = frozenset(kept_activations(graph))
-    heads, prefix = _layers(graph)
+    heads, prefix = layer_groups(graph)
     first: tuple[int, int] | None = None
     for head, followers, input_grad in heads:
         if head.op in WEIGHT_OPS:

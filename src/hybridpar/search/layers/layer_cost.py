@@ -41,9 +41,6 @@ from hybridpar.search.layers.decomposition import (
     shard_groups,
 )
 
-WEIGHT_OPS = ("conv2d", "linear")
-JOIN_OPS = ("add", "mul", "concat")
-
 
 @dataclass(frozen=True)
 class LayerCost:

@@ -11,15 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from hybridpar.cost.memory import WEIGHT_OPS, layer_groups
 from hybridpar.graph.types import Graph, Node
-from hybridpar.search.layers.layer_cost import JOIN_OPS, WEIGHT_OPS
 
 
 @dataclass(frozen=True)
 class Vertex:
     node: Node
     followers: tuple[Node, ...]
-    input_grad: bool = True  # False when the input is the model's (no gradient flows back to it)
+    # False when nothing upstream has trainable parameters (the model's input alone): autograd
+    # computes no gradient of this layer's input (no backward-data work, no reduce-scatter of dx)
+    input_grad: bool = True
 
     @property
     def name(self) -> str:
@@ -57,28 +59,16 @@ def _per_sample(shape: tuple[int, ...]) -> int:
 
 
 def build_layer_graph(graph: Graph) -> LayerGraph:
-    owner: dict[str, int | None] = {}
-    verts: list[tuple[Node, list[Node], bool]] = []
+    """The layers of hybridpar.cost.memory.layer_groups (predict_rank_memory's grouping and its
+    input-gradient rule, one function) with the boundary tensors between them."""
+    heads, prefix = layer_groups(graph)
+    owner = {n.name: i for i, (head, followers, _) in enumerate(heads) for n in (head, *followers)}
     edges: dict[tuple[int, int], int] = {}
-    prefix: list[Node] = []
-    for node in graph.nodes:
-        owners = [owner.get(i) for i in node.inputs]
-        distinct = sorted({o for o in owners if o is not None})
-        if node.op in WEIGHT_OPS or node.op in JOIN_OPS or len(distinct) > 1:
-            idx = len(verts)
-            verts.append((node, [], bool(distinct)))
-            owner[node.name] = idx
-            for inp, o in zip(node.inputs, owners):
-                if o is not None:
-                    numel = _per_sample(graph.node(inp).out_shape)
-                    edges[(o, idx)] = edges.get((o, idx), 0) + numel
-        elif distinct:
-            owner[node.name] = distinct[0]
-            verts[distinct[0]][1].append(node)
-        else:
-            owner[node.name] = None  # graph input and what runs on it before the first layer
-            if node.op != "input":
-                prefix.append(node)
-    return LayerGraph(tuple(Vertex(n, tuple(f), g) for n, f, g in verts),
+    for idx, (node, _, _) in enumerate(heads):
+        for inp in node.inputs:
+            o = owner.get(inp)
+            if o is not None:
+                edges[(o, idx)] = edges.get((o, idx), 0) + _per_sample(graph.node(inp).out_shape)
+    return LayerGraph(tuple(Vertex(n, tuple(f), g) for n, f, g in heads),
                       tuple(LayerEdge(u, v, k) for (u, v), k in sorted(edges.items(), key=lambda e: e[0][::-1])),
                       graph, tuple(prefix))
