@@ -48,6 +48,7 @@ from math import ceil, prod
 from typing import Literal
 
 from hybridpar.cost.compute import local_shapes
+from hybridpar.cost.scaling import graph_at_batch, shape_at_batch
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 from hybridpar.layout import LayerLayout
 
@@ -345,14 +346,14 @@ def boundary_numel(shape: Sequence[int], batch: int, sample: int, pieces: int) -
 
 
 def local_numel(shape: Sequence[int], batch: int, sample: int, pieces: int, graph_batch: int | None = None) -> int:
-    """`boundary_numel` of an activation whose shape was traced at `graph_batch` samples, when its first
-    dimension is the batch (at `batch` or `graph_batch`). A tensor whose first dimension is not
-    (time-major: a recurrent layer's (steps, batch, features), the projections inside
-    nn.MultiheadAttention, (steps x batch, features)) scales with the batch and splits over the sample
-    groups, its channels whole (approximation)."""
+    """`boundary_numel` of an activation whose shape was traced at `graph_batch` samples (default:
+    `batch`), when its first dimension is the batch (at `batch` or `graph_batch`). A tensor whose first
+    dimension is not (time-major: a recurrent layer's (steps, batch, features), the projections inside
+    nn.MultiheadAttention, (steps x batch, features)) at `batch` (hybridpar.cost.scaling.shape_at_batch,
+    the planner's rule for its time) splits over the sample groups, its channels whole (approximation)."""
     gb = graph_batch or batch
     if len(shape) >= 2 and shape[0] not in (batch, gb):
-        return prod(shape) * batch // (gb * sample)
+        return prod(shape_at_batch(shape, batch, gb)) // sample
     return boundary_numel(shape, batch, sample, pieces)
 
 
@@ -372,20 +373,26 @@ def _kept(nodes: Sequence[Node], batch: int, sample: int, pieces: int, elem: int
                      for n in nodes if n.out_shape))
 
 
+def _rows_channels(shape: Sequence[int], op: str, batch: int, sample: int) -> tuple[int, int]:
+    """(rows on a rank, channels) of a conv/linear activation at `batch`, as hybridpar.cost.layout_comm
+    splits it: a conv's samples x pixels and its channels (dim 1); a linear's every dimension but the
+    last (samples, and steps: time-major shapes too) and its features (the last)."""
+    if op == "linear" and len(shape) > 1:
+        return prod(shape[:-1]) // sample, int(shape[-1])
+    return batch // sample * (prod(shape[2:]) if len(shape) > 2 else 1), (int(shape[1]) if len(shape) > 1 else 1)
+
+
 def conv_transient_bytes(node: Node, layout: LayerLayout, batch: int, elem: int, *, input_grad: bool = True) -> float:
     """The largest transient buffer of a distributed conv/linear (runtime.layers.conv.DistConvFunction):
     forward, the partial outputs for all this rank's filters before the reduce-scatter in the channel
     group (stationary-x/-w); backward, the output gradient gathered over the channel group plus the
-    input gradient for the gathered channels before its reduce-scatter in the filter group."""
+    input gradient for the gathered channels before its reduce-scatter in the filter group. `node`'s
+    shapes at `batch` (hybridpar.cost.scaling.graph_at_batch)."""
     s, c, f = layout.sample, layout.channel, layout.filter
-    b = batch // s
-    x, y = node.in_shapes[0], node.out_shape
-    x_sp = prod(x[2:]) if len(x) > 2 else 1
-    y_sp = prod(y[2:]) if len(y) > 2 else 1
-    cin = int(x[1]) if len(x) > 1 else 1
-    cout = int(y[1]) if len(y) > 1 else 1
-    partial = b * ceil(cout / f) * y_sp if c > 1 else 0
-    dx = b * ceil(cin / c) * x_sp if input_grad else 0
+    x_rows, cin = _rows_channels(node.in_shapes[0], node.op, batch, s)
+    y_rows, cout = _rows_channels(node.out_shape, node.op, batch, s)
+    partial = y_rows * ceil(cout / f) if c > 1 else 0
+    dx = x_rows * ceil(cin / c) if input_grad else 0
     return float(max(partial, partial + dx) * elem)
 
 
@@ -394,14 +401,15 @@ def weight_layer_memory(node: Node, followers: Sequence[Node], layout: LayerLayo
                         input_grad: bool = True, kept: Collection[str] | None = None,
                         graph_batch: int | None = None) -> LayerMemory:
     """A conv/linear layer and its followers (batch norm, ReLU, pooling...) under `layout` on one rank;
-    `kept`: the graph's kept_activations (the outputs held for backward); `graph_batch`: the batch the
-    shapes were traced at (`local_numel`)."""
+    `kept`: the graph's kept_activations (the outputs held for backward); the layer's shapes at `batch`
+    (`graph_batch`: the batch the followers' shapes were traced at, `local_numel`)."""
     s, g = layout.sample, layout.channel * layout.filter
     mem = nodes_memory([node, *followers], batch=batch, sample=s, pieces=g, elem=elem, optimizer=optimizer,
                        momentum=momentum, kept=kept, graph_batch=graph_batch)
     gathered = 0.0
     if layout.filter > 1:  # stationary-y/-w keep the input gathered over the filter group for dw
-        gathered = boundary_numel(node.in_shapes[0], batch, s, g) * layout.filter * elem
+        rows, cin = _rows_channels(node.in_shapes[0], node.op, batch, s)
+        gathered = rows * ceil(cin / g) * layout.filter * elem
     return replace(mem, activations_bytes=mem.activations_bytes + gathered,
                    transient_bytes=conv_transient_bytes(node, layout, batch, elem, input_grad=input_grad))
 
@@ -507,6 +515,7 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
     default = _as_layout(layout)
     layers = layers or {}
     batch = int(batch if batch is not None else graph.batch)
+    graph = graph_at_batch(graph, batch)  # its shapes at the batch, as the planner prices them
     elem = DTYPE_BYTES[dtype]
     per_layer: list[LayerMemory] = []
     dist: dict[str, tuple[int, int]] = {}

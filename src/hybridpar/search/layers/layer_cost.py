@@ -92,8 +92,6 @@ class CostContext:
         # the graph's outputs autograd keeps for backward (cost.memory.kept_activations); the planner
         # sets it, and its layer-cost memo keys say which of a layer's nodes are kept
         self.kept: frozenset[str] | None = None
-        # the batch the graph was traced at (its time-major shapes were not scaled: cost.memory.local_numel)
-        self.graph_batch: int | None = None
         # a node's gradient bytes in backward's ready order per layout (planner.grad_bucket_schedule)
         self.grad_ready_memo: dict[tuple, tuple] = {}
         self.grad_ready_sigs: dict[int, tuple] = {}
@@ -277,8 +275,7 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     ops = layout_collectives(node, followers, layout, ctx, input_grad=input_grad, in_pieces=in_pieces)
     cf, cb, grad, nbytes = _summarise(ops, ctx)
     mem = weight_layer_memory(node, followers, layout, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
-                              momentum=ctx.momentum, input_grad=input_grad, kept=ctx.kept,
-                              graph_batch=ctx.graph_batch)
+                              momentum=ctx.momentum, input_grad=input_grad, kept=ctx.kept)
     grad_bytes = sum(op.bytes_ for op in ops if op.phase == "grad")
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, mem.persistent_bytes, nbytes, grad_bytes,
                      layout_of(s, c * f), mem.transient_bytes, mem)
@@ -297,7 +294,7 @@ def dist_memory(nodes: Sequence[Node], dist: Distribution, ctx: CostContext) -> 
     but for batch norms' channel pieces, a recurrent layer's activations whole for the rank's samples;
     `node_time`'s rule, hybridpar.cost.memory.nodes_memory)."""
     return nodes_memory(nodes, batch=ctx.batch, sample=dist.sample, pieces=dist.channel, elem=ctx.elem,
-                        optimizer=ctx.optimizer, momentum=ctx.momentum, kept=ctx.kept, graph_batch=ctx.graph_batch)
+                        optimizer=ctx.optimizer, momentum=ctx.momentum, kept=ctx.kept)
 
 
 def redistribution(tensor_numel: int, src: Distribution, dst: Distribution, ctx: CostContext) -> CommOp | None:

@@ -144,20 +144,10 @@ def _traced(model, input_shape: tuple[int, ...] | None) -> tuple[Graph, tuple[in
 
 
 def _scaled(graph, batch: int):
-    """Node FLOPs and shapes for the global batch (all layer costs are linear in the batch)."""
-    import dataclasses
+    """Node FLOPs and shapes for the global batch (hybridpar.cost.scaling: time-major shapes too)."""
+    from hybridpar.cost.scaling import graph_at_batch
 
-    b0 = graph.batch or 1
-    k = batch / b0
-
-    def shape(s: tuple[int, ...]) -> tuple[int, ...]:
-        return (batch, *s[1:]) if s and s[0] == b0 else s
-
-    nodes = tuple(dataclasses.replace(
-        n, in_shapes=tuple(shape(s) for s in n.in_shapes), out_shape=shape(n.out_shape),
-        fwd_flops=int(n.fwd_flops * k), bwd_data_flops=int(n.bwd_data_flops * k),
-        bwd_weight_flops=int(n.bwd_weight_flops * k)) for n in graph.nodes)
-    return dataclasses.replace(graph, nodes=nodes, batch=batch)
+    return graph_at_batch(graph, batch)
 
 
 # -- options -----------------------------------------------------------------------------------
@@ -538,7 +528,6 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: f
     ctx = CostContext(cl, batch, gpus, dtype, calibration, optimizer=optimizer, momentum=momentum,
                       weight_decay=weight_decay)
     ctx.kept = frozenset(kept_activations(lg.graph))
-    ctx.graph_batch = graph.batch
     return _Setup(lg, ctx, capacity, shape, cl.name, name)
 
 
