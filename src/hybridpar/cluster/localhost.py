@@ -44,7 +44,10 @@ def localhost_cluster(spec: ClusterFile, ranks: int | None, calibration: str | o
     cal = load_calibration(calibration)
     base = build_cluster(spec.model_copy(update={"gpus_per_node": ranks}), ranks)
     share = oversubscription(ranks, cores)
-    device = base.device.model_copy(update={"time_share": share})
+    # gloo's copies and sums run on the ranks' own cores when the ranks fill them: measured with the
+    # weight-heavy CNN (2 ranks, 2 cores), DDP's step was its compute plus 2.7x its 38 MB allreduce,
+    # nothing of it hidden behind backward (benchmarks/bench_weight_heavy.py, 2026-11-30)
+    device = base.device.model_copy(update={"time_share": share, "comm_takes_compute": ranks >= cores})
     memory = _physical_memory_bytes()
     intra = base.intra
     sources = dict(base.sources)

@@ -29,6 +29,9 @@ class DeviceSpec(_Frozen):
     memory_bytes: float
     # > 1 when ranks time-share cores (localhost with more ranks than cores): compute stretches by it.
     time_share: float = 1.0
+    # True where collectives run on the cores that compute (gloo between CPU ranks that fill every
+    # core): an exchange issued during backward takes its time from backward instead of hiding behind it
+    comm_takes_compute: bool = False
 
     def peak(self, dtype: str = "fp32") -> float:
         """Peak for `dtype`; a dtype the device has no special rate for runs at the fp32 rate."""

@@ -454,6 +454,8 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     else:
         grad = sum(ctx.comm_time(grad_allreduce(b, key)) for key, b in by_key.items())
         step = t + grad
+    if grad_sync != "flat" and ctx.cluster.device.comm_takes_compute:
+        step = t + grad  # the exchanges run on the cores backward runs on: nothing hides (DeviceSpec)
     compute = pre_fwd + pre_bwd + sum(c.fwd_s + c.bwd_s for c in costs)
     comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs) + sum(redist) + grad + extra_s
     nbytes: dict[str, int] = {}
