@@ -55,18 +55,36 @@ class CommOp:
     phase: str = "fwd"  # "fwd" | "bwd" | "grad" | "loss"
 
 
+# the classes hybridpar.runtime replaces by distributed layers (runtime/layers/styles.py PARALLEL_STYLES:
+# exact types; a subclass such as nn.MultiheadAttention's NonDynamicallyQuantizableLinear keeps its own
+# forward and stays replicated, as does a functional F.linear/F.conv2d)
+DISTRIBUTED_CLASSES = {"conv2d": "torch.nn.modules.conv.Conv2d", "linear": "torch.nn.modules.linear.Linear"}
+
+
+def splits_by_layout(node: Node) -> bool:
+    """Whether the runtime runs `node` as a distributed conv/linear under a channel/filter layout (its
+    collectives and 1/G compute); otherwise it runs whole on every rank, its parameters replicated.
+    The fact is the traced node's `module_class` (graph.build); a node without it (built by hand) is
+    taken as the plain layer it names."""
+    if node.op not in DISTRIBUTED_CLASSES:
+        return False
+    cls = node.attr("module_class")
+    return cls is None or cls == DISTRIBUTED_CLASSES[node.op]
+
+
 def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, input_grad: bool = True,
                       in_pieces: list[int] | None = None, bn_stats: str = "global",
                       dtype_bytes: int = FP32) -> list[CommOp]:
     """Collectives `node` issues in one training step on the rank at grid position `position`
     (0..G-1). `node.in_shapes[0][0]` is the global batch. `in_pieces` overrides the split of a
     linear layer's input features (default: its producer's channel pieces, see model_collectives)."""
-    if node.op in ("conv2d", "linear"):
+    if splits_by_layout(node):
         return _matmul_like(node, layout, position, input_grad, in_pieces, dtype_bytes)
     if node.op == "batchnorm":
         return _batchnorm(node, layout, position, input_grad, bn_stats, dtype_bytes)
     if node.params and layout.sample > 1:
-        # any other layer with parameters (embedding, LSTM, LayerNorm, attention, free parameters):
+        # any other layer with parameters (embedding, LSTM, LayerNorm, attention, a linear the runtime
+        # leaves whole, free parameters):
         # replicated on every rank, its gradient summed over the sample groups
         return [CommOp("allreduce", layout.sample, node.params * dtype_bytes, "replica", "grad")]
     return []

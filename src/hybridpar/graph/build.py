@@ -11,11 +11,15 @@ from hybridpar.graph.types import Graph, Node
 
 def build_graph(name: str, records: list[OpRecord], *, batch: int = 1,
                 meta: tuple[tuple[str, Any], ...] = (), free_params: tuple[ParamRef, ...] = (),
-                outputs: tuple[str, ...] | None = None) -> Graph:
+                outputs: tuple[str, ...] | None = None, module_classes: dict[str, str] | None = None) -> Graph:
     """`free_params`: the module's trainable parameters; those no node was given (no op reads them)
     are attributed to the first node of the innermost module that owns them (else the first node)
     and listed in meta `free_params`. `outputs`: the records the model returns; nodes none of them
-    depends on (a pooler whose result is dropped) run forward but get no backward."""
+    depends on (a pooler whose result is dropped) run forward but get no backward. `module_classes`:
+    module name -> its exact class ("torch.nn.modules.linear.Linear"), recorded on conv2d/linear nodes
+    as attr `module_class` ("" for a functional op such as F.linear inside nn.MultiheadAttention): the
+    runtime replaces only exact nn.Linear/nn.Conv2d modules by distributed layers
+    (hybridpar.cost.layout_comm.splits_by_layout)."""
     reps: dict[str, tuple[str, ...]] = {}  # record -> graph nodes its value stands for
     carry: dict[str, tuple[ParamRef, ...]] = {}  # record -> parameters not yet given to a node
     # record -> parameter-only ops upstream of it: op -> (FLOPs, matmul-class FLOPs), not yet given
@@ -68,6 +72,8 @@ def build_graph(name: str, records: list[OpRecord], *, batch: int = 1,
         needs_grad[r.name] = any(input_grads) or has_weight
         reps[r.name], carry[r.name], branch[r.name] = (r.name,), (), {}
         attrs = {**attrs, "scope": r.scope}
+        if kind in ("conv2d", "linear") and module_classes is not None:  # "": a functional op (F.linear)
+            attrs["module_class"] = module_classes.get(r.module, "") if r.module else ""
         nodes.append(Node(r.name, kind, data_inputs, in_shapes, r.out_shape, r.module,
                           tuple((n, s) for n, s, _ in new_params), f.fwd, f.bwd_data, f.bwd_weight,
                           tuple(attrs.items())))

@@ -65,8 +65,9 @@ def trace(module: nn.Module, example_inputs, name: str | None = None, *, train: 
                 raise UserError(f"cannot trace model {name!r}: torch.fx: {_short(fx_err)}; "
                                 f"torch.export: {_short(ex_err)}") from None
     trainable = tuple((n, tuple(p.shape), id(p)) for n, p in module.named_parameters() if p.requires_grad)
+    classes = {n: f"{type(m).__module__}.{type(m).__qualname__}" for n, m in module.named_modules()}
     return build_graph(name, records, batch=batch, free_params=trainable, outputs=outputs,
-                       meta=(("tracer", tracer), ("train", training)))
+                       meta=(("tracer", tracer), ("train", training)), module_classes=classes)
 
 
 @contextlib.contextmanager

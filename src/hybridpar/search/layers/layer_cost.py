@@ -268,13 +268,20 @@ def grad_allreduce(bytes_: int, key: LayerLayout) -> CommOp:
 
 def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout, ctx: CostContext, *,
                       input_grad: bool = True, in_pieces: list[int] | None = None) -> LayerCost:
+    from hybridpar.cost.layout_comm import splits_by_layout
+
     s, c, f = layout.sample, layout.channel, layout.filter
-    dist = Distribution(s, c * f)
-    t = ctx.op(node, s, 1.0 / c, 1.0 / f)  # op_time cuts C and F to ceil(dim / pieces) itself
+    # a conv/linear the runtime does not replace (F.linear, a subclass such as attention's out_proj)
+    # runs whole on every rank for its sample group's samples, and so do the nodes after it; its
+    # parameters are replicated (layer_collectives: their gradients summed over the sample groups)
+    split = splits_by_layout(node)
+    local = layout if split else LayerLayout(sample=s)
+    dist = Distribution(s, local.channel * local.filter)
+    t = ctx.op(node, s, 1.0 / local.channel, 1.0 / local.filter)  # op_time cuts C and F to ceil(dim / pieces)
     ffwd, fbwd = nodes_time(followers, dist, ctx)
     ops = layout_collectives(node, followers, layout, ctx, input_grad=input_grad, in_pieces=in_pieces)
     cf, cb, grad, nbytes = _summarise(ops, ctx)
-    mem = weight_layer_memory(node, followers, layout, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
+    mem = weight_layer_memory(node, followers, local, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
                               momentum=ctx.momentum, input_grad=input_grad, kept=ctx.kept)
     grad_bytes = sum(op.bytes_ for op in ops if op.phase == "grad")
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, mem.persistent_bytes, nbytes, grad_bytes,

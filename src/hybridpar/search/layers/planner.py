@@ -326,7 +326,7 @@ def grad_bucket_schedule(lg: LayerGraph, opts: list[VertexOptions], choice: Sequ
     Gradients are ready at the end of their vertex's backward (approximation: the runtime readies
     each where its node's backward runs), within it in the runtime's order: followers from the last,
     then the layer, a bias before its weight."""
-    from hybridpar.cost.layout_comm import bucket_schedule, grad_ready_bytes
+    from hybridpar.cost.layout_comm import bucket_schedule, grad_ready_bytes, splits_by_layout
     from hybridpar.search.layers.gradients import SPLIT_OPS, grad_allreduce_bytes, outside_nodes
 
     ready: list[tuple[LayerLayout, int]] = []
@@ -337,7 +337,8 @@ def grad_bucket_schedule(lg: LayerGraph, opts: list[VertexOptions], choice: Sequ
         """(shard-group key, bytes ready in backward order, bytes summed after backward) of node n."""
         g = lay.channel * lay.filter
         key = layout_of(lay.sample, g)
-        if n.op not in SPLIT_OPS and g > 1:  # a replicated DTensor parameter
+        if g > 1 and (n.op not in SPLIT_OPS or (n.op != "batchnorm" and not splits_by_layout(n))):
+            # a replicated DTensor parameter (a linear the runtime leaves whole too)
             return key, (), grad_allreduce_bytes(n, key, ctx.elem, ctx.bn_stats)
         # a linear's input features split as DTensor chunks them (layout_comm's default pieces)
         return key, tuple(grad_ready_bytes(n, lay, dtype_bytes=ctx.elem)), 0
