@@ -91,7 +91,11 @@ def test_planned_bytes_equal_the_bytes_train_sends(tmp_path, monkeypatch, capsys
     path.write_text(MODEL)
     args = ["--model", f"{path}:factory", "--strategy", "filter=2", "--batch", "6", "--json"]
     assert main(["plan", *args, "--gpus", "2"]) == 0
-    predicted = json.loads(capsys.readouterr().out)["predicted"]["comm_bytes"]
+    planned = json.loads(capsys.readouterr().out)
+    predicted = planned["predicted"]["comm_bytes"]
+    layouts = {p["node"]: p["layout"] for p in planned["parameters"] if p["op"] == "linear"}
+    assert layouts == {"linear": "whole", "linear_1": "whole", "linear_2": "filter=2", "linear_3": "filter=2",
+                       "linear_4": "filter=2"}  # the gradient listing says which stay replicated
     assert main(["train", *args, "--nproc", "2", "--steps", "2"]) == 0
     sent = json.loads(capsys.readouterr().out)["steps"][-1]["comm_bytes"]
     assert {k: v for k, v in predicted.items() if v} == {k: v for k, v in sent.items() if v}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hybridpar.cost.layout_comm import layer_collectives
+from hybridpar.cost.layout_comm import layer_collectives, splits_by_layout
 from hybridpar.graph.params import node_param_groups
 from hybridpar.graph.types import Node
 from hybridpar.plans import LayerLayout
@@ -55,7 +55,7 @@ def node_gradients(node: Node, lay: LayerLayout, elem: int, bn_stats: str = "glo
     if not groups:
         return []
     sent = grad_allreduce_bytes(node, lay, elem, bn_stats)
-    if node.op in SPLIT_OPS:
+    if node.op == "batchnorm" or (node.op in SPLIT_OPS and splits_by_layout(node)):  # else replicated
         # what this rank holds is what its allreduce would send with more than one sample group
         held = sent if lay.sample > 1 else grad_allreduce_bytes(node, layout_of(2, lay.channel, lay.filter),
                                                                elem, bn_stats)
