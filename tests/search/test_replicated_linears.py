@@ -76,8 +76,15 @@ def test_a_whole_linear_is_priced_whole():
     whole, split = LayerLayout(), LayerLayout(filter=4)
     assert weight_layer_cost(mine, (), split, ctx).fwd_s == pytest.approx(weight_layer_cost(mine, (), whole, ctx).fwd_s)
     assert weight_layer_cost(mine, (), split, ctx).comm_bytes == {}
+    assert weight_layer_cost(mine, (), split, ctx).memory_bytes == weight_layer_cost(mine, (), whole, ctx).memory_bytes
     assert weight_layer_cost(plain, (), split, ctx).fwd_s < weight_layer_cost(plain, (), whole, ctx).fwd_s
     assert weight_layer_cost(plain, (), split, ctx).comm_bytes
+    # predict_rank_memory (what `plan --strategy` states) holds it whole too
+    from hybridpar.cost.memory import predict_rank_memory
+
+    alone = _traced(nn.Sequential(MyLinear(64, 64)), (torch.randn(32, 64),))
+    assert predict_rank_memory(alone, "filter=4", batch=32, framework_bytes=0).total_bytes == \
+        predict_rank_memory(alone, whole, batch=32, framework_bytes=0).total_bytes
 
 
 @pytest.mark.slow

@@ -515,6 +515,8 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
     default = _as_layout(layout)
     layers = layers or {}
     batch = int(batch if batch is not None else graph.batch)
+    from hybridpar.cost.layout_comm import splits_by_layout
+
     graph = graph_at_batch(graph, batch)  # its shapes at the batch, as the planner prices them
     elem = DTYPE_BYTES[dtype]
     per_layer: list[LayerMemory] = []
@@ -525,7 +527,9 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
     for head, followers, input_grad in heads:
         if head.op in WEIGHT_OPS:
             lay = layers.get(head.module or "", default) if head.module else default
-            per_layer.append(weight_layer_memory(head, followers, lay, batch=batch, elem=elem, optimizer=optimizer,
+            # a conv/linear the runtime leaves whole holds whole (the planner's weight_layer_cost too)
+            local = lay if splits_by_layout(head) else LayerLayout(sample=lay.sample)
+            per_layer.append(weight_layer_memory(head, followers, local, batch=batch, elem=elem, optimizer=optimizer,
                                                  momentum=momentum, input_grad=input_grad, kept=kept,
                                                  graph_batch=graph.batch))
             d = (lay.sample, lay.channel * lay.filter)
