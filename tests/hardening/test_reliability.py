@@ -309,9 +309,12 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_launcher_alone_stops_every_rank(tmp_path, sig):
     ck = tmp_path / "ck"
+    # SIGINT as an interactive user's: a suite started in the background (`make test &`) inherits SIGINT
+    # ignored, and so would the launcher (POSIX: background jobs ignore it), which then never stops
     proc = subprocess.Popen([str(BIN / "hybridpar"), *TWO, "--steps", "100000", "--checkpoint-dir", str(ck),
                              "--checkpoint-every", "2", "--json"], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while ckpt.latest_checkpoint(ck) is None and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)

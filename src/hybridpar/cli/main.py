@@ -97,18 +97,15 @@ def main(argv: list[str] | None = None) -> int:
         return _exit(130, argv)
     except KeyboardInterrupt:
         print("hybridpar: interrupted", file=sys.stderr)
-        return _exit(130, argv, interrupted=True)
+        return _exit(130, argv)
     return _exit(0, argv)
 
 
-def _exit(code: int, argv: list[str] | None, interrupted: bool = False) -> int:
+def _exit(code: int, argv: list[str] | None) -> int:
     # As a console script we exit; called from Python (tests) we return the code.
     if argv is None:
         launch = sys.modules.get("hybridpar.runtime.launch")  # imported only by commands that train
-        # An interrupted launcher has stopped its ranks already (launch.spawn); it leaves without the
-        # interpreter's teardown too: once in a full suite under load, a SIGINT'd launcher was still
-        # alive 60 s later (tests/hardening/test_reliability.py, signal test; where it hung: not found).
-        if launch is not None and (launch.joined_launcher() or interrupted):
+        if launch is not None and launch.joined_launcher():
             # A torchrun rank leaves without the interpreter's teardown, as spawned ranks do (launch.py):
             # gloo's C++ objects can abort there ("terminate called without an active exception", seen
             # after a finished, restarted 2-rank run), and torchrun would call the finished run failed.
