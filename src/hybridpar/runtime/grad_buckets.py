@@ -37,8 +37,9 @@ class GradSync:
     """Hooks on every trainable parameter of a parallelized module.
 
     `groups(p)` names, for a plain (local-shard) parameter, the Group its gradient is summed over
-    (None: nothing to do); DTensor parameters are summed over the groups of the mesh dimensions on
-    which their gradient is Partial (`mesh_groups[dim_name]`), then laid out like the parameter.
+    (None: nothing to do); DTensor parameters are summed over the group of the mesh dimensions on
+    which their gradient is Partial (`mesh_groups[dim_name]`, or `mesh_groups[(name, name, ...)]`
+    for several: their union), then laid out like the parameter.
     `average`: divide by the number of sample groups (DDP's convention, for per-rank losses)."""
 
     def __init__(self, params, group_of, mesh_groups: dict, log: CommLog, *, average_over: int = 1,
@@ -155,8 +156,14 @@ class GradSync:
         self._seen.clear()
 
     def _reduce_dtensor_grads(self) -> None:
+        """Sum each DTensor gradient over the mesh dims it is Partial on, in one allreduce per set of
+        such dims for all of them together (flattened): a gradient Partial over (sample,
+        channel_filter) (an embedding's or a norm's under a channel/filter layout: each rank summed
+        its own samples' share of the rows) is one sum over the whole mesh, not a sum over each dim
+        in turn (which sent its bytes twice, in two collectives per parameter)."""
         from torch.distributed.tensor import Replicate
 
+        done, by_dims = [], {}
         for p in self.params:
             if not isinstance(p, DTensor):
                 continue
@@ -168,11 +175,17 @@ class GradSync:
                 continue
             local = g.to_local()
             names = g.device_mesh.mesh_dim_names
-            places = list(g.placements)
-            for d, pl in enumerate(places):
-                if pl.is_partial():
-                    all_reduce_(local, self.mesh_groups[names[d]], self.log, "grad_sync")
-                    places[d] = Replicate()
+            dims = tuple(names[d] for d, pl in enumerate(g.placements)
+                         if pl.is_partial() and self.mesh_groups[names[d]].size > 1)
+            if dims:  # same order on every rank: placements are the same everywhere
+                by_dims.setdefault((dims, local.dtype), []).append(local)
+            done.append((p, g, local, [Replicate() if pl.is_partial() else pl for pl in g.placements]))
+        for (dims, _), locals_ in by_dims.items():
+            flat = _flatten_dense_tensors(locals_)
+            all_reduce_(flat, self.mesh_groups[dims[0] if len(dims) == 1 else dims], self.log, "grad_sync")
+            for t, synced in zip(locals_, _unflatten_dense_tensors(flat, locals_)):
+                t.copy_(synced)
+        for p, g, local, places in done:
             if self.average_over > 1:
                 local.div_(self.average_over)
             out = DTensor.from_local(local, g.device_mesh, places, run_check=False, shape=g.shape,

@@ -184,6 +184,11 @@ def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: st
     _install_io(module, state)
     module.hybridpar = state
     mesh_groups = {"sample": state.grid.replica_group, "channel_filter": state.grid.sample_group}
+    if state.meshes is not None:  # Partial over both: one sum over the whole mesh (= the world, build_grid)
+        from hybridpar.runtime.grid import Group
+
+        ranks = tuple(range(dist.get_world_size()))
+        mesh_groups[("sample", "channel_filter")] = Group(ranks, dist.group.WORLD, dist.get_rank())
     state.grad_sync = GradSync(module.parameters(), state.group_of, mesh_groups, state.grid.comm_log,
                                average_over=state.grid.sample if inputs == "sample_shard" else 1)
     return module
