@@ -38,9 +38,19 @@ def _sent(strategy: str, world: int) -> dict[str, int]:
     return dry_run(model, strategy, inputs, world_size=world).our_bytes
 
 
-@pytest.mark.parametrize("strategy", ["sample=2,filter=2", "sample=2,channel=2"])
+@pytest.mark.parametrize("strategy", ["sample=2,filter=2", "sample=2,channel=2", "channel=2,filter=2"])
 def test_planned_allreduce_bytes_equal_the_runtimes(strategy):
     from hybridpar.search.layers.planner import plan_model
 
     planned = plan_model(factory(), "localhost", gpus=4, batch=8, strategy=strategy)
     assert planned.prediction.comm_bytes["allreduce"] == _sent(strategy, 4)["allreduce"]
+
+
+def test_replicated_gradients_priced_as_one_allreduce_over_the_mesh():
+    """The planner prices what GradSync sends for them: one flattened allreduce over all S x G ranks
+    (before: one per node over the S ranks of its shard group, 7 collectives here)."""
+    from hybridpar.search.layers.planner import planned_grad_buckets
+
+    priced = planned_grad_buckets(factory(), "sample=2,filter=2", gpus=4, batch=8)
+    replicated = 4 * (50 * 16 + (48 * 16 + 48) + (16 * 16 + 16) + 4 * 16)  # emb, attention, 2 norms
+    assert [(s, g, b) for s, g, b in priced if s * g == 4 and g == 1] == [(4, 1, replicated)]

@@ -374,7 +374,15 @@ def grad_bucket_schedule(lg: LayerGraph, opts: list[VertexOptions], choice: Sequ
         place(n, layout_of(d.sample, d.channel), len(opts))
     out = [(key, b, vertex_of[i] if i < len(ready) else len(opts))
            for key, b, i in bucket_schedule(ready, bucket_bytes)]
-    return out + late
+    # GradSync sums the replicated DTensor gradients together, one allreduce per set of mesh dims
+    # they are Partial on; priced as all Partial on (sample, channel_filter): one allreduce over all
+    # S x G ranks (approximation: DTensor leaves some Partial on `sample` only, e.g. attention's
+    # in_proj weight, a second collective over the S ranks, same bytes)
+    whole: dict[LayerLayout, int] = {}
+    for key, b, _ in late:
+        world = layout_of(key.sample * key.channel * key.filter)
+        whole[world] = whole.get(world, 0) + b
+    return out + [(key, b, None) for key, b in whole.items()]
 
 
 def predict(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
