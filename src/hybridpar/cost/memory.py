@@ -4,8 +4,11 @@ and communication buffers.
 Activations (`node_kept_bytes`, one rule for `training_memory`, the placer's whole-graph count, and
 `predict_rank_memory`, the per-layer planner's): the output of a node is kept when a consumer needs its
 input for backward (conv, linear, normalisation, pooling, ...) or when the node needs its own output
-(ReLU, softmax); views (flatten, reshape) alias their producer and are counted once; max-pool also keeps
-its int64 indices; recurrent layers and attention keep state inside them (`internal_numel`).
+(ReLU, softmax, sigmoid, tanh); views (flatten, reshape) alias their producer and are counted once; a
+global average pool, an upsample and a product with a number keep nothing; max-pools (adaptive ones too)
+also keep their int64 indices; layer/group/RMS norms their per-row statistics; recurrent layers and
+attention keep state inside them (`internal_numel`). Checked per layer kind against the storages
+autograd saves (torch 2.13 CPU, tests/cost/test_memory_pool.py).
 Allocator fragmentation and framework workspace are not modelled by `training_memory`.
 
 `predict_rank_memory` is what one rank of hybridpar's runtime holds at its peak of a training step,
@@ -22,7 +25,8 @@ the figure `hybridpar plan` states per device and `hybridpar train` compares its
   none, SGD/LARS with momentum one buffer, AdamW two moments;
 - activations autograd keeps, at their local shapes (`node_kept_bytes`): every kept node's output in
   a layer (the runtime's DTensor pieces, batch / sample x channels / (channel x filter); a recurrent
-  layer whole for the rank's samples) with the state recurrent and attention nodes keep inside, and,
+  layer whole for the rank's samples) with the state recurrent and attention nodes keep inside and
+  max-pools' int64 indices, and,
   under stationary-y/-w, the input gathered over the filter group, which DistConvFunction saves for
   the weight gradient;
 - communication buckets (hybridpar.runtime.grad_buckets): under sample > 1 every synchronised
@@ -61,7 +65,7 @@ _NEEDS_INPUT = {"conv2d", "linear", "batchnorm", "layernorm", "maxpool", "avgpoo
                 "lstm", "attention", "mul", "pointwise", "loss", "embedding"}
 _NEEDS_OUTPUT = {"relu", "softmax"}
 _VIEWS = {"flatten", "reshape", "dropout"}  # dropout: when it drops nothing (eval, p = 0; else `_is_view`)
-_INDEX_BYTES = 8  # max-pool keeps int64 argmax indices, one per output element
+_INDEX_BYTES = 8  # max-pools keep int64 argmax indices, one per output element
 # Layouts shard the parameters of these ops (hybridpar.cost.layout_comm); every other parameter
 # (embedding, recurrent, attention, layer/group norm, free parameters) is whole on every rank.
 SHARDED_OPS = ("conv2d", "linear", "batchnorm")
@@ -112,13 +116,29 @@ def kept_activations(graph: Graph) -> list[str]:
 
     kept: dict[str, None] = {}
     for n in graph.nodes:
-        # recurrent layers and scaled_dot_product_attention keep their own outputs too
-        if n.op in _NEEDS_OUTPUT or n.op == "lstm" or (n.op == "attention" and n.attr("sdpa")):
+        needs_input, needs_output = _keeps(n)
+        if needs_output:
             kept[root(n.name)] = None
-        if n.op in _NEEDS_INPUT:
+        if needs_input:
             for i in n.inputs:
                 kept[root(i)] = None
     return list(kept)
+
+
+def _keeps(node: Node) -> tuple[bool, bool]:
+    """(whether autograd keeps `node`'s inputs, its output) for its backward (torch 2.13, measured with
+    saved_tensors_hooks: tests/cost/test_memory_pool.py)."""
+    saves = node.attr("saves")  # graph.ops: sigmoid/tanh/exp keep their output, upsampling nothing
+    if saves in ("output", "nothing"):
+        return False, saves == "output"
+    if node.attr("scalar"):  # x * 0.5, x / 3: the number is all backward needs
+        return False, False
+    if node.op == "adaptive_avgpool" and not node.attr("max") and len(node.out_shape) >= 3 \
+            and all(d == 1 for d in node.out_shape[2:]):
+        return False, False  # a global average pool runs as a mean: backward needs only the input's shape
+    # recurrent layers and scaled_dot_product_attention keep their own outputs too
+    needs_output = node.op in _NEEDS_OUTPUT or node.op == "lstm" or (node.op == "attention" and bool(node.attr("sdpa")))
+    return node.op in _NEEDS_INPUT, needs_output
 
 
 def _recurrent_numel(node: Node) -> float:
@@ -175,6 +195,11 @@ def internal_numel(node: Node) -> float:
         return _recurrent_numel(node)
     if node.op == "dropout" and node.attr("p"):  # its noise (CPU: the activation's dtype; GPUs a bool mask)
         return node.out_numel
+    if node.op == "layernorm" and node.attr("stat_numel"):
+        rows = node.out_numel / node.attr("stat_numel")  # a mean and 1/std per group (RMS: 1/rms)
+        if node.attr("rms"):
+            return rows + (node.out_numel if node.attr("rms_weight") else 0)  # and x / rms for the weight
+        return 2 * rows
     if node.op == "attention":
         rows = node.out_numel // max(node.out_shape[-1], 1)  # batch x heads x queries
         if node.attr("sdpa") and node.attr("dropout") and len(node.in_shapes) >= 2:
@@ -187,11 +212,10 @@ def internal_numel(node: Node) -> float:
     return 0
 
 
-def node_kept_bytes(node: Node, kept: bool, elem: int, out_numel: float | None = None, *,
-                    indices: bool = True) -> float:
+def node_kept_bytes(node: Node, kept: bool, elem: int, out_numel: float | None = None) -> float:
     """Bytes autograd keeps for backward on behalf of `node` when `out_numel` elements of its output are
     on this rank (default: all): the output when `kept` (kept_activations), the state it keeps inside
-    (`internal_numel`, in proportion to its output) and, with `indices`, a max-pool's int64 indices."""
+    (`internal_numel`, in proportion to its output) and a max-pool's int64 indices (adaptive ones too)."""
     if not node.out_numel:
         return 0.0
     local = float(node.out_numel if out_numel is None else out_numel)
@@ -199,7 +223,7 @@ def node_kept_bytes(node: Node, kept: bool, elem: int, out_numel: float | None =
     inner = internal_numel(node)
     if inner:
         acts += inner * local / node.out_numel * elem
-    if indices and node.op == "maxpool":
+    if node.op == "maxpool" or (node.op == "adaptive_avgpool" and node.attr("max")):
         acts += local * _INDEX_BYTES
     return acts
 
@@ -364,12 +388,12 @@ def _kept(nodes: Sequence[Node], batch: int, sample: int, pieces: int, elem: int
     whole for the rank's samples, any other node's output in `pieces` channel pieces. A batch norm's or
     an add's output that only feeds a ReLU is freed once the ReLU has run: counting every output priced
     ResNet-50 at 9.2 GiB of activations where an H200 measured 5.5 GiB for the whole step (2026-11-30,
-    docs/planner.md).
-    Max-pool's int64 indices are left out here (ResNet-50 batch 64 came within 1% of that H200's peak
-    without them; they would add 1.9%)."""
+    docs/planner.md). Max-pools' int64 indices are counted (autograd keeps them, on GPUs too: 1.9% of
+    ResNet-50's activations; left out before, small_cnn was 9% and inception_mini 27% under the storages
+    autograd saves)."""
     return float(sum(node_kept_bytes(n, kept is None or n.name in kept, elem,
                                      local_numel(n.out_shape, batch, sample, 1 if n.op in WHOLE_OPS else pieces,
-                                                 graph_batch), indices=False)
+                                                 graph_batch))
                      for n in nodes if n.out_shape))
 
 

@@ -195,9 +195,58 @@ def classify(op_name: str, mod: nn.Module | None, args: tuple, kwargs: dict,
         raise UnpricedOp(op_name)
     extract = _ATTRS.get(kind)
     attrs = extract(mod, args, kwargs, in_shapes, out) if extract else {}
+    attrs = {**attrs, **_saved_attrs(name, kind, mod, args, kwargs, out)}
     if kind == "conv2d" and (len(attrs["kernel"]) != 2 or attrs.get("transposed")):
         kind = "conv"  # 1-D/3-D and transposed convolutions: priced, but no channel/filter layouts
     return kind, attrs
+
+
+# What autograd saves for backward where the op kind's rule (cost.memory.kept_activations) does not say
+# it (torch 2.13, measured with saved_tensors_hooks): these keep their output, not their input;
+# upsampling (every mode but "area", an adaptive average pool) keeps nothing.
+_KEEPS_OUTPUT = {"sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "sqrt", "rsqrt", "reciprocal"}
+_KEEPS_NOTHING = {"neg", "interpolate", "upsample", "upsamplingbilinear2d", "upsamplingnearest2d",
+                  "upsample_bilinear2d", "upsample_nearest2d", "upsample_bicubic2d", "upsample_nearest1d",
+                  "upsample_linear1d", "upsample_nearest3d", "upsample_trilinear3d"}
+
+
+def _saved_attrs(name: str, kind: str, mod, args: tuple, kwargs: dict, out) -> dict:
+    """Attributes that decide what autograd keeps (cost.memory): 'saves' ('output' or 'nothing') for
+    ops outside their kind's rule, 'scalar' for a product with a number (keeps nothing), 'max' for an
+    adaptive max-pool (its int64 indices), a norm's statistics (`_norm_stats`)."""
+    if name in _KEEPS_OUTPUT:
+        return {"saves": "output"}
+    if name in _KEEPS_NOTHING and (getattr(mod, "mode", None) or _arg(args, kwargs, 3, "mode", "nearest")) != "area":
+        return {"saves": "nothing"}
+    if kind == "mul" and len(args) == 2 and any(isinstance(a, (int, float)) and not isinstance(a, bool)
+                                                for a in args):
+        return {"scalar": True}
+    if kind == "adaptive_avgpool" and "max" in name:
+        return {"max": True}
+    if kind == "layernorm" and out:
+        return _norm_stats(name, mod, args, kwargs, out)
+    return {}
+
+
+def _norm_stats(name: str, mod, args: tuple, kwargs: dict, out) -> dict:
+    """Elements each statistic normalises ('stat_numel': a layer/group norm keeps a mean and a 1/std
+    per group of them, an RMS norm a 1/rms, 'rms') and, for an RMS norm with a weight, 'rms_weight'
+    (torch's composite RMS norm keeps the normalised input for the weight's gradient too)."""
+    sample = prod(out[1:]) if len(out) > 1 else prod(out)
+    if isinstance(mod, nn.GroupNorm) or name in ("group_norm", "native_group_norm"):
+        groups = mod.num_groups if isinstance(mod, nn.GroupNorm) else _arg(args, kwargs, 6 if name[0] == "n" else 1,
+                                                                          "num_groups", 1)
+        return {"stat_numel": sample // int(groups)} if isinstance(groups, int) and groups > 0 else {}
+    if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
+        shape, weight = mod.normalized_shape, mod.weight is not None
+    elif name in ("layer_norm", "native_layer_norm", "rms_norm"):
+        shape, weight = _arg(args, kwargs, 1, "normalized_shape", None), _arg(args, kwargs, 2, "weight") is not None
+    else:  # instance, local response, fused RMS norms: per-channel or unmeasured statistics (left out)
+        return {}
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) for d in shape):
+        return {}
+    rms = isinstance(mod, nn.RMSNorm) or name == "rms_norm"
+    return {"stat_numel": prod(shape), **({"rms": True, "rms_weight": weight} if rms else {})}
 
 
 def _matmul_k(name: str, in_shapes: tuple) -> int:
