@@ -42,6 +42,7 @@ from hybridpar.layout import (
     received_channels,
 )
 from hybridpar.plans.schema import LayerLayout, Plan
+from hybridpar.plans.strategy import parse_strategy
 
 FP32 = 4
 
@@ -70,6 +71,26 @@ def splits_by_layout(node: Node) -> bool:
         return False
     cls = node.attr("module_class")
     return cls is None or cls == DISTRIBUTED_CLASSES[node.op]
+
+
+RECURRENT_OPS = ("lstm",)  # graph.ops' kind of nn.LSTM/nn.GRU/nn.RNN
+
+
+def layout_refusal(graph: Graph, layout: LayerLayout | str) -> str | None:
+    """Why hybridpar's runtime cannot run `graph` under `layout` (a one-line message), else None:
+    a recurrent layer (nn.LSTM/GRU/RNN) under a channel/filter layout, which the runtime's dry run
+    fails inside the layer ("aten.addmm got mixed torch.Tensor and DTensor", torch 2.13). One rule for
+    the per-layer planner's strategy and search space, so the API and `hybridpar plan` refuse alike."""
+    if isinstance(layout, str):
+        layout = parse_strategy(layout).layout
+    if layout.channel * layout.filter == 1:
+        return None
+    rnn = next((n for n in graph.nodes if n.op in RECURRENT_OPS), None)
+    if rnn is None:
+        return None
+    return (f"{layout.to_strategy()}: module '{rnn.module or rnn.name}' is a recurrent layer (nn.LSTM/GRU/RNN), "
+            "which hybridpar's runtime cannot run under a channel/filter layout; use a sample-only layout "
+            "for this model")
 
 
 def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, input_grad: bool = True,

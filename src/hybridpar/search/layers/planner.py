@@ -22,7 +22,7 @@ import numpy as np
 
 from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.cost.collectives import CommOp
-from hybridpar.cost.layout_comm import BUCKET_BYTES
+from hybridpar.cost.layout_comm import BUCKET_BYTES, layout_refusal
 from hybridpar.cost.memory import kept_activations
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
@@ -635,6 +635,13 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
         spaces = {"free": [lay for lay in all_layouts(gpus) if batch % lay.sample == 0]}
     else:
         spaces = {f"S={k}": v for k, v in runtime_layouts(gpus, batch).items()}
+    # only layouts the runtime can run (cost.layout_comm.layout_refusal: the --strategy check's rule too)
+    refusals = {k: [layout_refusal(s.lg.graph, lay) for lay in v] for k, v in spaces.items()}
+    runnable = {k: [lay for lay, r in zip(v, refusals[k]) if not r] for k, v in spaces.items()}
+    first = next((r for rs in refusals.values() for r in rs if r), None)
+    if first and not any(runnable.values()):
+        raise UserError(first)
+    spaces = {k: v for k, v in runnable.items() if v}
     budget.check(f"plan of {s.model_name} on {gpus:,} GPUs at batch {batch:,}",
                  budget.layer_plan_estimate(len(s.lg.vertices), gpus, spaces),
                  "plan fewer GPUs (and project larger counts with hybridpar project)")
@@ -658,6 +665,9 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
         reason = layout_problem(strat.layout, batch, 1 << 30, 1 << 30)
         if reason:
             raise UserError(f"strategy {strategy!r}: {reason}")
+        refusal = layout_refusal(s.lg.graph, strat.layout)
+        if refusal:
+            raise UserError(refusal)
         opts, choice, pred, brk = _evaluate_uniform(s, strat.layout, grad_sync)
         notes = [f"fixed layout {strat.layout.to_strategy()} evaluated (not searched)"]
         if pred.memory_bytes[0] > s.capacity:
