@@ -62,15 +62,23 @@ class CommOp:
 DISTRIBUTED_CLASSES = {"conv2d": "torch.nn.modules.conv.Conv2d", "linear": "torch.nn.modules.linear.Linear"}
 
 
+def runs_distributed(op: str, module_class: str | None, groups: int = 1, padding_mode: str = "zeros") -> bool:
+    """The runtime's rule for a conv/linear (runtime/layers/styles.py asks it of modules, the cost
+    model of traced nodes): an exact nn.Conv2d with groups == 1 and zeros padding, or an exact
+    nn.Linear, runs as a distributed layer; anything else (grouped/depthwise convs, another padding
+    mode, subclasses, functional calls) runs whole on every rank, its parameters replicated.
+    `module_class` None: a node built by hand, taken as the plain layer it names."""
+    if op not in DISTRIBUTED_CLASSES or (module_class is not None and module_class != DISTRIBUTED_CLASSES[op]):
+        return False
+    return op != "conv2d" or (groups == 1 and padding_mode == "zeros")
+
+
 def splits_by_layout(node: Node) -> bool:
     """Whether the runtime runs `node` as a distributed conv/linear under a channel/filter layout (its
     collectives and 1/G compute); otherwise it runs whole on every rank, its parameters replicated.
-    The fact is the traced node's `module_class` (graph.build); a node without it (built by hand) is
-    taken as the plain layer it names."""
-    if node.op not in DISTRIBUTED_CLASSES:
-        return False
-    cls = node.attr("module_class")
-    return cls is None or cls == DISTRIBUTED_CLASSES[node.op]
+    The facts are the traced node's `module_class` (graph.build), `groups` and `padding_mode`."""
+    return runs_distributed(node.op, node.attr("module_class"), int(node.attr("groups", 1) or 1),
+                            node.attr("padding_mode") or "zeros")
 
 
 RECURRENT_OPS = ("lstm",)  # graph.ops' kind of nn.LSTM/nn.GRU/nn.RNN

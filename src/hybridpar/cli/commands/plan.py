@@ -44,7 +44,7 @@ def _result_json(res) -> dict:
         "data_parallel_breakdown": None if res.baseline_breakdown is None else asdict(res.baseline_breakdown),
         "speedup_vs_dp": res.speedup_vs_dp,
         "layers": [{"name": r.name, "module": r.module, "op": r.op, "choice": r.choice,
-                    "algorithm": r.layout.algorithm if r.layout else "join",
+                    "algorithm": r.algorithm,
                     "compute_s": r.cost.fwd_s + r.cost.bwd_s, "comm_s": r.cost.comm_fwd_s + r.cost.comm_bwd_s,
                     "grad_sync_s": r.cost.grad_sync_s, "memory_bytes": r.cost.memory_bytes} for r in res.layers],
         "pruned": {k: [{"layout": p.layout.to_strategy(), "reason": p.reason} for p in v]
@@ -65,7 +65,7 @@ def _print(res, gpus: int) -> None:
     (compute_h, compute), (comm_h, comm) = time_columns(
         ["compute", "comm"], [[r.cost.fwd_s + r.cost.bwd_s for r in shown],
                               [r.cost.comm_fwd_s + r.cost.comm_bwd_s for r in shown]], same_unit=True)
-    rows = [[r.module or r.name, _short(r.choice), r.layout.algorithm, t, c, human_bytes(r.cost.memory_bytes)]
+    rows = [[r.module or r.name, _short(r.choice), r.algorithm, t, c, human_bytes(r.cost.memory_bytes)]
             for r, t, c in zip(shown, compute, comm)]
     p = res.plan
     console.print(table(f"{p.model} on {gpus} x {p.cluster}, batch {p.batch}: {res.method}",

@@ -89,8 +89,12 @@ def linear_style(name: str, m: nn.Module, lay: LayerLayout, state):
 
 def splits_as_conv(m: nn.Module) -> bool:
     """A Conv2d our distributed convolution computes exactly (plain type: a subclass may override
-    forward, e.g. weight standardisation, and runs through DTensor's rules instead)."""
-    return type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros"
+    forward, e.g. weight standardisation, and runs through DTensor's rules instead). The rule is
+    the cost model's too (hybridpar.cost.layout_comm.runs_distributed)."""
+    from hybridpar.cost.layout_comm import runs_distributed
+
+    return isinstance(m, nn.Conv2d) and runs_distributed(
+        "conv2d", f"{type(m).__module__}.{type(m).__qualname__}", m.groups, m.padding_mode)
 
 
 # Exact types: a subclass may override forward (weight standardisation, ...) and then runs through

@@ -22,7 +22,7 @@ import numpy as np
 
 from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.cost.collectives import CommOp
-from hybridpar.cost.layout_comm import BUCKET_BYTES, layout_refusal
+from hybridpar.cost.layout_comm import BUCKET_BYTES, layout_refusal, splits_by_layout
 from hybridpar.cost.memory import kept_activations
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
@@ -91,6 +91,13 @@ class LayerChoice:
     choice: str
     layout: LayerLayout | None
     cost: LayerCost
+    whole: bool = False  # a layer the runtime runs whole under any layout (cost.layout_comm.splits_by_layout)
+
+    @property
+    def algorithm(self) -> str:
+        if self.layout is None:
+            return "join"
+        return "whole" if self.whole else self.layout.algorithm
 
 
 @dataclass(frozen=True)
@@ -156,12 +163,13 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
                     even_only: bool, empty_ok: bool = False) -> VertexOptions:
     node = v.node
     cin, cout = channels_of(node.in_shapes[0]), channels_of(node.out_shape)
-    groups = int(node.attr("groups", 1) or 1)
+    # a layer the runtime leaves whole (a grouped/depthwise conv, attention's projections: cost.
+    # layout_comm.splits_by_layout) runs under any layout, replicated over channel/filter
+    whole = not splits_by_layout(node)
     opts, costs, pruned = [], [], []
     sig = (node_signature(node), tuple(node_signature(f) for f in v.followers), v.input_grad, _kept_flags(v, ctx))
     for lay in layouts:
-        reason = layout_problem(lay, ctx.batch, cin, cout, splittable=groups == 1, even=even_only,
-                               empty_ok=empty_ok)
+        reason = layout_problem(lay, ctx.batch, cin, cout, even=even_only, empty_ok=empty_ok or whole)
         if reason is None:
             key = (sig, lay)
             cost = ctx.layer_memo.get(key)
@@ -326,7 +334,7 @@ def grad_bucket_schedule(lg: LayerGraph, opts: list[VertexOptions], choice: Sequ
     Gradients are ready at the end of their vertex's backward (approximation: the runtime readies
     each where its node's backward runs), within it in the runtime's order: followers from the last,
     then the layer, a bias before its weight."""
-    from hybridpar.cost.layout_comm import bucket_schedule, grad_ready_bytes, splits_by_layout
+    from hybridpar.cost.layout_comm import bucket_schedule, grad_ready_bytes
     from hybridpar.search.layers.gradients import SPLIT_OPS, grad_allreduce_bytes, outside_nodes
 
     ready: list[tuple[LayerLayout, int]] = []
@@ -545,16 +553,19 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: f
 def _to_plan(s: _Setup, opts: list[VertexOptions], choice: Sequence[int], pred: Prediction,
              strategy: str | None, notes: list[str]) -> tuple[Plan, tuple[LayerChoice, ...]]:
     layers: dict[str, LayerLayout] = {}
+    wholes: dict[str, LayerLayout] = {}  # run whole in the default layout: the runtime takes no layout for them
     rows = []
     for vo, k in zip(opts, choice):
         o = vo.options[k]
         lay = o if isinstance(o, LayerLayout) else None
+        whole = lay is not None and not splits_by_layout(vo.vertex.node)
         if lay is not None and vo.vertex.node.module:
-            layers[vo.vertex.node.module] = lay
+            (wholes if whole else layers)[vo.vertex.node.module] = lay
         text = lay.to_strategy() if lay else f"sample={o.sample},channel={o.channel}"
-        rows.append(LayerChoice(vo.vertex.name, vo.vertex.node.module, vo.vertex.node.op, text, lay, vo.costs[k]))
+        rows.append(LayerChoice(vo.vertex.name, vo.vertex.node.module, vo.vertex.node.op, text, lay, vo.costs[k],
+                                whole))
     counts: dict[LayerLayout, int] = {}
-    for lay in layers.values():
+    for lay in (layers or wholes).values():
         counts[lay] = counts.get(lay, 0) + 1
     default = max(counts, key=counts.get) if counts else LayerLayout(sample=s.ctx.ranks)
     plan = Plan(model=s.model_name, input_shape=list(s.input_shape) if s.input_shape else None, cluster=s.cluster_name,

@@ -1,0 +1,62 @@
+"""Grouped/depthwise convolutions (groups > 1) under a channel/filter layout: the runtime leaves
+them whole (runtime/layers/styles.py: only an exact nn.Conv2d with groups == 1 and zeros padding is
+distributed; DTensor runs the rest replicated over channel_filter, hybridpar.runtime.dtensor_rules),
+so the planner prices them whole: no channel/filter collectives, whole compute and memory, their
+gradient replicated and summed over the sample groups. Before, a plan of any channel/filter layout
+for a model with one was refused ("grouped/depthwise layer: sample split only") although the
+runtime runs it. The runtime's bytes are read from the dry run (one rank of `hybridpar train`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+class Separable(nn.Module):
+    """Stem, depthwise 3x3 + pointwise 1x1 with a residual add, a grouped conv, pool, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.pw = nn.Conv2d(16, 16, 1)
+        self.grp = nn.Conv2d(16, 32, 3, padding=1, groups=4)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.stem(x)))
+        x = x + self.dw(x)
+        x = torch.relu(self.pw(x))
+        return self.head(self.grp(x).mean((2, 3)))
+
+
+def factory():
+    return Separable(), (torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)),)
+
+
+def test_the_shared_rule():
+    from hybridpar.cost.layout_comm import splits_by_layout
+    from hybridpar.graph import trace
+    from hybridpar.runtime.layers.styles import splits_as_conv
+
+    model, inputs = factory()
+    convs = {n.module: splits_by_layout(n) for n in trace(model, inputs).nodes if n.op == "conv2d"}
+    assert convs == {"stem": True, "dw": False, "pw": True, "grp": False}
+    assert convs == {name: splits_as_conv(m) for name, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+
+
+@pytest.mark.parametrize("strategy", ["sample=2,filter=2", "channel=2,filter=2"])
+def test_planned_bytes_equal_the_runtimes(strategy):
+    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.search.layers.planner import plan_model
+
+    res = plan_model(factory(), "localhost", gpus=4, batch=8, strategy=strategy)
+    model, inputs = factory()
+    assert res.prediction.comm_bytes == dry_run(model, strategy, inputs, world_size=4).our_bytes
+    listed = {g.module: g.layout for g in res.gradients if g.op == "conv2d"}
+    assert listed["dw"] == listed["grp"] == "whole"
+    assert "dw" not in res.plan.layers and "grp" not in res.plan.layers  # the runtime refuses a layout for them
+    algorithm = {r.module: r.algorithm for r in res.layers}
+    assert algorithm["dw"] == algorithm["grp"] == "whole"
