@@ -60,3 +60,12 @@ def test_planned_bytes_equal_the_runtimes(strategy):
     assert "dw" not in res.plan.layers and "grp" not in res.plan.layers  # the runtime refuses a layout for them
     algorithm = {r.module: r.algorithm for r in res.layers}
     assert algorithm["dw"] == algorithm["grp"] == "whole"
+
+
+def test_another_padding_mode_runs_whole():
+    from hybridpar.cost.layout_comm import splits_by_layout
+    from hybridpar.graph import trace
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect"), nn.Conv2d(8, 8, 3, padding=1))
+    convs = [splits_by_layout(n) for n in trace(model, (torch.randn(2, 3, 8, 8),)).nodes if n.op == "conv2d"]
+    assert convs == [False, True]

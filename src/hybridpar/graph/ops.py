@@ -294,7 +294,9 @@ def _conv_attrs(mod, args, kwargs, ins, out) -> dict:
                 "stride": tuple(mod.stride),
                 "padding": mod.padding if isinstance(mod.padding, str) else tuple(mod.padding),
                 "dilation": tuple(mod.dilation), "groups": mod.groups, "bias": mod.bias is not None,
-                "transposed": bool(mod.transposed)}
+                "transposed": bool(mod.transposed),
+                # another padding mode runs whole in the runtime (cost.layout_comm.runs_distributed)
+                **({"padding_mode": mod.padding_mode} if mod.padding_mode != "zeros" else {})}
     w = ins[1]
     nd = len(w) - 2
     # F.convNd(x, w, b, stride, padding, dilation, groups); aten.convolution(x, w, b, stride, padding,
