@@ -37,6 +37,7 @@ def test_profile_writes_a_calibration_that_localhost_uses(calibration, capsys):
     assert {(f.kind, f.world_size, f.group_size) for f in cal.collectives} == {
         (k, 2, 2) for k in ("allreduce", "allgather", "reduce_scatter", "alltoall", "p2p", "p2p_post")}
     assert cal.mp_node_overhead_s is not None and cal.mp_node_overhead_s > 0
+    assert cal.runtime_overhead is not None and cal.runtime_overhead.layer_fwd_s + cal.runtime_overhead.layer_bwd_s > 0
     c = load_cluster("localhost", gpus=2, calibration=path)
     assert c.device.peak("fp32") == cal.peak_flops_fp32
     assert c.intra.link_latency_s == pytest.approx(cal.gloo[2].alpha_s)

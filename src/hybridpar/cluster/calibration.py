@@ -79,6 +79,20 @@ class OpRecord(_Model):
     bwd_weight: Measurement | None = None
 
 
+class RuntimeOverhead(_Model):
+    """CPU seconds per training step that the channel/filter/sample runtime adds over eager PyTorch at
+    the same local shapes (hybridpar.profile.runtime_overhead), forward and backward: per graph node
+    of a sample-only layout (plain tensors), per node of a layout with a channel/filter split (DTensor's
+    dispatch or our layer wrapper), and per conv/linear split over channel/filter beyond that."""
+
+    sample_node_fwd_s: float = Field(ge=0)
+    sample_node_bwd_s: float = Field(ge=0)
+    dtensor_node_fwd_s: float = Field(ge=0)
+    dtensor_node_bwd_s: float = Field(ge=0)
+    layer_fwd_s: float = Field(ge=0)
+    layer_bwd_s: float = Field(ge=0)
+
+
 class Calibration(_Model):
     version: int = CALIBRATION_VERSION
     device_name: str = "localhost-cpu"
@@ -106,6 +120,9 @@ class Calibration(_Model):
     # CPU seconds the model-parallel executor (fx interpreter, token chain) adds per graph node to a
     # training step over eager PyTorch (hybridpar.profile.executor); the placer adds it per node
     mp_node_overhead_s: float | None = Field(default=None, ge=0)
+    # what the channel/filter/sample runtime adds per node and per split layer (RuntimeOverhead); None
+    # in files written before it: those layouts are then priced without it
+    runtime_overhead: RuntimeOverhead | None = None
 
     def gloo_fit(self, world_size: int) -> GlooFit | None:
         """The fit at `world_size`, else the measured world size nearest to it."""

@@ -51,7 +51,8 @@ class OpTime:
     fwd_s: float
     bwd_data_s: float
     bwd_weight_s: float
-    source: str = "roofline"  # "measured", "measured-scaled" or "roofline"
+    # "measured", "measured-scaled" or "roofline"; a measured variant adds ":<variant>"
+    source: str = "roofline"
 
     @property
     def bwd_s(self) -> float:
@@ -306,6 +307,21 @@ def _lookup(cal: Calibration, op: str, loc: LocalShapes) -> tuple[OpRecord, floa
     return None
 
 
+def variant_name(op: str, channel: int, filter_: int, input_grad: bool = True) -> str:
+    """The op-table name of a conv/linear as the runtime runs it split over channel x filter
+    (hybridpar.profile.dist_layers times it; `/nodx`: without the input gradient)."""
+    return f"{op}@c{channel}f{filter_}" + ("" if input_grad else "/nodx")
+
+
+def runtime_overhead_for(device: DeviceSpec, calibration: Calibration | str | os.PathLike | None = None):
+    """The calibration's RuntimeOverhead when it was measured on this device (`calibration` None: the
+    default file, for CPU devices), else None: GPU presets are priced without it."""
+    cal = calibration if isinstance(calibration, Calibration) else None
+    if cal is None and (calibration is not None or device.kind == "cpu"):
+        cal = load_calibration(calibration)
+    return cal.runtime_overhead if cal is not None and cal.device_name == device.name else None
+
+
 def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sample_frac: float = 1.0,
             channel_frac: float = 1.0, filter_frac: float = 1.0,
             calibration: Calibration | str | os.PathLike | None = None, variant: str | None = None) -> OpTime:
@@ -324,7 +340,9 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
     cpu = cpu_curve(cal) if cal is not None and cal.device_name == dev.name else None
     if cal is not None and cal.device_name == dev.name and dtype == "fp32" and node.op not in _FREE:
         loc = local_shapes(node, sample_frac, channel_frac, filter_frac)
-        hit = (_lookup(cal, variant, loc) if variant else None) or _lookup(cal, node.op, loc)
+        hit = _lookup(cal, variant, loc) if variant else None
+        of_variant = hit is not None
+        hit = hit or _lookup(cal, node.op, loc)
         if hit is not None:
             rec, scale = hit
             if scale != 1.0 and cpu is not None:  # another batch's record: its FLOP rate at this size
@@ -334,7 +352,7 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
             bw = rec.bwd_weight.median_s * k if rec.bwd_weight is not None else 0.0
             first = node.op in _MATMUL and node.bwd_data_flops == 0  # first layer: autograd skips dx
             bd = 0.0 if first else rec.bwd_data.median_s * k
-            return OpTime(rec.fwd.median_s * k, bd, bw,
-                          "measured" if scale == 1.0 else "measured-scaled")
+            source = "measured" if scale == 1.0 else "measured-scaled"
+            return OpTime(rec.fwd.median_s * k, bd, bw, f"{source}:{variant}" if of_variant else source)
     return roofline_time(node, dev, dtype=dtype, sample_frac=sample_frac, channel_frac=channel_frac,
                          filter_frac=filter_frac, cpu=cpu)

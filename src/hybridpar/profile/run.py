@@ -6,7 +6,7 @@ import datetime as _dt
 import os
 import platform
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hybridpar.cluster.calibration import (
@@ -14,6 +14,7 @@ from hybridpar.cluster.calibration import (
     CollectiveFit,
     GlooFit,
     OpRecord,
+    RuntimeOverhead,
     default_calibration_path,
     load_calibration,
     save_calibration,
@@ -97,7 +98,8 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     torch.set_num_threads(1)  # one rank = one core: measure what one rank gets
     if specs is None:
         specs = op_specs(opts)
-    total = 3 + len(specs) + len(opts.ranks)
+    dist_layers = bool(opts.model) and any(k > 1 for k in opts.splits)
+    total = 4 + len(specs) + len(opts.ranks) + int(dist_layers)
     step = progress or (lambda desc, total: None)
 
     step("matmul peaks and copy bandwidth", total)
@@ -107,6 +109,13 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
         step(f"{s.op} {'x'.join(map(str, s.x))}", total)
         rec = ops.profile_op(s, warmup=opts.warmup, repeats=max(3, opts.repeats // 2))
         records[rec.key] = rec
+    if dist_layers:
+        step("channel/filter layers as the runtime runs them", total)
+        from hybridpar.profile.dist_layers import measure_dist_layers
+
+        # the model's layers at full shape (specs holds them at every split's local shape too)
+        whole = op_specs(replace(opts, splits=(1,)))
+        records.update(measure_dist_layers(whole, opts.splits, warmup=opts.warmup, repeats=max(3, opts.repeats // 2)))
     fits: dict[int, GlooFit] = {}
     colls: list[CollectiveFit] = []
     for p in opts.ranks:
@@ -125,6 +134,12 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     from hybridpar.profile.executor import mp_node_overhead_s
 
     node_overhead = mp_node_overhead_s()
+    step("channel/filter runtime overhead", total)
+    from hybridpar.profile.runtime_overhead import runtime_overhead
+
+    rt = runtime_overhead()
+    overhead = RuntimeOverhead(**{f"{k[:-2]}_{part}_s": rt[k][i] for k in ("sample_node_s", "dtensor_node_s", "layer_s")
+                                  for i, part in enumerate(("fwd", "bwd"))})
     path = Path(out).expanduser() if out is not None else default_calibration_path()
     old = _previous(path) if opts.merge else None
     if old is not None:
@@ -135,7 +150,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       hostname=platform.node(), cpu_count=physical_cores(), torch_version=torch.__version__,
                       threads_per_rank=1, **device, gloo=fits,
                       collectives=colls, ops=records, framework_bytes=framework,
-                      mp_node_overhead_s=node_overhead)
+                      mp_node_overhead_s=node_overhead, runtime_overhead=overhead)
     return cal, save_calibration(cal, path)
 
 

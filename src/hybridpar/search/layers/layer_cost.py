@@ -29,6 +29,7 @@ from functools import lru_cache
 from math import ceil, prod
 
 from hybridpar.cost.collectives import CommOp
+from hybridpar.cost.compute import variant_name
 from hybridpar.cost.memory import DEFAULT_OPTIMIZER, WHOLE_OPS, LayerMemory, nodes_memory, weight_layer_memory
 from hybridpar.graph.types import DTYPE_BYTES, Node
 from hybridpar.plans import LayerLayout
@@ -95,6 +96,22 @@ class CostContext:
         # a node's gradient bytes in backward's ready order per layout (planner.grad_bucket_schedule)
         self.grad_ready_memo: dict[tuple, tuple] = {}
         self.grad_ready_sigs: dict[int, tuple] = {}
+        from hybridpar.cost.compute import runtime_overhead_for
+
+        # what the runtime's own Python adds per node and per split layer (measured on localhost only)
+        self.overhead = runtime_overhead_for(cluster.device, calibration) if ranks > 1 else None
+
+    def runtime_overhead(self, nodes: int, g: int, split_layers: int = 0) -> tuple[float, float]:
+        """Forward and backward seconds the channel/filter/sample runtime adds to `nodes` graph nodes
+        under a layout of g = channel x filter (g > 1: activations are DTensors), `split_layers` of them
+        conv/linear layers split over channel/filter (hybridpar.profile.runtime_overhead)."""
+        o = self.overhead
+        if o is None:
+            return 0.0, 0.0
+        share = self.cluster.device.time_share
+        nf, nb = (o.dtensor_node_fwd_s, o.dtensor_node_bwd_s) if g > 1 else (o.sample_node_fwd_s, o.sample_node_bwd_s)
+        return ((nodes * nf + split_layers * o.layer_fwd_s) * share,
+                (nodes * nb + split_layers * o.layer_bwd_s) * share)
 
     def _time(self, kind: str, bytes_: int, key, groups) -> float:
         k = (kind, bytes_, key)
@@ -102,17 +119,20 @@ class CostContext:
             self._memo[k] = self._time_uncached(kind, bytes_, key, groups)
         return self._memo[k]
 
-    def op(self, node: Node, s: int, channel_frac: float, filter_frac: float = 1.0):
+    def op(self, node: Node, s: int, channel_frac: float, filter_frac: float = 1.0, variant: str | None = None):
+        """op_time of `node` at a layout's local shape; `variant`: how the runtime runs it there when
+        that differs from the plain op (hybridpar.cost.compute.op_time)."""
         from hybridpar.cost.compute import op_time
 
         # memo per node object (kept alive in the value): the followers of a layer cost the same
         # under every (channel, filter) split with one product
-        k = (id(node), s, channel_frac, filter_frac)
+        k = (id(node), s, channel_frac, filter_frac, variant)
         hit = self._ops.get(k)
         if hit is not None and hit[0] is node:
             return hit[1]
         # batch norm over several sample groups runs the runtime's global-statistics function
-        variant = "batchnorm_global" if node.op == "batchnorm" and s > 1 and self.bn_stats == "global" else None
+        if node.op == "batchnorm" and s > 1 and self.bn_stats == "global":
+            variant = "batchnorm_global"
         t = op_time(node, self.cluster.device, dtype=self.dtype, sample_frac=1.0 / s,
                     channel_frac=channel_frac, filter_frac=filter_frac, calibration=self.calibration,
                     variant=variant)
@@ -277,8 +297,15 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     split = splits_by_layout(node)
     local = layout if split else LayerLayout(sample=s)
     dist = Distribution(s, local.channel * local.filter)
-    t = ctx.op(node, s, 1.0 / local.channel, 1.0 / local.filter)  # op_time cuts C and F to ceil(dim / pieces)
+    g = local.channel * local.filter
+    # split over channel/filter: the runtime's own layer as `hybridpar profile` timed it (wrapper,
+    # autograd Function, buffers; its collectives apart), else the plain op plus the per-layer overhead
+    variant = variant_name(node.op, local.channel, local.filter, node.bwd_data_flops > 0) if g > 1 else None
+    t = ctx.op(node, s, 1.0 / local.channel, 1.0 / local.filter, variant)  # op_time cuts C and F to ceil(dim / pieces)
+    as_run = t.source.endswith(f":{variant}")
     ffwd, fbwd = nodes_time(followers, dist, ctx)
+    ofwd, obwd = ctx.runtime_overhead(len(followers) + (0 if as_run else 1), c * f, int(g > 1 and not as_run))
+    ffwd, fbwd = ffwd + ofwd, fbwd + obwd
     ops = layout_collectives(node, followers, layout, ctx, input_grad=input_grad, in_pieces=in_pieces)
     cf, cb, grad, nbytes = _summarise(ops, ctx)
     mem = weight_layer_memory(node, followers, local, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
@@ -291,6 +318,8 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
 def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerCost:
     t = ctx.op(node, dist.sample, piece_frac(channels_of(node.out_shape), dist.channel))
     ffwd, fbwd = nodes_time(followers, dist, ctx)
+    ofwd, obwd = ctx.runtime_overhead(1 + len(followers), dist.channel)
+    ffwd, fbwd = ffwd + ofwd, fbwd + obwd
     mem = dist_memory([node, *followers], dist, ctx)
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, mem.persistent_bytes, {}, memory=mem)
 

@@ -236,7 +236,11 @@ def runtime_layouts(ranks: int, batch: int) -> dict[int, list[LayerLayout]]:
 def _prefix_time(lg: LayerGraph, dist: Distribution, ctx: CostContext) -> tuple[float, float]:
     """Forward and backward seconds of the nodes before the first layer (an embedding, recurrent
     layers over it), on the first vertex's distribution (`layer_cost.node_time`)."""
-    return nodes_time(lg.prefix, dist, ctx) if lg.prefix else (0.0, 0.0)
+    if not lg.prefix:
+        return 0.0, 0.0
+    fwd, bwd = nodes_time(lg.prefix, dist, ctx)
+    ofwd, obwd = ctx.runtime_overhead(len(lg.prefix), dist.channel)
+    return fwd + ofwd, bwd + obwd
 
 
 def _prefix_memory(lg: LayerGraph, dist: Distribution, ctx: CostContext):

@@ -1,0 +1,177 @@
+"""The channel/filter/sample runtime's own CPU cost per graph node and per distributed layer.
+
+`hybridpar train` with a channel/filter/sample layout runs the model with global semantics: every
+activation between layers is a DTensor, so each op of the user's code goes through DTensor's
+dispatch (sharding propagation, wrapping), and each convolution/linear through our layer wrapper
+(to_local, an autograd Function, from_local) — with a channel/filter split, also the collective
+functions' Python around each exchange. None of that is in the op table (measured on plain tensors)
+nor in the collective fits (measured between compute). On this machine it is ~0.2-0.5 ms per node
+per step, against ops of ~0.1-3 ms in the small models that run here: the validation under-predicted
+every sample and channel/filter layout by about that much.
+
+Measured as CPU time of this thread (time.thread_time, so other jobs' time does not count), in a
+subprocess with PyTorch's fake process group (`torch.testing._internal.distributed.fake_pg`, the
+backend torchtitan's memory estimator uses): collectives are no-ops, everything else runs as in a
+training step. A chain of tiny conv + batch norm + ReLU blocks (compute negligible, so what remains is
+overhead) at `sample=2`, `channel=2` and `filter=2` on a fake world of 2, against the same chain in
+eager PyTorch at each rank's batch:
+
+  node_s  = (T[sample=2] - T[eager]) / nodes
+  layer_s = (T[channel or filter=2] - T[eager] - nodes * node_s) / split layers
+
+where the Python cost of the collectives issued (what the gloo fits' intercepts already hold, since
+they time the runtime's own collective functions) is taken out first: the fake-world time of one such
+call, times the calls the step logged. Forward and backward are measured apart (forward alone, then the
+whole step).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from hybridpar.errors import UserError
+
+BLOCKS, CHANNELS, BATCH, HW = 8, 8, 4, 4  # tiny: compute negligible against the overhead
+EXTRA = 4  # chain "B": this many more ReLUs per block than chain "A" (DTensor's dispatch per op)
+
+
+def _chain(extra: int = 0):
+    from torch import nn
+
+    layers = []
+    for _ in range(BLOCKS):
+        layers += [nn.Conv2d(CHANNELS, CHANNELS, 1, bias=False), nn.BatchNorm2d(CHANNELS), nn.ReLU()]
+        layers += [nn.ReLU() for _ in range(extra)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(CHANNELS, 4))
+
+
+def _cpu_median(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        samples.append(time.thread_time() - t0)
+    return statistics.median(samples)
+
+
+def measure(warmup: int = 3, repeats: int = 15, rounds: int = 3) -> dict:
+    """In this process (which must not hold a process group): the overheads, forward and backward, in
+    seconds of CPU time per training step: `sample_node` per graph node of a sample-only layout (no
+    DTensor: plain tensors and the gradient hooks), `dtensor_node` per node of a layout with a
+    channel/filter split (DTensor's dispatch or our wrapper), `layer` per conv/linear split over
+    channel/filter beyond its node's (the autograd Function, the collectives' bookkeeping)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybridpar.graph.tracing import trace
+    from hybridpar.runtime.collectives import all_gather_dim, all_reduce_, reduce_scatter_dim
+    from hybridpar.runtime.comm_log import CommLog
+    from hybridpar.runtime.engine import ChannelFilterEngine, task_loss
+    from hybridpar.runtime.grid import Group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, CHANNELS, HW, HW)
+    y = torch.randint(0, 4, (BATCH,))
+    nodes = {c: sum(n.op != "input" for n in trace(_chain(e), (x,)).nodes) for c, e in (("A", 0), ("B", EXTRA))}
+
+    def eager(extra: int):
+        m = _chain(extra)
+        return (lambda: F.cross_entropy(m(x), y)), (lambda: F.cross_entropy(m(x), y).backward())
+
+    runs = {f"eager{c}": eager(e) for c, e in (("A", 0), ("B", EXTRA))}
+    counts, splits = {}, {}
+    for layout, chains in (("sample=2", ("A",)), ("channel=2", ("A", "B")), ("filter=2", ("A", "B"))):
+        for c in chains:
+            eng = ChannelFilterEngine(_chain(EXTRA if c == "B" else 0), layout, bn_stats="local")
+            xs, ys = (torch.cat([x, x]), torch.cat([y, y])) if layout == "sample=2" else (x, y)
+            xl, yl = eng.local_batch(xs, ys)
+            for _ in range(2):  # the first step records DTensor's redistributions (a dispatch mode)
+                eng.train_step(xl, yl)
+            eng.comm_log.mark_step()
+            eng.train_step(xl, yl)
+            counts[f"{layout}{c}"] = len(eng.comm_log.step_records())
+            splits[layout] = sum(1 for m in eng.module.modules() if type(m).__name__ in ("DistConv2d", "DistLinear"))
+
+            def fwd(eng=eng, xl=xl, yl=yl):
+                eng.module.train()
+                task_loss(eng.forward(xl), yl)
+
+            runs[f"{layout}{c}"] = (fwd, lambda eng=eng, xl=xl, yl=yl: eng.train_step(xl, yl))
+
+    # the Python of one collective call on the fake world (the gloo fits hold it already)
+    group = Group((0, 1), dist.group.WORLD, 0)
+    log = CommLog()
+    piece, full, buf = torch.ones(BATCH, CHANNELS // 2, HW, HW), torch.ones(BATCH, CHANNELS, HW, HW), torch.ones(64)
+    sizes = [CHANNELS // 2] * 2
+
+    def colls():
+        all_gather_dim(piece, 1, group, sizes, log)
+        reduce_scatter_dim(full, 1, group, sizes, log)
+        all_reduce_(buf, group, log)
+
+    per_call = _cpu_median(colls, warmup, repeats) / 3
+
+    # rounds interleave every variant, so a change of CPU frequency or cache pressure hits all alike
+    got: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, (fwd, step) in runs.items():
+            got.setdefault(f"{name}_fwd", []).append(_cpu_median(fwd, warmup, repeats))
+            got.setdefault(f"{name}_step", []).append(_cpu_median(step, warmup, repeats))
+    med = {k: statistics.median(v) for k, v in got.items()}
+
+    def over(run: str, chain: str, part: str) -> float:
+        """The run's time over eager's, less the collectives' Python (half of them in forward: a layer
+        issues one each way; the loss rides with the gradients at the end of backward)."""
+        calls = counts[f"{run}{chain}"] / (2 if part == "fwd" else 1)
+        return med[f"{run}{chain}_{part}"] - med[f"eager{chain}_{part}"] - calls * per_call
+
+    out = {}
+    for part in ("fwd", "step"):
+        sample_node = over("sample=2", "A", part) / nodes["A"]
+        dt_node = statistics.mean((over(r, "B", part) - over(r, "A", part)) / (nodes["B"] - nodes["A"])
+                                  for r in ("channel=2", "filter=2"))
+        layer = statistics.mean((over(r, "A", part) - (nodes["A"] - splits[r]) * dt_node) / splits[r]
+                                for r in ("channel=2", "filter=2"))
+        out[part] = {"sample_node_s": max(0.0, sample_node), "dtensor_node_s": max(0.0, dt_node),
+                     "layer_s": max(0.0, layer)}
+    dist.destroy_process_group()
+    result = {}
+    for key in ("sample_node_s", "dtensor_node_s", "layer_s"):
+        fwd, step = out["fwd"][key], out["step"][key]
+        result[key] = (fwd, max(0.0, step - fwd))  # (forward, backward)
+    return {**result, "nodes": nodes, "collective_call_s": per_call, "medians_s": med,
+            "collectives_per_step": counts}
+
+
+def runtime_overhead(timeout_s: float = 300.0, repeats: int = 15, rounds: int = 3) -> dict:
+    """`measure` in a fresh subprocess (the fake process group is process-global state)."""
+    cmd = [sys.executable, "-m", "hybridpar.profile.runtime_overhead", str(repeats), str(rounds)]
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    import os
+
+    try:
+        out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"the runtime overhead measurement did not finish in {timeout_s:.0f} s") from None
+    if out.returncode != 0:
+        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+        raise UserError(f"the runtime overhead measurement failed: {last}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    import os
+
+    result = measure(repeats=int(sys.argv[1]), rounds=int(sys.argv[2])) if len(sys.argv) > 2 else measure()
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # the fake process group's teardown is not needed
