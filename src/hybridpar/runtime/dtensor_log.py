@@ -36,6 +36,14 @@ class DTensorCommLog(TorchDispatchMode):
         self.log, self.tracker = log, tracker
         self.records: list[dict] = []
 
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "_c10d_functional":
@@ -60,6 +68,23 @@ class DTensorCommLog(TorchDispatchMode):
             self.log.record(kind, size, nbytes, f"dtensor:{module}")
 
 
+_ACTIVE: list[DTensorCommLog] = []  # the recorders entered, innermost last
+
+
+def watched():
+    """Context manager for the collectives of DTensor's custom op handlers (hybridpar.runtime.
+    dtensor_rules): they run inside a dispatch, where the active recorder is off the mode stack and
+    would not see them; a recorder of the same log and records watches them there (no-op if none)."""
+    from contextlib import nullcontext
+
+    if not _ACTIVE:
+        return nullcontext()
+    outer = _ACTIVE[-1]
+    inner = DTensorCommLog(outer.log, outer.tracker)
+    inner.records = outer.records
+    return inner
+
+
 def recording(log):
     """Context manager: DTensor's collectives inside go to `log`, with module names."""
     from contextlib import ExitStack, contextmanager
@@ -79,4 +104,4 @@ def is_dtensor_tag(tag: str) -> bool:
     return tag.startswith("dtensor:")
 
 
-__all__ = ["DTensorCommLog", "is_dtensor_tag", "recording", "torch"]
+__all__ = ["DTensorCommLog", "is_dtensor_tag", "recording", "torch", "watched"]

@@ -30,7 +30,10 @@ _installed: set = set()
 
 
 def _meshed(t, placements, mesh):
-    return t.redistribute(mesh, placements).to_local()
+    from hybridpar.runtime.dtensor_log import watched
+
+    with watched():  # logged as DTensor's redistributions between our layers are
+        return t.redistribute(mesh, placements).to_local()
 
 
 def _wrap(t: torch.Tensor, mesh, placements, n_global: int) -> DTensor:
