@@ -83,3 +83,33 @@ def test_the_gathers_around_a_whole_conv_are_logged():
     piece = 4 * 16 * 8 * 8 * 4  # a sample group's 4 samples, 16 channels, 8x8, fp32
     # dw: x forward, x and dy backward; grp: x forward and backward (its dy arrives whole)
     assert [r["bytes"] for r in run.dtensor if r["kind"] == "allgather"].count(piece) == 5
+
+
+class TwoBranches(nn.Module):
+    """Two convolutions of the same input joined by a concatenation, then a 1x1 conv."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.a = nn.Conv2d(16, 16, 3, padding=1, groups=groups)
+        self.b = nn.Conv2d(16, 16, 3, padding=1, groups=groups)
+        self.out = nn.Conv2d(32, 8, 1)
+
+    def forward(self, x):
+        x = self.stem(x)
+        return self.out(torch.cat([self.a(x), self.b(x)], 1)).mean((2, 3))
+
+
+def test_a_join_of_whole_layers_is_priced_whole():
+    """Both inputs whole on channel_filter (DTensor: Replicate), so the concatenation runs whole on
+    every rank of a sample group: twice the compute of the concatenation of split inputs at G = 2."""
+    from hybridpar.search.layers.planner import plan_model
+
+    def join(groups: int):
+        model = TwoBranches(groups)
+        res = plan_model((model, (torch.randn(8, 3, 16, 16),)), "localhost", gpus=4, batch=8,
+                         strategy="sample=2,filter=2")
+        (row,) = [r for r in res.layers if r.layout is None]
+        return row.cost.fwd_s + row.cost.bwd_s
+
+    assert join(16) == pytest.approx(2 * join(1), rel=0.05)

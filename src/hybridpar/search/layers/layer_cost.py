@@ -315,12 +315,16 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
                      layout_of(s, c * f), mem.transient_bytes, mem)
 
 
-def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerCost:
-    t = ctx.op(node, dist.sample, piece_frac(channels_of(node.out_shape), dist.channel))
-    ffwd, fbwd = nodes_time(followers, dist, ctx)
+def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext,
+              whole: bool = False) -> LayerCost:
+    """`whole`: every input is whole on channel_filter (from layers the runtime leaves whole), so
+    DTensor runs the join whole on each rank of a sample group."""
+    run = Distribution(dist.sample, 1) if whole else dist
+    t = ctx.op(node, run.sample, piece_frac(channels_of(node.out_shape), run.channel))
+    ffwd, fbwd = nodes_time(followers, run, ctx)
     ofwd, obwd = ctx.runtime_overhead(1 + len(followers), dist.channel)
     ffwd, fbwd = ffwd + ofwd, fbwd + obwd
-    mem = dist_memory([node, *followers], dist, ctx)
+    mem = dist_memory([node, *followers], run, ctx)
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, mem.persistent_bytes, {}, memory=mem)
 
 

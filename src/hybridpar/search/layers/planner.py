@@ -191,23 +191,41 @@ def _kept_flags(v: Vertex, ctx: CostContext) -> tuple[bool, ...] | None:
     return None if ctx.kept is None else tuple(n.name in ctx.kept for n in (v.node, *v.followers))
 
 
-def _join_options(v: Vertex, ctx: CostContext, dists: Sequence[Distribution]) -> VertexOptions:
-    sig = ("join", node_signature(v.node), tuple(node_signature(f) for f in v.followers), _kept_flags(v, ctx))
+def _join_options(v: Vertex, ctx: CostContext, dists: Sequence[Distribution], whole: bool = False) -> VertexOptions:
+    sig = ("join", node_signature(v.node), tuple(node_signature(f) for f in v.followers), _kept_flags(v, ctx), whole)
     costs = []
     for d in dists:
         cost = ctx.layer_memo.get((sig, d))
         if cost is None:
-            cost = ctx.layer_memo[(sig, d)] = join_cost(v.node, v.followers, d, ctx)
+            cost = ctx.layer_memo[(sig, d)] = join_cost(v.node, v.followers, d, ctx, whole)
         costs.append(cost)
     return VertexOptions(v, tuple(dists), tuple(costs), ())
+
+
+def _whole_outputs(lg: LayerGraph) -> set[int]:
+    """Vertices whose output the runtime holds whole on channel_filter (DTensor: Replicate): a layer
+    it leaves whole (cost.layout_comm.splits_by_layout) with no batch norm after it (a batch norm
+    takes its channel piece), a join fed only by such vertices."""
+    sources: dict[int, list[int]] = {}
+    for e in lg.edges:
+        sources.setdefault(e.dst, []).append(e.src)
+    out: set[int] = set()
+    for i, v in enumerate(lg.vertices):  # in graph order: a join's sources come before it
+        if any(f.op == "batchnorm" for f in v.followers):
+            continue
+        if (not splits_by_layout(v.node)) if v.is_weight else (
+                bool(sources.get(i)) and all(j in out for j in sources[i])):
+            out.add(i)
+    return out
 
 
 def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequence[LayerLayout],
              even_only: bool, empty_ok: bool = False) -> list[VertexOptions]:
     """Options of every vertex; joins take the distributions the weight layers' layouts produce."""
     dists = sorted({distribution_of(lay) for lay in layouts})
+    whole = _whole_outputs(lg)
     out = []
-    for v in lg.vertices:
+    for i, v in enumerate(lg.vertices):
         if v.is_weight:
             vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok)
             if not vo.options:
@@ -216,7 +234,7 @@ def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequenc
         else:
             ch = channels_of(v.node.out_shape)
             ok = [d for d in dists if d in distributions(ctx.ranks, ctx.batch, ch)] if even_only else dists
-            vo = _join_options(v, ctx, ok or dists)
+            vo = _join_options(v, ctx, ok or dists, i in whole)
         out.append(vo)
     return out
 
@@ -733,13 +751,14 @@ def evaluate_plan(plan: Plan, *, grad_sync: str = "buckets", time_share: float |
     shape = tuple(plan.input_shape) if plan.input_shape else None
     s = _setup(plan.model, plan.cluster, plan.world_size, plan.batch, None, "fp32", shape, calibration, time_share)
     opts = []
-    for v in s.lg.vertices:
+    whole = _whole_outputs(s.lg)
+    for i, v in enumerate(s.lg.vertices):
         if v.is_weight:
             lay = plan.layout_of(v.node.module) if v.node.module else plan.default_layout
             opts.extend(_options(LayerGraph((v,), (), s.lg.graph), s.ctx, INF, [lay], even_only=False,
                                  empty_ok=True))
         else:
-            opts.append(_join_options(v, s.ctx, [distribution_of(plan.default_layout)]))
+            opts.append(_join_options(v, s.ctx, [distribution_of(plan.default_layout)], i in whole))
     return predict(s.lg, opts, [0] * len(opts), s.ctx, grad_sync)
 
 
