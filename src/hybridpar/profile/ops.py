@@ -175,8 +175,9 @@ def _global_bn(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) 
 
 def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     """Forward, backward-data (grad of x only) and backward-weight (grad of w only), as CPU time of
-    this thread (profile.timing). The three are timed in turn within each repeat, so a burst of load
-    from elsewhere (cache pressure) hits all three alike."""
+    this thread (profile.timing), each repeat on a fresh copy of the input, as a training step runs
+    it. The three are timed in turn within each repeat, so a burst of load from elsewhere (cache
+    pressure) hits all three alike."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(spec.x, generator=g).requires_grad_(True)
     w = b = None
@@ -189,25 +190,29 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     elif spec.op in ("conv2d", "linear"):
         w = torch.randn(spec.w, generator=g).requires_grad_(True)
         b = torch.randn(spec.w[0], generator=g).requires_grad_(True) if spec.bias else None
-    y = _forward(spec, x, w, b)
-    dy = torch.randn(y.shape, generator=g)
+    dy0 = torch.randn(_forward(spec, x, w, b).shape, generator=g)
     wrt = tuple(w.parameters()) if spec.op == "lstm" else tuple(t for t in (w, b) if t is not None)
-    passes = [lambda: _forward(spec, x, w, b),
-              lambda: torch.autograd.grad(y, x, dy, retain_graph=True)]
-    if spec.op in _WHOLE_BACKWARD:
-        # one backward computes dx, dw and db together: all of it counts as backward-data
-        passes[1] = lambda: torch.autograd.grad(y, (x, *wrt), dy, retain_graph=True)
-    elif wrt:
-        passes.append(lambda: torch.autograd.grad(y, wrt, dy, retain_graph=True))
-    for _ in range(warmup):
-        for fn in passes:
-            fn()
-    samples: list[list[float]] = [[] for _ in passes]
-    for _ in range(repeats):
-        for i, fn in enumerate(passes):
-            t0 = clock()
-            fn()
-            samples[i].append(clock() - t0)
+    whole = spec.op in _WHOLE_BACKWARD  # one backward computes dx, dw and db: all of it is backward-data
+    n_passes = 2 if whole or not wrt else 3
+    samples: list[list[float]] = [[] for _ in range(n_passes)]
+    for k in range(warmup + repeats):
+        # fresh input and output gradient each repeat, as each training step has: a conv on the same
+        # input tensor again took 0.8-0.95 ms, on a fresh copy 3.2-3.8 ms (oneDNN, this CPU); the
+        # table was ~2x under the runtime's steps before
+        xr = x.detach().clone().requires_grad_(True)
+        dy = dy0.clone()
+        t0 = clock()
+        y = _forward(spec, xr, w, b)
+        t1 = clock()
+        torch.autograd.grad(y, (xr, *wrt) if whole else xr, dy, retain_graph=not whole and bool(wrt))
+        t2 = clock()
+        times = [t1 - t0, t2 - t1]
+        if n_passes == 3:
+            torch.autograd.grad(y, wrt, dy)
+            times.append(clock() - t2)
+        if k >= warmup:
+            for i, t in enumerate(times):
+                samples[i].append(t)
     fwd, bwd_data, *rest = (summarize(s) for s in samples)
     return OpRecord(key=spec.key, op=spec.op, fwd=fwd, bwd_data=bwd_data, bwd_weight=rest[0] if rest else None)
 
