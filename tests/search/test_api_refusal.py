@@ -47,3 +47,13 @@ def test_search_offers_only_what_the_rule_accepts():
     assert all(lay.channel * lay.filter == 1 for lay in res.plan.layers.values())
     with pytest.raises(UserError, match="lstm1"):
         plan_model("lstm2", "localhost", 2, 1)
+
+
+def test_what_if_prices_it_and_says_so(capsys):
+    """runnable_only=False (the CLI's --no-dry-run) prices the layout anyway, labelled a what-if."""
+    res = plan_model("lstm2", "localhost", 2, 8, strategy="filter=2", runnable_only=False)
+    assert any(n.startswith("WHAT-IF") and "lstm1" in n for n in res.plan.notes)
+    capsys.readouterr()
+    assert main(["plan", "--model", "lstm2", "--gpus", "2", "--batch", "8", "--strategy", "filter=2",
+                 "--no-dry-run"]) == 0
+    assert "WHAT-IF" in capsys.readouterr().out

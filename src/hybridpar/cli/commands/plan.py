@@ -152,7 +152,8 @@ def register(app: click.Group) -> None:
     @click.option("--dry-run/--no-dry-run", "dry", default=None,
                   help="run the planned layout on meta tensors first (hybridpar.runtime.dry_run): refuse ops it "
                        "cannot serve, and price DTensor's redistributions between layers (default: on for "
-                       "file models, whose code between layers may mix channels; off for the zoo)")
+                       "file models, whose code between layers may mix channels; off for the zoo); "
+                       "--no-dry-run also prices layouts the runtime cannot run (a what-if)")
     @click.option("--out", "out", default=None, type=click.Path(dir_okay=False), help="write the Plan JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample,
@@ -172,7 +173,7 @@ def register(app: click.Group) -> None:
         try:
             res = plan_model(model, cluster, gpus, batch, memory_limit=limit, strategy=strategy, dtype=dtype,
                              input_shape=shape, grad_sync=grad_sync, free_sample=free_sample,
-                             time_share=time_share,
+                             time_share=time_share, runnable_only=dry is not False,
                              progress=None if status is None else (lambda msg: status.update(msg)))
             if dry if dry is not None else ":" in str(model):
                 if status is not None:

@@ -645,7 +645,7 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
                input_shape: Sequence[int] | None = None, grad_sync: str = "buckets", free_sample: bool = False,
                calibration=None, time_share: float | None = None,
                progress: Callable[[str], None] | None = None, optimizer: str = "sgd", momentum: float = 0.0,
-               weight_decay: float = 0.0) -> PlanResult:
+               weight_decay: float = 0.0, runnable_only: bool = True) -> PlanResult:
     """Plan `model` on `gpus` devices of `cluster` at global batch `batch` (or evaluate `strategy`).
 
     By default the space is the runtime's: one sample degree S for the model, each layer choosing
@@ -655,7 +655,10 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
     `time_share` overrides how much slower each rank computes when all ranks run at once (the cluster
     assumes ranks/cores on localhost; a machine shared with other jobs is slower: measure it).
     `optimizer`/`momentum`/`weight_decay`: the training run's (as `hybridpar train` takes them; default
-    its plain SGD), for the optimizer state in the per-device memory (hybridpar.cost.memory)."""
+    its plain SGD), for the optimizer state in the per-device memory (hybridpar.cost.memory).
+    `runnable_only`: plan and evaluate only layouts hybridpar's runtime can run, else a UserError with
+    the reason (cost.layout_comm.layout_refusal); False prices any layout (a what-if; the CLI's
+    --no-dry-run)."""
     import time
 
     t0 = time.perf_counter()
@@ -669,7 +672,7 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
     else:
         spaces = {f"S={k}": v for k, v in runtime_layouts(gpus, batch).items()}
     # only layouts the runtime can run (cost.layout_comm.layout_refusal: the --strategy check's rule too)
-    refusals = {k: [layout_refusal(s.lg.graph, lay) for lay in v] for k, v in spaces.items()}
+    refusals = {k: [runnable_only and layout_refusal(s.lg.graph, lay) for lay in v] for k, v in spaces.items()}
     runnable = {k: [lay for lay, r in zip(v, refusals[k]) if not r] for k, v in spaces.items()}
     first = next((r for rs in refusals.values() for r in rs if r), None)
     if first and not any(runnable.values()):
@@ -699,10 +702,11 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
         if reason:
             raise UserError(f"strategy {strategy!r}: {reason}")
         refusal = layout_refusal(s.lg.graph, strat.layout)
-        if refusal:
+        if refusal and runnable_only:
             raise UserError(refusal)
         opts, choice, pred, brk = _evaluate_uniform(s, strat.layout, grad_sync)
         notes = [f"fixed layout {strat.layout.to_strategy()} evaluated (not searched)"]
+        notes += [f"WHAT-IF, the runtime cannot run it: {refusal}"] if refusal else []
         if pred.memory_bytes[0] > s.capacity:
             notes.append(f"over the memory limit: {_size(pred.memory_bytes[0])} per device")
         plan, rows = _to_plan(s, opts, choice, pred, strat.layout.to_strategy(), notes)
@@ -727,6 +731,8 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
                               f"on {gpus} devices at batch {batch} ({'; '.join(reasons[:3])})")
     choice, pred, method, opts, brk = best
     notes = [f"optimiser: {method}"] + ([note] if note else [])
+    notes += sorted({f"WHAT-IF, the runtime cannot run it: {r}" for r in (
+        layout_refusal(s.lg.graph, lay) for lay in _chosen_layouts(opts, choice)) if r})
     if free_sample and len({lay.sample for lay in _chosen_layouts(opts, choice)}) > 1:
         notes.append("layers use different sample degrees: the runtime needs one (plan for projection only)")
     plan, rows = _to_plan(s, opts, choice, pred, None, notes)
