@@ -231,7 +231,7 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
             out += [(node.name, op) for op in _redistributions(node, outer, own, rank, world, input_grad,
                                                               dtype_bytes)]
         if node.op == "concat" and G > 1:
-            out += [(node.name, op) for op in _channel_concat(node, S, G, rank % G, input_grad, dtype_bytes)]
+            out += [(node.name, op) for op in channel_concat(node, S, G, rank % G, input_grad, dtype_bytes)]
         for op in layer_collectives(node, lay, position=rank % own.g_size, input_grad=input_grad,
                                     in_pieces=pieces, bn_stats=bn_stats, dtype_bytes=dtype_bytes):
             out.append((node.name, op))
@@ -247,7 +247,7 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
     return out
 
 
-def _channel_concat(node: Node, S: int, G: int, g: int, input_grad: bool, b: int) -> list[CommOp]:
+def channel_concat(node: Node, S: int, G: int, g: int, input_grad: bool, b: int) -> list[CommOp]:
     """torch.cat along channels of channel-split inputs: an all-to-all in the sample group moving the
     parts of the concatenation's piece that other ranks hold (hybridpar.runtime.layers.concat)."""
     ins = node.in_shapes

@@ -32,6 +32,7 @@ from hybridpar.cost.collectives import CommOp
 from hybridpar.cost.compute import variant_name
 from hybridpar.cost.memory import DEFAULT_OPTIMIZER, WHOLE_OPS, LayerMemory, nodes_memory, weight_layer_memory
 from hybridpar.graph.types import DTYPE_BYTES, Node
+from hybridpar.layout import piece_sizes
 from hybridpar.plans import LayerLayout
 from hybridpar.search.layers.decomposition import (
     Distribution,
@@ -316,16 +317,30 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
 
 
 def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext,
-              whole: bool = False) -> LayerCost:
+              whole: bool = False, split_inputs: bool = True, input_grad: bool = True) -> LayerCost:
     """`whole`: every input is whole on channel_filter (from layers the runtime leaves whole), so
-    DTensor runs the join whole on each rank of a sample group."""
+    DTensor runs the join whole on each rank of a sample group. `split_inputs`: every input is split
+    on channel_filter, so a concatenation along channels is the runtime's all-to-all in the sample
+    group (hybridpar.cost.layout_comm.channel_concat; mixed inputs go through DTensor's rules)."""
+    from hybridpar.cost.layout_comm import channel_concat
+
     run = Distribution(dist.sample, 1) if whole else dist
     t = ctx.op(node, run.sample, piece_frac(channels_of(node.out_shape), run.channel))
     ffwd, fbwd = nodes_time(followers, run, ctx)
     ofwd, obwd = ctx.runtime_overhead(1 + len(followers), dist.channel)
     ffwd, fbwd = ffwd + ofwd, fbwd + obwd
     mem = dist_memory([node, *followers], run, ctx)
-    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, 0.0, 0.0, 0.0, mem.persistent_bytes, {}, memory=mem)
+    ops = []
+    # an input with an empty channel piece (fewer channels than pieces, torch.chunk's short tail) was
+    # gathered whole by the layer that made it (runtime.dtensors.settle): DTensor's rules run the join
+    if node.op == "concat" and dist.channel > 1 and split_inputs and not whole \
+            and all(piece_sizes(s[1], dist.channel)[-1] > 0 for s in node.in_shapes if len(s) > 1):
+        lay = layout_of(dist.sample, dist.channel)
+        for op in channel_concat(node, dist.sample, dist.channel, 0, input_grad, ctx.elem):
+            groups, key = _groups_of(op.group, lay)
+            ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
+    cf, cb, _, nbytes = _summarise(ops, ctx)
+    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, 0.0, mem.persistent_bytes, nbytes, memory=mem)
 
 
 def dist_memory(nodes: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerMemory:

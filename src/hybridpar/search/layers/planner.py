@@ -191,24 +191,32 @@ def _kept_flags(v: Vertex, ctx: CostContext) -> tuple[bool, ...] | None:
     return None if ctx.kept is None else tuple(n.name in ctx.kept for n in (v.node, *v.followers))
 
 
-def _join_options(v: Vertex, ctx: CostContext, dists: Sequence[Distribution], whole: bool = False) -> VertexOptions:
-    sig = ("join", node_signature(v.node), tuple(node_signature(f) for f in v.followers), _kept_flags(v, ctx), whole)
+def _join_options(v: Vertex, ctx: CostContext, dists: Sequence[Distribution], whole: bool = False,
+                  split_inputs: bool = True) -> VertexOptions:
+    sig = ("join", node_signature(v.node), tuple(node_signature(f) for f in v.followers), _kept_flags(v, ctx), whole,
+           split_inputs, v.input_grad)
     costs = []
     for d in dists:
         cost = ctx.layer_memo.get((sig, d))
         if cost is None:
-            cost = ctx.layer_memo[(sig, d)] = join_cost(v.node, v.followers, d, ctx, whole)
+            cost = ctx.layer_memo[(sig, d)] = join_cost(v.node, v.followers, d, ctx, whole, split_inputs,
+                                                        v.input_grad)
         costs.append(cost)
     return VertexOptions(v, tuple(dists), tuple(costs), ())
+
+
+def _sources(lg: LayerGraph) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for e in lg.edges:
+        out.setdefault(e.dst, []).append(e.src)
+    return out
 
 
 def _whole_outputs(lg: LayerGraph) -> set[int]:
     """Vertices whose output the runtime holds whole on channel_filter (DTensor: Replicate): a layer
     it leaves whole (cost.layout_comm.splits_by_layout) with no batch norm after it (a batch norm
     takes its channel piece), a join fed only by such vertices."""
-    sources: dict[int, list[int]] = {}
-    for e in lg.edges:
-        sources.setdefault(e.dst, []).append(e.src)
+    sources = _sources(lg)
     out: set[int] = set()
     for i, v in enumerate(lg.vertices):  # in graph order: a join's sources come before it
         if any(f.op == "batchnorm" for f in v.followers):
@@ -223,7 +231,7 @@ def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequenc
              even_only: bool, empty_ok: bool = False) -> list[VertexOptions]:
     """Options of every vertex; joins take the distributions the weight layers' layouts produce."""
     dists = sorted({distribution_of(lay) for lay in layouts})
-    whole = _whole_outputs(lg)
+    whole, sources = _whole_outputs(lg), _sources(lg)
     out = []
     for i, v in enumerate(lg.vertices):
         if v.is_weight:
@@ -234,7 +242,7 @@ def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequenc
         else:
             ch = channels_of(v.node.out_shape)
             ok = [d for d in dists if d in distributions(ctx.ranks, ctx.batch, ch)] if even_only else dists
-            vo = _join_options(v, ctx, ok or dists, i in whole)
+            vo = _join_options(v, ctx, ok or dists, i in whole, not any(j in whole for j in sources.get(i, ())))
         out.append(vo)
     return out
 
@@ -757,14 +765,15 @@ def evaluate_plan(plan: Plan, *, grad_sync: str = "buckets", time_share: float |
     shape = tuple(plan.input_shape) if plan.input_shape else None
     s = _setup(plan.model, plan.cluster, plan.world_size, plan.batch, None, "fp32", shape, calibration, time_share)
     opts = []
-    whole = _whole_outputs(s.lg)
+    whole, sources = _whole_outputs(s.lg), _sources(s.lg)
     for i, v in enumerate(s.lg.vertices):
         if v.is_weight:
             lay = plan.layout_of(v.node.module) if v.node.module else plan.default_layout
             opts.extend(_options(LayerGraph((v,), (), s.lg.graph), s.ctx, INF, [lay], even_only=False,
                                  empty_ok=True))
         else:
-            opts.append(_join_options(v, s.ctx, [distribution_of(plan.default_layout)], i in whole))
+            opts.append(_join_options(v, s.ctx, [distribution_of(plan.default_layout)], i in whole,
+                                      not any(j in whole for j in sources.get(i, ()))))
     return predict(s.lg, opts, [0] * len(opts), s.ctx, grad_sync)
 
 
