@@ -322,7 +322,7 @@ def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: Co
     DTensor runs the join whole on each rank of a sample group. `split_inputs`: every input is split
     on channel_filter, so a concatenation along channels is the runtime's all-to-all in the sample
     group (hybridpar.cost.layout_comm.channel_concat; mixed inputs go through DTensor's rules)."""
-    from hybridpar.cost.layout_comm import channel_concat
+    from hybridpar.cost.layout_comm import channel_concat, layer_collectives
 
     run = Distribution(dist.sample, 1) if whole else dist
     t = ctx.op(node, run.sample, piece_frac(channels_of(node.out_shape), run.channel))
@@ -330,7 +330,7 @@ def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: Co
     ofwd, obwd = ctx.runtime_overhead(1 + len(followers), dist.channel)
     ffwd, fbwd = ffwd + ofwd, fbwd + obwd
     mem = dist_memory([node, *followers], run, ctx)
-    ops = []
+    ops: list[CommOp] = []
     # an input with an empty channel piece (fewer channels than pieces, torch.chunk's short tail) was
     # gathered whole by the layer that made it (runtime.dtensors.settle): DTensor's rules run the join
     if node.op == "concat" and dist.channel > 1 and split_inputs and not whole \
@@ -339,6 +339,14 @@ def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: Co
         for op in channel_concat(node, dist.sample, dist.channel, 0, input_grad, ctx.elem):
             groups, key = _groups_of(op.group, lay)
             ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
+    # the followers' own collectives (a batch norm's statistics); their gradients are summed with the
+    # parameters outside weight layers (planner._outside_grad_bytes)
+    lay = layout_of(dist.sample, dist.channel)
+    for n in followers:
+        for op in layer_collectives(n, lay, bn_stats=ctx.bn_stats, dtype_bytes=ctx.elem):
+            if op.phase != "grad":
+                groups, key = _groups_of(op.group, lay)
+                ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
     cf, cb, _, nbytes = _summarise(ops, ctx)
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, 0.0, mem.persistent_bytes, nbytes, memory=mem)
 
