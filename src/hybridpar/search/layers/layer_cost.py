@@ -322,7 +322,7 @@ def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: Co
     DTensor runs the join whole on each rank of a sample group. `split_inputs`: every input is split
     on channel_filter, so a concatenation along channels is the runtime's all-to-all in the sample
     group (hybridpar.cost.layout_comm.channel_concat; mixed inputs go through DTensor's rules)."""
-    from hybridpar.cost.layout_comm import channel_concat, layer_collectives
+    from hybridpar.cost.layout_comm import channel_concat
 
     run = Distribution(dist.sample, 1) if whole else dist
     t = ctx.op(node, run.sample, piece_frac(channels_of(node.out_shape), run.channel))
@@ -339,16 +339,35 @@ def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: Co
         for op in channel_concat(node, dist.sample, dist.channel, 0, input_grad, ctx.elem):
             groups, key = _groups_of(op.group, lay)
             ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
-    # the followers' own collectives (a batch norm's statistics); their gradients are summed with the
-    # parameters outside weight layers (planner._outside_grad_bytes)
+    ops += nodes_collectives(followers, dist, ctx, input_grad)
+    cf, cb, _, nbytes = _summarise(ops, ctx)
+    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, 0.0, mem.persistent_bytes, nbytes, memory=mem)
+
+
+def nodes_collectives(nodes: Sequence[Node], dist: Distribution, ctx: CostContext,
+                      input_grad: bool = True) -> list[CommOp]:
+    """The collectives, but gradient sums, of nodes that run on a vertex's distribution (a join's
+    followers, the nodes before the first layer): a batch norm's statistics. Their gradients are
+    summed with the other parameters outside weight layers (planner._outside_grad_bytes).
+    `input_grad`: whether the first node's input needs a gradient (then every later node's does)."""
+    from hybridpar.cost.layout_comm import layer_collectives
+
     lay = layout_of(dist.sample, dist.channel)
-    for n in followers:
-        for op in layer_collectives(n, lay, bn_stats=ctx.bn_stats, dtype_bytes=ctx.elem):
+    ops = []
+    for n in nodes:
+        for op in layer_collectives(n, lay, input_grad=input_grad, bn_stats=ctx.bn_stats, dtype_bytes=ctx.elem):
             if op.phase != "grad":
                 groups, key = _groups_of(op.group, lay)
                 ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
-    cf, cb, _, nbytes = _summarise(ops, ctx)
-    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, 0.0, mem.persistent_bytes, nbytes, memory=mem)
+        input_grad = input_grad or bool(n.param_shapes)
+    return ops
+
+
+def nodes_comm(nodes: Sequence[Node], dist: Distribution, ctx: CostContext,
+               input_grad: bool = True) -> tuple[float, float, dict[str, int]]:
+    """Forward and backward seconds and bytes per kind of `nodes_collectives`."""
+    cf, cb, _, nbytes = _summarise(nodes_collectives(nodes, dist, ctx, input_grad), ctx)
+    return cf, cb, nbytes
 
 
 def dist_memory(nodes: Sequence[Node], dist: Distribution, ctx: CostContext) -> LayerMemory:

@@ -49,6 +49,7 @@ from hybridpar.search.layers.layer_cost import (
     join_cost,
     node_signature,
     node_time,
+    nodes_comm,
     nodes_time,
     redistribution_time,
     weight_layer_cost,
@@ -470,7 +471,10 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     buckets = grad_bucket_schedule(lg, opts, choice, ctx) if grad_sync == "buckets" else []
     extra_s = sum(ctx.comm_time(op) for op in extras if not _rides_in_bucket(op, buckets))
     pre_fwd, pre_bwd = _prefix_time(lg, opts[0].dist(choice[0]), ctx)
-    t = pre_fwd + sum(c.fwd_s + c.comm_fwd_s for c in costs) + sum(r / 2 for r in redist) + extra_s
+    # the prefix's own collectives (a batch norm on the input: its statistics; no input gradient there)
+    pre_cf, pre_cb, pre_bytes = nodes_comm(lg.prefix, opts[0].dist(choice[0]), ctx, input_grad=False) \
+        if lg.prefix else (0.0, 0.0, {})
+    t = pre_fwd + pre_cf + sum(c.fwd_s + c.comm_fwd_s for c in costs) + sum(r / 2 for r in redist) + extra_s
     comm_free = 0.0
     done = []  # when each vertex's backward ends, in backward order
     for c, r in zip(reversed(costs), reversed(redist)):
@@ -478,7 +482,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
         done.append(t)
         if grad_sync == "overlap" and c.grad_sync_s:
             comm_free = max(comm_free, t) + c.grad_sync_s
-    t += pre_bwd  # backward's last: the nodes before the first layer (their gradients ready after)
+    t += pre_bwd + pre_cb  # backward's last: the nodes before the first layer (their gradients ready after)
     by_key: dict[LayerLayout, int] = {}
     for c in costs:
         if c.grad_bytes and c.grad_key is not None:
@@ -504,8 +508,8 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     if grad_sync != "flat" and ctx.cluster.device.comm_takes_compute:
         step = t + grad  # the exchanges run on the cores backward runs on: nothing hides (DeviceSpec)
     compute = pre_fwd + pre_bwd + sum(c.fwd_s + c.bwd_s for c in costs)
-    comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs) + sum(redist) + grad + extra_s
-    nbytes: dict[str, int] = {}
+    comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs) + sum(redist) + grad + extra_s + pre_cf + pre_cb
+    nbytes: dict[str, int] = dict(pre_bytes)
     for op in [*(op for op in extras if op.phase != "check"), *(grad_allreduce(b, k) for k, b in by_key.items())]:
         nbytes[op.kind] = nbytes.get(op.kind, 0) + op.bytes_
     for c in costs:
