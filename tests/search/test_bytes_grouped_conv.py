@@ -113,3 +113,22 @@ def test_a_join_of_whole_layers_is_priced_whole():
         return row.cost.fwd_s + row.cost.bwd_s
 
     assert join(16) == pytest.approx(2 * join(1), rel=0.05)
+
+
+def test_the_planner_prices_the_input_gathers():
+    """The two gathers of a whole conv's split input (forward, and backward for its weight gradient)
+    are the planner's (cost.layout_comm.whole_conv_gathers): in the plan's bytes and time, so the
+    dry run does not add them again; its output gradient's gather stays DTensor's. Plan + dry run
+    = every byte one rank of `hybridpar train` logs (102,560 allgather bytes here)."""
+    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.search.layers.planner import plan_model
+
+    res = plan_model(factory(), "localhost", gpus=4, batch=8, strategy="sample=2,filter=2")
+    model, inputs = factory()
+    run = dry_run(model, "sample=2,filter=2", inputs, world_size=4)
+    assert res.prediction.comm_bytes["allgather"] + run.dtensor_bytes["allgather"] == 102_560
+    piece = 4 * 16 * 8 * 8 * 4
+    # dw (input from the stem's batch norm: split) and grp (input from pw: split), twice each
+    assert res.prediction.comm_bytes["allgather"] - 20_128 == 4 * piece
+    rows = {r.module: r for r in res.layers}
+    assert rows["dw"].cost.comm_fwd_s > 0 and rows["dw"].cost.comm_bwd_s > 0

@@ -119,6 +119,23 @@ def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, inp
     return []
 
 
+def whole_conv_gathers(node: Node, layout: LayerLayout, *, input_split: bool = True,
+                       dtype_bytes: int = FP32) -> list[CommOp]:
+    """A conv the runtime leaves whole (`splits_by_layout` False) under G = P_C*P_F > 1 runs on its
+    sample group's whole input: DTensor gathers the channel-split input on channel_filter inside
+    hybridpar.runtime.dtensor_rules' convolution handler forward, and again backward for the weight
+    gradient (an allgather of the sample group's input, G ranks, each time). None when the input
+    arrives whole (`input_split` False: the model's input, a layer left whole, a tensor with an
+    empty channel piece). Its output gradient's gather, where DTensor makes one, is DTensor's (the
+    dry run's) to report."""
+    G = layout.channel * layout.filter
+    if node.op != "conv2d" or splits_by_layout(node) or G == 1 or not input_split:
+        return []
+    x = node.in_shapes[0]
+    nbytes = x[0] // layout.sample * prod(x[1:]) * dtype_bytes
+    return [CommOp("allgather", G, nbytes, "sample", "fwd"), CommOp("allgather", G, nbytes, "sample", "bwd")]
+
+
 def _piece(n: int, p: int, k: int) -> int:
     """piece_sizes(n, p)[k] without the list (torch.chunk's convention)."""
     full = -(-n // p)

@@ -30,9 +30,10 @@ class DryRun:
 
     @property
     def dtensor_bytes(self) -> dict[str, int]:
+        """DTensor's moves the planner does not price (a record marked 'priced' is in our_bytes)."""
         out: dict[str, int] = {}
         for r in self.dtensor:
-            if r["group_size"] > 1:
+            if r["group_size"] > 1 and not r.get("priced"):
                 out[r["kind"]] = out.get(r["kind"], 0) + r["bytes"]
         return dict(sorted(out.items()))
 
@@ -119,8 +120,8 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
                 raise UserError(_refusal(err, module_path(rec.tracker.parents), spec)) from None
         records = [{**r, "module": module_path({r["module"]})} for r in rec.records]
         ours = log.step_bytes_by_kind()
-        for r in records:  # the recorder logged DTensor's collectives too: keep ours apart
-            if r["group_size"] > 1:
+        for r in records:  # the recorder logged DTensor's collectives too: keep ours (and priced ones) apart
+            if r["group_size"] > 1 and not r.get("priced"):
                 ours[r["kind"]] -= r["bytes"]
         return DryRun(_strategy_text(spec), world_size, {k: v for k, v in ours.items() if v},
                       records, [tuple(o.shape) for o in outs])

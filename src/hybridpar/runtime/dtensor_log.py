@@ -31,10 +31,11 @@ class DTensorCommLog(TorchDispatchMode):
     """Active around a forward and backward: each functional collective is recorded in `log` (and in
     `records`: module path, kind, group size, bytes)."""
 
-    def __init__(self, log, tracker=None):
+    def __init__(self, log, tracker=None, priced: bool = False):
         super().__init__()
         self.log, self.tracker = log, tracker
         self.records: list[dict] = []
+        self.priced = priced  # its records are moves the planner prices itself (hybridpar.runtime.dry_run)
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -63,7 +64,8 @@ class DTensorCommLog(TorchDispatchMode):
         module = ""
         if self.tracker is not None and self.tracker.parents:
             module = max(self.tracker.parents, key=len)
-        self.records.append({"module": module, "kind": kind, "group_size": size, "bytes": nbytes})
+        self.records.append({"module": module, "kind": kind, "group_size": size, "bytes": nbytes,
+                             **({"priced": True} if self.priced else {})})
         if self.log is not None and size > 1:
             self.log.record(kind, size, nbytes, f"dtensor:{module}")
 
@@ -71,16 +73,17 @@ class DTensorCommLog(TorchDispatchMode):
 _ACTIVE: list[DTensorCommLog] = []  # the recorders entered, innermost last
 
 
-def watched():
+def watched(priced: bool = False):
     """Context manager for the collectives of DTensor's custom op handlers (hybridpar.runtime.
     dtensor_rules): they run inside a dispatch, where the active recorder is off the mode stack and
-    would not see them; a recorder of the same log and records watches them there (no-op if none)."""
+    would not see them; a recorder of the same log and records watches them there (no-op if none).
+    `priced`: its records are marked as moves the planner prices itself."""
     from contextlib import nullcontext
 
     if not _ACTIVE:
         return nullcontext()
     outer = _ACTIVE[-1]
-    inner = DTensorCommLog(outer.log, outer.tracker)
+    inner = DTensorCommLog(outer.log, outer.tracker, priced)
     inner.records = outer.records
     return inner
 

@@ -29,10 +29,12 @@ REPLICATED_OPS = (aten.avg_pool3d_backward.default, aten.avg_pool2d_backward.def
 _installed: set = set()
 
 
-def _meshed(t, placements, mesh):
+def _meshed(t, placements, mesh, priced: bool = False):
+    """`priced`: a move the planner prices itself (a whole conv's input gathered on channel_filter,
+    cost.layout_comm.whole_conv_gathers), so the dry run does not add it to the plan again."""
     from hybridpar.runtime.dtensor_log import watched
 
-    with watched():  # logged as DTensor's redistributions between our layers are
+    with watched(priced):  # logged as DTensor's redistributions between our layers are
         return t.redistribute(mesh, placements).to_local()
 
 
@@ -49,7 +51,7 @@ def _conv(op_call, args, kwargs):
     mesh = x.device_mesh
     rows = [Shard(0), *([Replicate()] * (mesh.ndim - 1))]
     whole = [Replicate()] * mesh.ndim
-    xl = _meshed(x, rows, mesh)
+    xl = _meshed(x, rows, mesh, priced=True)
     wl = _meshed(w, whole, mesh)
     bl = _meshed(b, whole, mesh) if isinstance(b, DTensor) else b
     y = op_call(xl, wl, bl, *rest, **kwargs)
@@ -61,8 +63,8 @@ def _conv_backward(op_call, args, kwargs):
     mesh = x.device_mesh
     rows = [Shard(0), *([Replicate()] * (mesh.ndim - 1))]
     whole = [Replicate()] * mesh.ndim
-    dxl, dwl, dbl = op_call(_meshed(dy, rows, mesh), _meshed(x, rows, mesh), _meshed(w, whole, mesh),
-                            *rest, **kwargs)
+    dxl, dwl, dbl = op_call(_meshed(dy, rows, mesh), _meshed(x, rows, mesh, priced=True),
+                            _meshed(w, whole, mesh), *rest, **kwargs)
     partial = [Partial(), *([Replicate()] * (mesh.ndim - 1))]  # this rank's samples' share
     return (None if dxl is None else _wrap(dxl, mesh, rows, x.shape[0]),
             None if dwl is None else _wrap(dwl, mesh, partial, 0),

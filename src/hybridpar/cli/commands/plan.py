@@ -110,7 +110,7 @@ def with_redistributions(res, model: str, shape, cluster):
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=plan.world_size)
     price = {"allgather": cc.allgather_time, "reduce_scatter": cc.reduce_scatter_time,
              "allreduce": cc.allreduce_time, "alltoall": cc.alltoall_time}
-    records = [r for r in run.dtensor if r["group_size"] > 1]
+    records = [r for r in run.dtensor if r["group_size"] > 1 and not r.get("priced")]  # priced: in the plan
     extra_s = sum(price.get(r["kind"], cc.allgather_time)(r["bytes"], tuple(range(r["group_size"])), cl)
                   for r in records)
     if not records:

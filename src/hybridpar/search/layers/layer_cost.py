@@ -288,8 +288,12 @@ def grad_allreduce(bytes_: int, key: LayerLayout) -> CommOp:
 
 
 def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout, ctx: CostContext, *,
-                      input_grad: bool = True, in_pieces: list[int] | None = None) -> LayerCost:
-    from hybridpar.cost.layout_comm import splits_by_layout
+                      input_grad: bool = True, in_pieces: list[int] | None = None,
+                      input_from: tuple[int, ...] | None = ()) -> LayerCost:
+    """`input_from`: the channel counts of the layers whose split outputs make this layer's input
+    (None: it arrives whole, e.g. the model's input or a layer left whole); a conv the runtime leaves
+    whole gathers a split input on channel_filter (cost.layout_comm.whole_conv_gathers)."""
+    from hybridpar.cost.layout_comm import splits_by_layout, whole_conv_gathers
 
     s, c, f = layout.sample, layout.channel, layout.filter
     # a conv/linear the runtime does not replace (F.linear, a subclass such as attention's out_proj)
@@ -308,6 +312,12 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     ofwd, obwd = ctx.runtime_overhead(len(followers) + (0 if as_run else 1), c * f, int(g > 1 and not as_run))
     ffwd, fbwd = ffwd + ofwd, fbwd + obwd
     ops = layout_collectives(node, followers, layout, ctx, input_grad=input_grad, in_pieces=in_pieces)
+    # an input piece is empty where a producer has fewer channels than pieces: it was gathered whole
+    # (runtime.dtensors.settle)
+    split_in = input_from is not None and all(piece_sizes(ch, c * f)[-1] > 0 for ch in input_from)
+    for op in whole_conv_gathers(node, layout, input_split=split_in, dtype_bytes=ctx.elem):
+        groups, key = _groups_of(op.group, layout)
+        ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
     cf, cb, grad, nbytes = _summarise(ops, ctx)
     mem = weight_layer_memory(node, followers, local, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
                               momentum=ctx.momentum, input_grad=input_grad, kept=ctx.kept)

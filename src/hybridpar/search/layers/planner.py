@@ -161,21 +161,23 @@ def _scaled(graph, batch: int):
 # -- options -----------------------------------------------------------------------------------
 
 def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout], capacity: float,
-                    even_only: bool, empty_ok: bool = False) -> VertexOptions:
+                    even_only: bool, empty_ok: bool = False, input_from: tuple[int, ...] | None = ()) -> VertexOptions:
     node = v.node
     cin, cout = channels_of(node.in_shapes[0]), channels_of(node.out_shape)
     # a layer the runtime leaves whole (a grouped/depthwise conv, attention's projections: cost.
     # layout_comm.splits_by_layout) runs under any layout, replicated over channel/filter
     whole = not splits_by_layout(node)
     opts, costs, pruned = [], [], []
-    sig = (node_signature(node), tuple(node_signature(f) for f in v.followers), v.input_grad, _kept_flags(v, ctx))
+    sig = (node_signature(node), tuple(node_signature(f) for f in v.followers), v.input_grad, _kept_flags(v, ctx),
+           None if splits_by_layout(node) else input_from)
     for lay in layouts:
         reason = layout_problem(lay, ctx.batch, cin, cout, even=even_only, empty_ok=empty_ok or whole)
         if reason is None:
             key = (sig, lay)
             cost = ctx.layer_memo.get(key)
             if cost is None:
-                cost = ctx.layer_memo[key] = weight_layer_cost(node, v.followers, lay, ctx, input_grad=v.input_grad)
+                cost = ctx.layer_memo[key] = weight_layer_cost(node, v.followers, lay, ctx, input_grad=v.input_grad,
+                                                               input_from=input_from)
             if cost.memory_bytes > capacity:
                 reason = f"needs {_size(cost.memory_bytes)} per device for this layer alone"
             else:
@@ -206,6 +208,15 @@ def _join_options(v: Vertex, ctx: CostContext, dists: Sequence[Distribution], wh
     return VertexOptions(v, tuple(dists), tuple(costs), ())
 
 
+def _inputs_from(lg: LayerGraph) -> dict[int, tuple[int, ...] | None]:
+    """Per vertex, the channel counts of the vertices whose split outputs make its input, or None
+    when it arrives whole (the model's input or the prefix's, or some producer's output whole)."""
+    sources, whole = _sources(lg), _whole_outputs(lg)
+    return {i: None if not sources.get(i) or any(j in whole for j in sources[i])
+            else tuple(channels_of(lg.vertices[j].out_node.out_shape) for j in sources[i])
+            for i in range(len(lg.vertices))}
+
+
 def _sources(lg: LayerGraph) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for e in lg.edges:
@@ -215,28 +226,36 @@ def _sources(lg: LayerGraph) -> dict[int, list[int]]:
 
 def _whole_outputs(lg: LayerGraph) -> set[int]:
     """Vertices whose output the runtime holds whole on channel_filter (DTensor: Replicate): a layer
-    it leaves whole (cost.layout_comm.splits_by_layout) with no batch norm after it (a batch norm
-    takes its channel piece), a join fed only by such vertices."""
+    it leaves whole (cost.layout_comm.splits_by_layout), a join fed only by such vertices, unless a
+    batch norm follows (it takes its channel piece); or any vertex whose last norm is a layer, group
+    or RMS norm (approximation: DTensor gathers the channels it normalises over, as for HF ConvNeXt's
+    channels-first LayerNorm or a transformer's LayerNorm over split features)."""
     sources = _sources(lg)
     out: set[int] = set()
     for i, v in enumerate(lg.vertices):  # in graph order: a join's sources come before it
-        if any(f.op == "batchnorm" for f in v.followers):
-            continue
-        if (not splits_by_layout(v.node)) if v.is_weight else (
-                bool(sources.get(i)) and all(j in out for j in sources[i])):
+        whole = (not splits_by_layout(v.node)) if v.is_weight else (
+            bool(sources.get(i)) and all(j in out for j in sources[i]))
+        for f in v.followers:
+            if f.op == "batchnorm":
+                whole = False
+            elif f.op == "layernorm" and f.attr("stat_numel"):
+                whole = True
+        if whole:
             out.add(i)
     return out
 
 
 def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequence[LayerLayout],
-             even_only: bool, empty_ok: bool = False) -> list[VertexOptions]:
-    """Options of every vertex; joins take the distributions the weight layers' layouts produce."""
+             even_only: bool, empty_ok: bool = False, inputs_from: dict | None = None) -> list[VertexOptions]:
+    """Options of every vertex; joins take the distributions the weight layers' layouts produce.
+    `inputs_from`: `_inputs_from` of the graph `lg` is part of (default: of `lg`)."""
     dists = sorted({distribution_of(lay) for lay in layouts})
     whole, sources = _whole_outputs(lg), _sources(lg)
+    inputs_from = _inputs_from(lg) if inputs_from is None else inputs_from
     out = []
     for i, v in enumerate(lg.vertices):
         if v.is_weight:
-            vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok)
+            vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok, inputs_from[i])
             if not vo.options:
                 why = "; ".join(f"{p.layout.to_strategy()}: {p.reason}" for p in vo.pruned[:3])
                 raise InfeasibleError(f"layer {v.node.module or v.name} has no feasible decomposition ({why})")
@@ -769,12 +788,12 @@ def evaluate_plan(plan: Plan, *, grad_sync: str = "buckets", time_share: float |
     shape = tuple(plan.input_shape) if plan.input_shape else None
     s = _setup(plan.model, plan.cluster, plan.world_size, plan.batch, None, "fp32", shape, calibration, time_share)
     opts = []
-    whole, sources = _whole_outputs(s.lg), _sources(s.lg)
+    whole, sources, inputs_from = _whole_outputs(s.lg), _sources(s.lg), _inputs_from(s.lg)
     for i, v in enumerate(s.lg.vertices):
         if v.is_weight:
             lay = plan.layout_of(v.node.module) if v.node.module else plan.default_layout
             opts.extend(_options(LayerGraph((v,), (), s.lg.graph), s.ctx, INF, [lay], even_only=False,
-                                 empty_ok=True))
+                                 empty_ok=True, inputs_from={0: inputs_from[i]}))
         else:
             opts.append(_join_options(v, s.ctx, [distribution_of(plan.default_layout)], i in whole,
                                       not any(j in whole for j in sources.get(i, ()))))
