@@ -106,7 +106,20 @@ def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, inp
                       dtype_bytes: int = FP32) -> list[CommOp]:
     """Collectives `node` issues in one training step on the rank at grid position `position`
     (0..G-1). `node.in_shapes[0][0]` is the global batch. `in_pieces` overrides the split of a
-    linear layer's input features (default: its producer's channel pieces, see model_collectives)."""
+    linear layer's input features (default: its producer's channel pieces, see model_collectives).
+    A node the loss does not depend on (graph attr `dead_end`) runs no backward: none of its
+    backward collectives, and no gradient for parameters held as replicated DTensors (G > 1);
+    a local shard's (split layers, batch norms, any layer of a sample-only layout) is still summed,
+    as zeros (runtime.grad_buckets.GradSync: every rank issues the same buckets)."""
+    ops = _layer_collectives(node, layout, position, input_grad, in_pieces, bn_stats, dtype_bytes)
+    if node.attr("dead_end"):
+        replicated = layout.channel * layout.filter > 1 and node.op != "batchnorm" and not splits_by_layout(node)
+        ops = [op for op in ops if op.phase != "bwd" and not (op.phase == "grad" and replicated)]
+    return ops
+
+
+def _layer_collectives(node: Node, layout: LayerLayout, position: int, input_grad: bool, in_pieces,
+                       bn_stats: str, dtype_bytes: int) -> list[CommOp]:
     if splits_by_layout(node):
         return _matmul_like(node, layout, position, input_grad, in_pieces, dtype_bytes)
     if node.op == "batchnorm":

@@ -1,0 +1,36 @@
+"""A branch whose result the loss does not use (Hugging Face SigLIP's attention-pooling head when
+the classifier averages the tokens instead): it runs forward, autograd never reaches it. The
+runtime then sends no gradient for its replicated (DTensor) parameters and issues none of its
+backward collectives, but still sums zeros for its split layers' local shards (every rank issues
+the same buckets). The planner priced all of it (HF siglip tiny, 4 ranks, sample=2,filter=2,
+batch 4: 2,381,976 / 64,512 allreduce / reduce-scatter bytes planned, 1,786,776 / 56,832 sent)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+class DeadBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)  # replicated under a channel/filter layout
+        self.aux = nn.Linear(32, 8)  # split under a channel/filter layout
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        self.unused = self.aux(self.norm(h))  # computed, never part of the output
+        return self.head(h)
+
+
+@pytest.mark.parametrize("strategy", ["sample=2,filter=2", "sample=4"])
+def test_planned_bytes_equal_the_runtimes(strategy):
+    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.search.layers.planner import plan_model
+
+    x = torch.randn(8, 16)
+    res = plan_model((DeadBranch(), (x,)), "localhost", gpus=4, batch=8, strategy=strategy)
+    assert res.prediction.comm_bytes == dry_run(DeadBranch(), strategy, (x,), world_size=4).our_bytes
