@@ -34,3 +34,13 @@ def test_planned_bytes_equal_the_runtimes(strategy):
     x = torch.randn(8, 16)
     res = plan_model((DeadBranch(), (x,)), "localhost", gpus=4, batch=8, strategy=strategy)
     assert res.prediction.comm_bytes == dry_run(DeadBranch(), strategy, (x,), world_size=4).our_bytes
+
+
+def test_the_listing_says_so():
+    from hybridpar.search.layers.planner import plan_model
+
+    res = plan_model((DeadBranch(), (torch.randn(8, 16),)), "localhost", gpus=4, batch=8,
+                     strategy="sample=2,filter=2")
+    sent = {g.module: g.allreduce_bytes for g in res.gradients}
+    assert sent["norm"] == 0 and sent["aux"] > 0  # replicated: nothing; a local shard: zeros summed
+    assert sum(sent.values()) == res.breakdown.grad_bytes
