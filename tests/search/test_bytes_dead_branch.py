@@ -44,3 +44,38 @@ def test_the_listing_says_so():
     sent = {g.module: g.allreduce_bytes for g in res.gradients}
     assert sent["norm"] == 0 and sent["aux"] > 0  # replicated: nothing; a local shard: zeros summed
     assert sum(sent.values()) == res.breakdown.grad_bytes
+
+
+class Embeddings(nn.Module):
+    """A parameter no op reads (HF Dinov2's mask_token when no mask is given): the tracer gives it to
+    the module's first node, a split linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.mask_token = nn.Parameter(torch.zeros(1, 16))
+        self.proj = nn.Linear(16, 32)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class WithUnreadParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embeddings = Embeddings()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.embeddings(x)))
+
+
+@pytest.mark.parametrize("strategy", ["sample=2,filter=2", "sample=4"])
+def test_an_unread_parameter(strategy):
+    """Under a channel/filter layout it is a replicated DTensor with no gradient: nothing sent (was
+    priced with the linear's shard: HF dinov2 tiny 768 bytes); sample-only: zeros summed, as priced."""
+    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.search.layers.planner import plan_model
+
+    x = torch.randn(8, 16)
+    res = plan_model((WithUnreadParameter(), (x,)), "localhost", gpus=4, batch=8, strategy=strategy)
+    assert res.prediction.comm_bytes == dry_run(WithUnreadParameter(), strategy, (x,), world_size=4).our_bytes

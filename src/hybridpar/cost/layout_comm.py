@@ -183,9 +183,11 @@ def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, 
     shapes = dict(node.param_shapes)
     w_shape, bias_shape = shapes.get(w_name), shapes.get(b_name)
     # parameters besides the weight and bias that the tracer gave this node (a free parameter no op
-    # reads goes to its module's first node): not split by the layout, whole on every rank, and
-    # their gradients summed over the sample groups with the shard's
-    others = sum(prod(s) for k, s in node.param_shapes if k not in (w_name, b_name))
+    # reads goes to its module's first node): whole on every rank; under channel/filter layouts they
+    # are replicated DTensors that get no gradient, so no allreduce (runtime.grad_buckets.GradSync),
+    # in a sample-only layout their zero gradients are summed with the layer's (below: all of shapes).
+    # Without a weight, the others are the kernel itself (F.conv2d(x, self.kernel) built by hand)
+    others = sum(prod(s) for k, s in node.param_shapes if k not in (w_name, b_name)) if w_name is None else 0
     if G > 1:
         pos = GridPos(c, f, position % G)
         # pieces by formula (the planner asks for G up to thousands: no list of all G pieces); this
