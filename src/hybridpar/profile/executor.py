@@ -12,10 +12,11 @@ the same step in eager PyTorch, difference per fx node.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from torch import nn
+
+from hybridpar.profile.timing import measure
 
 
 class _Chain(nn.Module):
@@ -52,14 +53,7 @@ def mp_node_overhead_s(layers: int = 48, width: int = 8, *, warmup: int = 3, rep
         link.wait_all()
 
     def cpu_median(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.thread_time()
-            fn()
-            samples.append(time.thread_time() - t0)
-        return statistics.median(samples)
+        return measure(fn, warmup=warmup, repeats=repeats).median_s
 
     # interleave the two so that a change of CPU frequency or cache pressure hits both alike
     diffs = [cpu_median(executor_step) - cpu_median(eager_step) for _ in range(3)]

@@ -31,7 +31,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
 from hybridpar.errors import UserError
 
@@ -50,14 +49,9 @@ def _chain(extra: int = 0):
 
 
 def _cpu_median(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        fn()
-        samples.append(time.thread_time() - t0)
-    return statistics.median(samples)
+    from hybridpar.profile.timing import measure  # CPU time of this thread
+
+    return measure(fn, warmup=warmup, repeats=repeats).median_s
 
 
 def measure(warmup: int = 3, repeats: int = 15, rounds: int = 3) -> dict:
