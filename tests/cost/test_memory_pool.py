@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from autograd_saved import saved_bytes
 from torch import nn
 
 from hybridpar.cost.memory import predict_rank_memory, training_memory
@@ -17,20 +18,6 @@ from hybridpar.graph.models import load_model
 from hybridpar.graph.tracing import trace
 
 BATCH = 4
-
-
-def _saved_bytes(model: nn.Module, inputs: tuple) -> int:
-    """Bytes of the distinct storages autograd saves for backward, less parameters, buffers and inputs."""
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*inputs)
-    outside = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *inputs]}
-    return sum(v for k, v in saved.items() if k not in outside)
 
 
 def _predicted(model: nn.Module, inputs: tuple) -> tuple[float, float]:
@@ -47,7 +34,7 @@ def test_zoo_pooling_models_count_what_autograd_saves(name):
     pool's outputs, at 8 bytes each) and end in a global average pool, which keeps nothing."""
     torch.manual_seed(0)
     m = load_model(name, batch=BATCH)
-    real = _saved_bytes(m.module, m.example_inputs)
+    real = saved_bytes(m.module, m.example_inputs)
     per_layer, whole = _predicted(m.module, m.example_inputs)
     assert per_layer == pytest.approx(real, rel=0.005)  # batch norm's per-channel statistics left out
     assert whole == pytest.approx(real, rel=0.005)
@@ -100,7 +87,7 @@ OPS = {
 def test_layer_kind_counts_what_autograd_saves(op):
     torch.manual_seed(0)
     model, inputs = _Between(OPS[op]), (torch.randn(BATCH, 3, 12, 12),)
-    real = _saved_bytes(model, inputs)
+    real = saved_bytes(model, inputs)
     per_layer, whole = _predicted(model, inputs)
     assert per_layer == pytest.approx(real, rel=1e-3)
     assert whole == pytest.approx(real, rel=1e-3)
@@ -125,6 +112,6 @@ class _Tokens(nn.Module):
 def test_norm_statistics_counted(norm):
     torch.manual_seed(0)
     model, inputs = _Tokens(norm), (torch.randint(0, 20, (BATCH, 6)),)
-    real = _saved_bytes(model, inputs)
+    real = saved_bytes(model, inputs)
     per_layer, _ = _predicted(model, inputs)
     assert per_layer == pytest.approx(real, rel=1e-3)

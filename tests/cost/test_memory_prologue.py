@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from autograd_saved import saved_bytes
 from torch import nn
 
 from hybridpar.cost.memory import predict_rank_memory, training_memory
@@ -40,21 +41,6 @@ class TokenEncoder(nn.Module):
         return self.fc(self.layer(self.embed(tokens))[:, -1])
 
 
-def _saved_bytes(model: nn.Module, inputs: tuple) -> int:
-    """Bytes of the distinct storages autograd saves for backward, less parameters and the inputs."""
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*inputs)
-    outside = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    outside |= {x.untyped_storage().data_ptr() for x in inputs}
-    return sum(v for k, v in saved.items() if k not in outside)
-
-
 def _model(make):
     torch.manual_seed(0)
     return make(), (torch.randint(0, VOCAB, (BATCH, STEPS)),)  # modules start in training mode
@@ -68,7 +54,7 @@ def test_every_parameter_and_kept_activation_counted(make):
     pred = predict_rank_memory(g, "sample=1", batch=BATCH, framework_bytes=0)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert pred.weights_bytes == pred.grads_bytes == nbytes  # the embedding's and the LSTM's too
-    real = _saved_bytes(model, inputs)
+    real = saved_bytes(model, inputs)
     assert pred.activations_bytes == pytest.approx(real, rel=0.1)  # oneDNN's LSTM workspace: a fit
     # the placer's whole-graph count: the same rule (plus the graph input, in io_bytes per layer)
     whole = training_memory(g, optimizer="sgd")
