@@ -13,6 +13,7 @@ Groups, for this rank:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch.distributed as dist
 
@@ -70,11 +71,12 @@ class ProcessGrid:
     def _layout(self, channel: int = 0, filter_: int = 1) -> LayerLayout:
         return LayerLayout(sample=self.sample, channel=channel or self.g_size, filter=filter_)
 
-    @property
+    # cached: asked per parameter per step (GradSync), and the rank sets are fixed once built
+    @cached_property
     def sample_group(self) -> Group:
         return self.group(group_of(self.rank, sample_groups(self._layout())))
 
-    @property
+    @cached_property
     def replica_group(self) -> Group:
         return self.group(group_of(self.rank, shard_groups(self._layout())))
 
