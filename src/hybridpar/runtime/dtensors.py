@@ -80,7 +80,34 @@ def to_local(x, meshes: Meshes, placements: list) -> torch.Tensor:
         raise TypeError(f"expected a DTensor at a parallel layer's input, got {type(x).__name__}")
     if tuple(x.placements) != tuple(placements):
         x = x.redistribute(meshes.act, placements)
+    if x.requires_grad and tuple(x._spec.tensor_meta.stride) == contiguous_stride(x.shape):
+        return _ToLocal.apply(x)
     return x.to_local(grad_placements=placements)
+
+
+class _ToLocal(torch.autograd.Function):
+    """DTensor.to_local whose backward wraps the (contiguous) local gradient with a copy of the
+    input's spec: DTensor's own builds and verifies a new spec per call through from_local."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:
+        import copy
+
+        ctx.spec = copy.copy(x._spec)
+        ctx.set_materialize_grads(False)
+        local = x._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, g):
+        import copy
+
+        if g is None:
+            return None
+        spec = ctx.spec
+        if not g.is_contiguous():
+            g = g.contiguous()  # the spec says contiguous; so must the piece be
+        return DTensor(g, copy.copy(spec), requires_grad=False)
 
 
 def from_local(t: torch.Tensor, meshes: Meshes, placements: list, global_shape) -> DTensor:
