@@ -208,13 +208,27 @@ def _join_options(v: Vertex, ctx: CostContext, dists: Sequence[Distribution], wh
     return VertexOptions(v, tuple(dists), tuple(costs), ())
 
 
+def _split_size(v: Vertex) -> int | None:
+    """The size of the dim a weight layer's output is split on (a linear's features, a conv's
+    channels): runtime.dtensors.settle gathers it whole where a piece is empty. None for a join."""
+    if not v.is_weight:
+        return None
+    return v.node.out_shape[-1] if v.node.op == "linear" else channels_of(v.node.out_shape)
+
+
 def _inputs_from(lg: LayerGraph) -> dict[int, tuple[int, ...] | None]:
-    """Per vertex, the channel counts of the vertices whose split outputs make its input, or None
-    when it arrives whole (the model's input or the prefix's, or some producer's output whole)."""
-    sources, whole = _sources(lg), _whole_outputs(lg)
-    return {i: None if not sources.get(i) or any(j in whole for j in sources[i])
-            else tuple(channels_of(lg.vertices[j].out_node.out_shape) for j in sources[i])
-            for i in range(len(lg.vertices))}
+    """Per weight vertex, the split size (`_split_size`) of the layer whose split output is its input
+    (its node's first input: a later one can be a shape the tracer saw read, as HF PVTv2's
+    depthwise conv's height and width), or None when it arrives whole (the model's input or the
+    prefix's, a producer whose output is whole)."""
+    owner = {n.name: i for i, v in enumerate(lg.vertices) for n in (v.node, *v.followers)}
+    whole = _whole_outputs(lg)
+    out: dict[int, tuple[int, ...] | None] = {}
+    for i, v in enumerate(lg.vertices):
+        j = owner.get(v.node.inputs[0]) if v.node.inputs else None
+        k = None if j is None else _split_size(lg.vertices[j])
+        out[i] = None if j is None or j in whole else ((k,) if k is not None else ())
+    return out
 
 
 def _sources(lg: LayerGraph) -> dict[int, list[int]]:
