@@ -150,13 +150,14 @@ class DistConv2d(nn.Module):
     def forward(self, x):
         if self.meshes is None:  # local pieces in and out (layer-level use without global semantics)
             return self._local_forward(x)
-        from hybridpar.runtime.dtensors import boundary_placements, from_local, to_local
+        from hybridpar.runtime.dtensors import boundary_placements, from_local, runtime_code, to_local
 
-        places = boundary_placements(self.meshes)
-        n, _, h, w = x.shape
-        y = self._local_forward(to_local(x, self.meshes, places))
-        oh, ow = self.geo.out_hw(h, w, *self.weight.shape[2:])
-        return from_local(y, self.meshes, places, (n, sum(self.comm.out_sizes), oh, ow))
+        with runtime_code():
+            places = boundary_placements(self.meshes)
+            n, _, h, w = x.shape
+            y = self._local_forward(to_local(x, self.meshes, places))
+            oh, ow = self.geo.out_hw(h, w, *self.weight.shape[2:])
+            return from_local(y, self.meshes, places, (n, sum(self.comm.out_sizes), oh, ow))
 
     def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.boundary is not None:
@@ -210,16 +211,17 @@ class DistLinear(nn.Module):
     def forward(self, x):
         if self.meshes is None:
             return self._local_forward(x)
-        from hybridpar.runtime.dtensors import boundary_placements, from_local, to_local
+        from hybridpar.runtime.dtensors import boundary_placements, from_local, runtime_code, to_local
 
         if x.dim() < 2:
             from hybridpar.errors import UserError
 
             raise UserError(f"{self.name}: a channel/filter-parallel Linear needs a batched input, got "
                             f"{x.dim()}-D")
-        places = boundary_placements(self.meshes, x.dim() - 1)
-        y = self._local_forward(to_local(x, self.meshes, places))
-        return from_local(y, self.meshes, places, (*x.shape[:-1], sum(self.out_sizes)))
+        with runtime_code():
+            places = boundary_placements(self.meshes, x.dim() - 1)
+            y = self._local_forward(to_local(x, self.meshes, places))
+            return from_local(y, self.meshes, places, (*x.shape[:-1], sum(self.out_sizes)))
 
 
 def piece_slice(sizes, k: int) -> slice:

@@ -131,11 +131,12 @@ class DistBatchNorm(nn.Module):
     def forward(self, x):
         if self.meshes is None:
             return self._local_forward(x, x.shape[0] * self.comm.replica_group.size)
-        from hybridpar.runtime.dtensors import boundary_placements, from_local, to_local
+        from hybridpar.runtime.dtensors import boundary_placements, from_local, runtime_code, to_local
 
-        places = boundary_placements(self.meshes)
-        y = self._local_forward(to_local(x, self.meshes, places), x.shape[0])
-        return from_local(y, self.meshes, places, x.shape)
+        with runtime_code():
+            places = boundary_placements(self.meshes)
+            y = self._local_forward(to_local(x, self.meshes, places), x.shape[0])
+            return from_local(y, self.meshes, places, x.shape)
 
     def _local_forward(self, x: torch.Tensor, global_n: int) -> torch.Tensor:
         if x.dim() < 2:
