@@ -211,6 +211,10 @@ def distribute_input(x, meshes: Meshes, *, sample_shard: bool):
         else:
             shape, local = tuple(t.shape), t[local_rows(t.shape[0], meshes)]
         return from_local(local, meshes, [Shard(0), Replicate()], shape)
+    if isinstance(x, tuple) and all(type(t) is torch.Tensor for t in x):  # the common case, without pytree
+        return tuple(one(t) for t in x)
+    if isinstance(x, dict) and not x:
+        return x
     return tree_map_only(torch.Tensor, lambda t: t if isinstance(t, DTensor) else one(t), x)
 
 
@@ -260,6 +264,8 @@ def gather_output(out, meshes: Meshes, grid, *, sample_shard: bool):
             local = t.to_local(grad_placements=t.placements)
             return _GatherWhole.apply(local, grid, cdim, t.shape[cdim] if cdim >= 0 else 0, t.shape[0])
         return t.full_tensor()
+    if isinstance(out, DTensor):  # the common case, without pytree
+        return one(out)
     return tree_map_only(DTensor, one, out)
 
 
