@@ -128,8 +128,29 @@ def _layer_collectives(node: Node, layout: LayerLayout, position: int, input_gra
         # any other layer with parameters (embedding, LSTM, LayerNorm, attention, a linear the runtime
         # leaves whole, free parameters):
         # replicated on every rank, its gradient summed over the sample groups
-        return [CommOp("allreduce", layout.sample, node.params * dtype_bytes, "replica", "grad")]
+        return [CommOp("allreduce", layout.sample, _replicated_grad_numel(node, layout, position) * dtype_bytes,
+                       "replica", "grad")]
     return []
+
+
+def _replicated_grad_numel(node: Node, layout: LayerLayout, position: int) -> int:
+    """Elements of a replicated parameter's gradient this rank sums. A per-channel parameter of an
+    elementwise op on a channel-split activation (a layer scale, ConvNeXt-V2's GRN, Dinov2's
+    LayerScale) gets its gradient split on channel_filter as the activation is (DTensor: Shard), and
+    GradSync sums only this rank's piece over the sample groups (measured: HF convnext, swiftformer,
+    dinov2, beit tiny). Approximation, from shapes alone: one parameter, exactly one dim over 1,
+    aligned with the activation's last dim or a 4-D activation's dim 1."""
+    g = layout.channel * layout.filter
+    if g == 1 or node.op not in ("mul", "add") or len(node.param_shapes) != 1 or not node.in_shapes:
+        return node.params
+    shape, act = node.param_shapes[0][1], node.in_shapes[0]
+    full = [i for i, n in enumerate(shape) if n > 1]
+    if len(full) != 1 or len(shape) > len(act):
+        return node.params
+    d, size = len(act) - len(shape) + full[0], shape[full[0]]
+    if act[d] != size or not (d == len(act) - 1 or (len(act) == 4 and d == 1)):
+        return node.params
+    return node.params // size * _piece(size, g, position % g)
 
 
 def whole_conv_gathers(node: Node, layout: LayerLayout, *, input_split: bool = True,

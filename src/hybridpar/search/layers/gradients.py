@@ -63,9 +63,10 @@ def node_gradients(node: Node, lay: LayerLayout, elem: int, bn_stats: str = "glo
         owner = next(g for g in groups if weight in g.names)
         return [ParamGradient(owner.module, node.name, node.op, tuple(n for g in groups for n in g.names),
                               sum(g.numel for g in groups), lay.to_strategy(), held, sent)]
-    # replicated: each whole, all sent or none (sample = 1, or a dead end under channel/filter)
+    # replicated: each whole, all sent or none (sample = 1, or a dead end under channel/filter), or
+    # one parameter's piece (layout_comm: a per-channel parameter's gradient split like its activation)
     return [ParamGradient(g.module, g.node, g.op, g.names, g.numel, "whole", g.numel * elem,
-                          g.numel * elem if sent else 0) for g in groups]
+                          sent if len(groups) == 1 else g.numel * elem if sent else 0) for g in groups]
 
 
 def _vertex_layout(option: LayerLayout | Distribution) -> LayerLayout:
