@@ -9,25 +9,11 @@ world, this process: what one rank of `hybridpar train` logs)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
-
-
-class TinyEncoder(nn.Module):
-    """Token ids -> embedding -> transformer encoder layer -> linear head (as in test_replicated_linears)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(50, 16)
-        self.enc = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0)
-        self.head = nn.Linear(16, 10)
-
-    def forward(self, ids):
-        return self.head(self.enc(self.emb(ids)))
+import tiny_encoder
 
 
 def factory():
-    return TinyEncoder(), (torch.randint(0, 50, (8, 8), generator=torch.Generator().manual_seed(0)),)
+    return tiny_encoder.factory(batch=8)
 
 
 def _sent(strategy: str, world: int) -> dict[str, int]:

@@ -6,34 +6,16 @@ its compute whole (before: 2 x 3,072 allgather and reduce-scatter bytes too many
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import tiny_encoder
 import torch
 from torch import nn
 
 from hybridpar.cli.main import main
 
-MODEL = '''
-import torch
-from torch import nn
-
-
-class TinyEncoder(nn.Module):
-    """Token ids -> embedding -> transformer encoder layer -> linear head."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(50, 16)
-        self.enc = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0)
-        self.head = nn.Linear(16, 10)
-
-    def forward(self, ids):
-        return self.head(self.enc(self.emb(ids)))
-
-
-def factory():
-    return TinyEncoder(), (torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(0)),)
-'''
+MODEL = Path(tiny_encoder.__file__).read_text()  # the model as a file, for --model file.py:factory
 
 
 class MyLinear(nn.Linear):
