@@ -62,6 +62,13 @@ def _print(cal, path) -> None:
     bf16 = f", bf16 {cal.peak_flops_bf16 / 1e9:.3g}" if cal.peak_flops_bf16 else ""
     console.print(f"matmul (1 thread): fp32 {cal.peak_flops_fp32 / 1e9:.3g}{bf16} GFLOP/s; copy bandwidth "
                   f"{cal.mem_bw_Bps / 1e9:.3g} GB/s; {cal.cpu_count} core(s)")
+    o = cal.runtime_overhead
+    if o is not None:
+        node = (o.sample_node_fwd_s + o.sample_node_bwd_s) * 1e6
+        dt_node = (o.dtensor_node_fwd_s + o.dtensor_node_bwd_s) * 1e6
+        layer = (o.layer_fwd_s + o.layer_bwd_s) * 1e3
+        console.print(f"runtime's own work per step (fwd + bwd): {node:.0f} us per node sample-only, {dt_node:.0f} us "
+                      f"per node under a channel/filter split, {layer:.2f} ms per split conv/linear")
     rows = [[p, f.alpha_s * 1e6, 1e-6 / f.beta_s_per_byte if f.beta_s_per_byte else float("inf"),
              f.max_rel_residual, max(m.rel_spread for m in f.times)] for p, f in sorted(cal.gloo.items())]
     console.print(table("gloo allreduce fit: T = 2(p-1) alpha + 2(p-1)/p n beta",
