@@ -134,7 +134,8 @@ def measure(warmup: int = 3, repeats: int = 15, rounds: int = 3) -> dict:
         sample_node = over("sample=2", "A", part) / nodes["A"]
         dt_node = statistics.mean((over(r, "B", part) - over(r, "A", part)) / (nodes["B"] - nodes["A"])
                                   for r in ("channel=2", "filter=2"))
-        layer = statistics.mean((over(r, "A", part) - (nodes["A"] - splits[r]) * dt_node) / splits[r]
+        # beyond its own node's share: the planner adds dt_node for every node, split layers included
+        layer = statistics.mean((over(r, "A", part) - nodes["A"] * dt_node) / splits[r]
                                 for r in ("channel=2", "filter=2"))
         out[part] = {"sample_node_s": max(0.0, sample_node), "dtensor_node_s": max(0.0, dt_node),
                      "layer_s": max(0.0, layer)}
