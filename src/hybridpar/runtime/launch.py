@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybridpar.host_allocator import keep_freed_memory  # ranks reuse freed memory: no page faults per step
 from hybridpar.runtime.faults import restart_count, set_default_timeout  # lost peer: error, not hang
 
 
@@ -41,6 +42,7 @@ def init() -> torch.device:
     """Join the launcher's world; returns the device this rank computes on."""
     global _joined
     _joined = True
+    keep_freed_memory()
     if dist.is_initialized():
         return _device()
     cuda = torch.cuda.is_available()
@@ -91,6 +93,7 @@ def _die_with_parent() -> None:
 
 def _entry(rank: int, world: int, port: int, out_path: str, fn, args) -> None:
     _die_with_parent()
+    keep_freed_memory()
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
