@@ -37,6 +37,9 @@ class ProfileOptions:
     warmup: int = 2
     repeats: int = 10
     merge: bool = True  # keep op records and gloo fits of an existing file that this run does not redo
+    # the runtime's own overhead is a property of the machine and the runtime, not of the model: kept
+    # from an existing file (same host, same torch) unless this is set or the file has none
+    remeasure_overhead: bool = False
 
     def validate(self) -> None:
         if not self.ranks or any(r < 2 or r > 64 for r in self.ranks):
@@ -88,7 +91,8 @@ def device_figures(*, warmup: int = 2, repeats: int = 10) -> dict:
 def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                 progress: Progress | None = None, specs: list | None = None) -> tuple[Calibration, Path]:
     """Measure matmul peak, copy bandwidth, the model's op times and gloo collectives (every kind the
-    runtime issues, in groups of every size that divides each world size); write the file."""
+    runtime issues, in groups of every size that divides each world size), and the runtime's own
+    overhead unless the file holds it (`overhead_to_keep`); write the file."""
     opts.validate()
     import torch
 
@@ -99,7 +103,9 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     if specs is None:
         specs = op_specs(opts)
     dist_layers = bool(opts.model) and any(k > 1 for k in opts.splits)
-    total = 4 + len(specs) + len(opts.ranks) + int(dist_layers)
+    path = calibration_path(out)
+    overhead = overhead_to_keep(opts, path)
+    total = 3 + len(specs) + len(opts.ranks) + int(dist_layers) + int(overhead is None)
     step = progress or (lambda desc, total: None)
 
     step("matmul peaks and copy bandwidth", total)
@@ -134,13 +140,14 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     from hybridpar.profile.executor import mp_node_overhead_s
 
     node_overhead = mp_node_overhead_s()
-    step("channel/filter runtime overhead", total)
-    from hybridpar.profile.runtime_overhead import runtime_overhead
+    if overhead is None:
+        step("channel/filter runtime overhead", total)
+        from hybridpar.profile.runtime_overhead import runtime_overhead
 
-    rt = runtime_overhead()
-    overhead = RuntimeOverhead(**{f"{k[:-2]}_{part}_s": rt[k][i] for k in ("sample_node_s", "dtensor_node_s", "layer_s")
-                                  for i, part in enumerate(("fwd", "bwd"))})
-    path = Path(out).expanduser() if out is not None else default_calibration_path()
+        rt = runtime_overhead()
+        overhead = RuntimeOverhead(**{f"{k[:-2]}_{part}_s": rt[k][i]
+                                      for k in ("sample_node_s", "dtensor_node_s", "layer_s")
+                                      for i, part in enumerate(("fwd", "bwd"))})
     old = _previous(path) if opts.merge else None
     if old is not None:
         records = {**old.ops, **records}
@@ -152,6 +159,25 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       collectives=colls, ops=records, framework_bytes=framework,
                       mp_node_overhead_s=node_overhead, runtime_overhead=overhead)
     return cal, save_calibration(cal, path)
+
+
+def calibration_path(out: str | os.PathLike | None = None) -> Path:
+    return Path(out).expanduser() if out is not None else default_calibration_path()
+
+
+def overhead_to_keep(opts: ProfileOptions, path: Path) -> RuntimeOverhead | None:
+    """The runtime overhead already in the calibration file at `path`, which `run_profile` keeps rather
+    than measure again: it is a property of the machine and the runtime, not of the model (~10 s to
+    measure). None, so measured, with `remeasure_overhead`, without merging (the file is replaced), when
+    the file has none, or when it was written on another host or with another torch."""
+    import torch
+
+    old = None if opts.remeasure_overhead or not opts.merge else _previous(path)
+    if old is None or old.runtime_overhead is None:
+        return None
+    if old.hostname != platform.node() or old.torch_version != torch.__version__:
+        return None
+    return old.runtime_overhead
 
 
 def _previous(path: Path) -> Calibration | None:

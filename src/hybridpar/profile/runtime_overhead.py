@@ -48,13 +48,27 @@ def _chain(extra: int = 0):
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(CHANNELS, 4))
 
 
-def _cpu_median(fn, warmup: int, repeats: int) -> float:
-    from hybridpar.profile.timing import measure  # CPU time of this thread
+def _interleaved(fns: dict, warmup: int, repeats: int) -> dict[str, float]:
+    """Per function, the median CPU time of `repeats` calls, the functions taken in turn (each once,
+    then again), so that every median spans the same stretch of time. Each timed call follows an
+    untimed one of the same function, as a training step follows a step: timed right after the other
+    variants, eager's small steps ran ~30% slower (its caches cold), which is not what a run pays."""
+    from hybridpar.profile.timing import clock
 
-    return measure(fn, warmup=warmup, repeats=repeats).median_s
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            fn()
+            t0 = clock()
+            fn()
+            samples[k].append(clock() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def measure(warmup: int = 3, repeats: int = 15, rounds: int = 3) -> dict:
+def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
     """In this process (which must not hold a process group): the overheads, forward and backward, in
     seconds of CPU time per training step: `sample_node` per graph node of a sample-only layout (no
     DTensor: plain tensors and the gradient hooks), `dtensor_node` per node of a layout with a
@@ -113,15 +127,21 @@ def measure(warmup: int = 3, repeats: int = 15, rounds: int = 3) -> dict:
         reduce_scatter_dim(full, 1, group, sizes, log)
         all_reduce_(buf, group, log)
 
-    per_call = _cpu_median(colls, warmup, repeats) / 3
-
-    # rounds interleave every variant, so a change of CPU frequency or cache pressure hits all alike
-    got: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for name, (fwd, step) in runs.items():
-            got.setdefault(f"{name}_fwd", []).append(_cpu_median(fwd, warmup, repeats))
-            got.setdefault(f"{name}_step", []).append(_cpu_median(step, warmup, repeats))
-    med = {k: statistics.median(v) for k, v in got.items()}
+    # Each round times every variant (and the collective call) in turn, so that all its medians span the
+    # same stretch of time; the median within a round rejects single outliers (a GC pass, a page
+    # fault). Per variant, the fastest round's median is kept: another job's work only ever adds CPU
+    # time to ours (shared caches and memory bandwidth, the hypervisor, a lower clock), never takes any
+    # away, so the least disturbed round is the nearest to a quiet machine. A median over rounds fails
+    # once a burst of load covers half of them; this needs one round of each variant in the clear.
+    # The fields are differences between variants measured alike, so the small downward bias of a
+    # minimum cancels between the terms. (Timed one variant after another with a median over 3
+    # rounds, dtensor_node's backward measured 12-203 us in five runs on this 2-core VM at load ~2;
+    # this way 23-31 us in four runs at load ~2.5, layer_s's forward 187-211 us.)
+    fns = {"collective_call": colls, **{f"{name}_{part}": fn for name, (fwd, step) in runs.items()
+                                         for part, fn in (("fwd", fwd), ("step", step))}}
+    got = [_interleaved(fns, warmup, repeats) for _ in range(rounds)]
+    med = {k: min(r[k] for r in got) for k in fns}
+    per_call = med.pop("collective_call") / 3
 
     def over(run: str, chain: str, part: str) -> float:
         """The run's time over eager's, less the collectives' Python (half of them in forward: a layer
@@ -145,10 +165,10 @@ def measure(warmup: int = 3, repeats: int = 15, rounds: int = 3) -> dict:
         fwd, step = out["fwd"][key], out["step"][key]
         result[key] = (fwd, max(0.0, step - fwd))  # (forward, backward)
     return {**result, "nodes": nodes, "collective_call_s": per_call, "medians_s": med,
-            "collectives_per_step": counts}
+            "collectives_per_step": counts, "rounds_s": got}
 
 
-def runtime_overhead(timeout_s: float = 300.0, repeats: int = 15, rounds: int = 3) -> dict:
+def runtime_overhead(timeout_s: float = 300.0, repeats: int = 7, rounds: int = 5) -> dict:
     """`measure` in a fresh subprocess (the fake process group is process-global state)."""
     cmd = [sys.executable, "-m", "hybridpar.profile.runtime_overhead", str(repeats), str(rounds)]
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -23,19 +23,32 @@ def register(app: click.Group) -> None:
     @click.option("--repeats", type=int, default=10, show_default=True)
     @click.option("--warmup", type=int, default=2, show_default=True)
     @click.option("--no-merge", is_flag=True, help="replace the file instead of merging with it")
+    @click.option("--remeasure-overhead", is_flag=True,
+                  help="measure the runtime's own overhead again (else kept from the file once measured on "
+                       "this host and torch: it does not depend on the model)")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def profile_cmd(out, ranks, model, batch, input_shape, splits, sizes, repeats, warmup, no_merge, json_):
+    def profile_cmd(out, ranks, model, batch, input_shape, splits, sizes, repeats, warmup, no_merge,
+                    remeasure_overhead, json_):
         """Measure op times, matmul peak and gloo collectives (per kind and group size) on this machine."""
         from hybridpar.graph.models import parse_shape
-        from hybridpar.profile.run import ProfileOptions, op_specs, run_profile, sizes_default
+        from hybridpar.profile.run import (
+            ProfileOptions,
+            calibration_path,
+            op_specs,
+            overhead_to_keep,
+            run_profile,
+            sizes_default,
+        )
 
         opts = ProfileOptions(
             ranks=parse_int_list(ranks, "--ranks"),
             sizes=parse_int_list(sizes, "--sizes", binary_suffixes=True) if sizes else tuple(sizes_default()),
             model=model or None, batch=batch, input_shape=parse_shape(input_shape),
-            splits=parse_int_list(splits, "--splits"), warmup=warmup, repeats=repeats, merge=not no_merge)
+            splits=parse_int_list(splits, "--splits"), warmup=warmup, repeats=repeats, merge=not no_merge,
+            remeasure_overhead=remeasure_overhead)
         opts.validate()
         specs = op_specs(opts)  # bad --model fails here, before any progress output
+        kept = overhead_to_keep(opts, calibration_path(out)) is not None
         if json_:
             cal, path = run_profile(opts, out, specs=specs)
             print_json({"path": str(path), **cal.model_dump(mode="json")})
@@ -54,10 +67,10 @@ def register(app: click.Group) -> None:
                 bar.update(task, description=desc)
 
             cal, path = run_profile(opts, out, progress=step, specs=specs)
-        _print(cal, path)
+        _print(cal, path, kept)
 
 
-def _print(cal, path) -> None:
+def _print(cal, path, overhead_kept: bool = False) -> None:
     console.print(f"calibration written to {path}")
     bf16 = f", bf16 {cal.peak_flops_bf16 / 1e9:.3g}" if cal.peak_flops_bf16 else ""
     console.print(f"matmul (1 thread): fp32 {cal.peak_flops_fp32 / 1e9:.3g}{bf16} GFLOP/s; copy bandwidth "
@@ -68,7 +81,8 @@ def _print(cal, path) -> None:
         dt_node = (o.dtensor_node_fwd_s + o.dtensor_node_bwd_s) * 1e6
         layer = (o.layer_fwd_s + o.layer_bwd_s) * 1e3
         console.print(f"runtime's own work per step (fwd + bwd): {node:.0f} us per node sample-only, {dt_node:.0f} us "
-                      f"per node under a channel/filter split, {layer:.2f} ms per split conv/linear")
+                      f"per node under a channel/filter split, {layer:.2f} ms per split conv/linear"
+                      + (" (kept from the file; --remeasure-overhead to measure it again)" if overhead_kept else ""))
     rows = [[p, f.alpha_s * 1e6, 1e-6 / f.beta_s_per_byte if f.beta_s_per_byte else float("inf"),
              f.max_rel_residual, max(m.rel_spread for m in f.times)] for p, f in sorted(cal.gloo.items())]
     console.print(table("gloo allreduce fit: T = 2(p-1) alpha + 2(p-1)/p n beta",
