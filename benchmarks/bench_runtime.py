@@ -208,6 +208,8 @@ def main() -> None:
     ap.add_argument("--hw", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--baseline", default=BASELINE, help="git revision of the runtime to compare with")
+    ap.add_argument("--only", action="append", default=[], metavar="LAYOUT",
+                    help="measure only this layout (repeatable), e.g. --only channel=4 --only sample=4/local")
     ap.add_argument("--layout", default="sample=4", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--collectives", action="store_true",
@@ -234,6 +236,11 @@ def main() -> None:
 
     base_src = worktree_src(args.baseline)
     layouts = [f"sample={args.nproc}/local", f"sample={args.nproc}", *CF_STRATEGIES]
+    if args.only:
+        unknown = sorted(set(args.only) - set(layouts))
+        if unknown:
+            raise SystemExit(f"unknown layout {unknown[0]!r}; choose from {', '.join(layouts)}")
+        layouts = [lay for lay in layouts if lay in args.only]
     rows = {}
     for lay in layouts:
         new, old = [], []
