@@ -4,7 +4,8 @@ distributed; DTensor runs the rest replicated over channel_filter, hybridpar.run
 so the planner prices them whole: no channel/filter collectives, whole compute and memory, their
 gradient replicated and summed over the sample groups. Before, a plan of any channel/filter layout
 for a model with one was refused ("grouped/depthwise layer: sample split only") although the
-runtime runs it. The runtime's bytes are read from the dry run (one rank of `hybridpar train`)."""
+runtime runs it. The runtime's bytes are read from the dry run (one rank of `hybridpar train`):
+`total_bytes`, every byte sent, DTensor's gathers around the whole convs included."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_planned_bytes_equal_the_runtimes(strategy):
 
     res = plan_model(factory(), "localhost", gpus=4, batch=8, strategy=strategy)
     model, inputs = factory()
-    assert res.prediction.comm_bytes == dry_run(model, strategy, inputs, world_size=4).our_bytes
+    assert res.prediction.comm_bytes == dry_run(model, strategy, inputs, world_size=4).total_bytes
     listed = {g.module: g.layout for g in res.gradients if g.op == "conv2d"}
     assert listed["dw"] == listed["grp"] == "whole"
     assert "dw" not in res.plan.layers and "grp" not in res.plan.layers  # the runtime refuses a layout for them
@@ -118,18 +119,21 @@ def test_a_join_of_whole_layers_is_priced_whole():
 def test_the_planner_prices_the_input_gathers():
     """The two gathers of a whole conv's split input (forward, and backward for its weight gradient)
     are the planner's (cost.layout_comm.whole_conv_gathers): in the plan's bytes and time, so the
-    dry run does not add them again; its output gradient's gather stays DTensor's. Plan + dry run
-    = every byte one rank of `hybridpar train` logs (102,560 allgather bytes here)."""
+    dry run does not add them again. So are the gathers of the whole outputs' gradients where they
+    meet split ones (cost.layout_comm.whole_grad_gather): dw's at its output (a residual add), grp's
+    after the mean (the head's input). Plan = every byte one rank of `hybridpar train` logs (102,560
+    allgather bytes here)."""
     from hybridpar.runtime.dry_run import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     res = plan_model(factory(), "localhost", gpus=4, batch=8, strategy="sample=2,filter=2")
     model, inputs = factory()
     run = dry_run(model, "sample=2,filter=2", inputs, world_size=4)
-    assert res.prediction.comm_bytes["allgather"] + run.dtensor_bytes["allgather"] == 102_560
+    assert res.prediction.comm_bytes["allgather"] == run.total_bytes["allgather"] == 102_560
     piece = 4 * 16 * 8 * 8 * 4
-    # dw (input from the stem's batch norm: split) and grp (input from pw: split), twice each
-    assert res.prediction.comm_bytes["allgather"] - 20_128 == 4 * piece
+    # dw (input from the stem's batch norm: split) and grp (input from pw: split), twice each; dw's
+    # output gradient; the head's input gradient (4 samples x 32 channels)
+    assert res.prediction.comm_bytes["allgather"] - 20_128 == 4 * piece + piece + 4 * 32 * 4
     rows = {r.module: r for r in res.layers}
     assert rows["dw"].cost.comm_fwd_s > 0 and rows["dw"].cost.comm_bwd_s > 0
 
@@ -167,4 +171,4 @@ def test_a_depthwise_conv_on_a_linears_tokens():
     res = plan_model((MixFFN(), (x,)), "localhost", gpus=4, batch=8, strategy="sample=2,filter=2")
     run = dry_run(MixFFN(), "sample=2,filter=2", (x,), world_size=4)
     assert any(r.get("priced") for r in run.dtensor)  # the depthwise conv's input was gathered
-    assert res.prediction.comm_bytes == run.our_bytes
+    assert res.prediction.comm_bytes == run.total_bytes

@@ -170,6 +170,27 @@ def whole_conv_gathers(node: Node, layout: LayerLayout, *, input_split: bool = T
     return [CommOp("allgather", G, nbytes, "sample", "fwd"), CommOp("allgather", G, nbytes, "sample", "bwd")]
 
 
+def whole_grad_gather(meets: tuple[int, ...], layout: LayerLayout, *, dtype_bytes: int = FP32) -> list[CommOp]:
+    """The gather of a whole tensor's gradient: a tensor the runtime holds whole on channel_filter
+    (DTensor: Replicate; a whole conv's output, and what elementwise ops, pooling or a mean make of
+    it) that needs a gradient and meets a channel-split computation gets its gradient split on
+    channel_filter there, and DTensor gathers it (one allgather over the G ranks of a sample group,
+    backward) at the shape `meets` (global batch first) of the whole tensor where it met:
+      - a split layer (conv/linear/batch norm) takes its channel piece of the whole input (a free
+        slice in hybridpar.runtime.dtensors.to_local): the slice's backward gathers that input
+        (a whole conv -> batch norm: the conv's output; -> mean -> linear: the [N, C] mean);
+      - an elementwise join with a split operand (a residual add) slices the whole operand inside
+        DTensor's op; the split gradient reaches the whole conv, whose backward handler gathers it
+        at the conv's output (`meets` = the join's whole input, the conv's output through an
+        elementwise chain).
+    Measured in the dry run's records (tests/search/test_bytes_grouped_consumer.py). None when G = 1.
+    The planner (search.layers.layer_cost) decides where a whole tensor meets a split one."""
+    G = layout.channel * layout.filter
+    if G == 1 or not meets:
+        return []
+    return [CommOp("allgather", G, prod(meets) // layout.sample * dtype_bytes, "sample", "bwd")]
+
+
 def _piece(n: int, p: int, k: int) -> int:
     """piece_sizes(n, p)[k] without the list (torch.chunk's convention)."""
     full = -(-n // p)

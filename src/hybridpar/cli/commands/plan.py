@@ -111,22 +111,40 @@ def with_redistributions(res, model: str, shape, cluster):
     price = {"allgather": cc.allgather_time, "reduce_scatter": cc.reduce_scatter_time,
              "allreduce": cc.allreduce_time, "alltoall": cc.alltoall_time}
     records = [r for r in run.dtensor if r["group_size"] > 1 and not r.get("priced")]  # priced: in the plan
+    records = _not_in_plan(records, res)
     extra_s = sum(price.get(r["kind"], cc.allgather_time)(r["bytes"], tuple(range(r["group_size"])), cl)
                   for r in records)
     if not records:
         return res
     pr = res.prediction
     comm = dict(pr.comm_bytes)
-    for k, v in run.dtensor_bytes.items():
-        comm[k] = comm.get(k, 0) + v
+    for r in records:
+        comm[r["kind"]] = comm.get(r["kind"], 0) + r["bytes"]
     mods = sorted({r["module"] for r in records})
     note = (f"dry run: DTensor redistributes between layers in {', '.join(mods[:4])}"
-            f"{' ...' if len(mods) > 4 else ''}: {len(records)} collective(s), {sum(run.dtensor_bytes.values()):,} "
+            f"{' ...' if len(mods) > 4 else ''}: {len(records)} collective(s), {sum(r['bytes'] for r in records):,} "
             f"bytes per step, +{extra_s * 1e3:.3f} ms (priced on consecutive ranks, not overlapped)")
     pr = pr.model_copy(update={"comm_bytes": comm, "step_time_s": pr.step_time_s + extra_s,
                                "comm_s": pr.comm_s + extra_s, "exposed_comm_s": pr.exposed_comm_s + extra_s})
     plan = plan.model_copy(update={"predicted": pr, "notes": [*plan.notes, note]})
     return dataclasses.replace(res, plan=plan, prediction=pr)
+
+
+def _not_in_plan(records: list[dict], res) -> list[dict]:
+    """The dry run's records less DTensor's moves the plan prices itself (LayerCost.dtensor_moves: a
+    whole tensor's gradient gather, which the runtime does not mark), matched by kind, group size and
+    bytes: a match adds the same bytes and time either way."""
+    from collections import Counter
+
+    priced = Counter(m for row in res.layers for m in row.cost.dtensor_moves)
+    out = []
+    for r in records:
+        key = (r["kind"], r["group_size"], r["bytes"])
+        if priced[key] > 0:
+            priced[key] -= 1
+        else:
+            out.append(r)
+    return out
 
 
 def register(app: click.Group) -> None:

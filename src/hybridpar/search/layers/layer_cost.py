@@ -57,6 +57,10 @@ class LayerCost:
     grad_key: LayerLayout | None = None  # (sample, channel=c·f): names the shard groups they go to
     transient_bytes: float = 0.0  # the layer's largest transient buffer (not summed over layers)
     memory: LayerMemory | None = None  # memory_bytes and transient_bytes by what holds them (cost.memory)
+    # DTensor's own moves priced here, (kind, group size, bytes) as the dry run records them: whole
+    # tensors' gradient gathers (cost.layout_comm.whole_grad_gather), so `hybridpar plan` does not add
+    # the dry run's record of them again
+    dtensor_moves: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def total_s(self) -> float:
@@ -289,11 +293,15 @@ def grad_allreduce(bytes_: int, key: LayerLayout) -> CommOp:
 
 def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout, ctx: CostContext, *,
                       input_grad: bool = True, in_pieces: list[int] | None = None,
-                      input_from: tuple[int, ...] | None = ()) -> LayerCost:
+                      input_from: tuple[int, ...] | None = (), whole_in: bool = False,
+                      joined: bool = False) -> LayerCost:
     """`input_from`: the channel counts of the layers whose split outputs make this layer's input
     (None: it arrives whole, e.g. the model's input or a layer left whole); a conv the runtime leaves
-    whole gathers a split input on channel_filter (cost.layout_comm.whole_conv_gathers)."""
-    from hybridpar.cost.layout_comm import splits_by_layout, whole_conv_gathers
+    whole gathers a split input on channel_filter (cost.layout_comm.whole_conv_gathers). `whole_in`:
+    the input is a tensor another layer holds whole and needs a gradient (gathered where a split layer
+    slices it: cost.layout_comm.whole_grad_gather). `joined`: a whole conv whose output (or what
+    elementwise ops, pooling or a mean make of it) meets a split operand in an elementwise join."""
+    from hybridpar.cost.layout_comm import splits_by_layout, whole_conv_gathers, whole_grad_gather
 
     s, c, f = layout.sample, layout.channel, layout.filter
     # a conv/linear the runtime does not replace (F.linear, a subclass such as attention's out_proj)
@@ -315,7 +323,9 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     # an input piece is empty where a producer has fewer channels than pieces: it was gathered whole
     # (runtime.dtensors.settle)
     split_in = input_from is not None and all(piece_sizes(ch, c * f)[-1] > 0 for ch in input_from)
-    for op in whole_conv_gathers(node, layout, input_split=split_in, dtype_bytes=ctx.elem):
+    moves = [op for shape in _whole_meets_split(node, followers, split, whole_in, joined)
+             for op in whole_grad_gather(shape, layout, dtype_bytes=ctx.elem)]
+    for op in whole_conv_gathers(node, layout, input_split=split_in, dtype_bytes=ctx.elem) + moves:
         groups, key = _groups_of(op.group, layout)
         ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
     cf, cb, grad, nbytes = _summarise(ops, ctx)
@@ -323,7 +333,25 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
                               momentum=ctx.momentum, input_grad=input_grad, kept=ctx.kept)
     grad_bytes = sum(op.bytes_ for op in ops if op.phase == "grad")
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, mem.persistent_bytes, nbytes, grad_bytes,
-                     layout_of(s, c * f), mem.transient_bytes, mem)
+                     layout_of(s, c * f), mem.transient_bytes, mem,
+                     tuple((op.kind, op.group_size, op.bytes_) for op in moves))
+
+
+def _whole_meets_split(node: Node, followers: Sequence[Node], split: bool, whole_in: bool, joined: bool):
+    """Shapes at which a whole tensor (DTensor: Replicate on channel_filter) has its gradient
+    gathered in this layer's backward (cost.layout_comm.whole_grad_gather): a split layer's input
+    that arrives whole and needs a gradient (`whole_in`); a whole conv's output where a batch norm
+    after it takes its channel piece; a whole conv whose output meets a split operand in an
+    elementwise join further on (`joined`: gathered at its output). None where the layer runs no
+    backward."""
+    if node.attr("dead_end"):
+        return []
+    if split:
+        return [node.in_shapes[0]] if whole_in else []
+    if node.op != "conv2d":
+        return []
+    bn = next((f for f in followers if f.op == "batchnorm"), None)
+    return ([bn.in_shapes[0]] if bn is not None else []) + ([node.out_shape] if joined else [])
 
 
 def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: CostContext,

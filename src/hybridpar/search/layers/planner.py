@@ -161,7 +161,8 @@ def _scaled(graph, batch: int):
 # -- options -----------------------------------------------------------------------------------
 
 def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout], capacity: float,
-                    even_only: bool, empty_ok: bool = False, input_from: tuple[int, ...] | None = ()) -> VertexOptions:
+                    even_only: bool, empty_ok: bool = False, input_from: tuple[int, ...] | None = (),
+                    whole_in: bool = False, joined: bool = False) -> VertexOptions:
     node = v.node
     cin, cout = channels_of(node.in_shapes[0]), channels_of(node.out_shape)
     # a layer the runtime leaves whole (a grouped/depthwise conv, attention's projections: cost.
@@ -169,7 +170,7 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
     whole = not splits_by_layout(node)
     opts, costs, pruned = [], [], []
     sig = (node_signature(node), tuple(node_signature(f) for f in v.followers), v.input_grad, _kept_flags(v, ctx),
-           None if splits_by_layout(node) else input_from)
+           whole_in if splits_by_layout(node) else (input_from, joined))
     for lay in layouts:
         reason = layout_problem(lay, ctx.batch, cin, cout, even=even_only, empty_ok=empty_ok or whole)
         if reason is None:
@@ -177,7 +178,8 @@ def _weight_options(v: Vertex, ctx: CostContext, layouts: Sequence[LayerLayout],
             cost = ctx.layer_memo.get(key)
             if cost is None:
                 cost = ctx.layer_memo[key] = weight_layer_cost(node, v.followers, lay, ctx, input_grad=v.input_grad,
-                                                               input_from=input_from)
+                                                               input_from=input_from, whole_in=whole_in,
+                                                               joined=joined)
             if cost.memory_bytes > capacity:
                 reason = f"needs {_size(cost.memory_bytes)} per device for this layer alone"
             else:
@@ -220,15 +222,26 @@ def _inputs_from(lg: LayerGraph) -> dict[int, tuple[int, ...] | None]:
     """Per weight vertex, the split size (`_split_size`) of the layer whose split output is its input
     (its node's first input: a later one can be a shape the tracer saw read, as HF PVTv2's
     depthwise conv's height and width), or None when it arrives whole (the model's input or the
-    prefix's, a producer whose output is whole)."""
+    prefix's, a tensor `_whole_tensors` holds whole)."""
     owner = {n.name: i for i, v in enumerate(lg.vertices) for n in (v.node, *v.followers)}
-    whole = _whole_outputs(lg)
+    whole = _whole_tensors(lg)
     out: dict[int, tuple[int, ...] | None] = {}
     for i, v in enumerate(lg.vertices):
         j = owner.get(v.node.inputs[0]) if v.node.inputs else None
         k = None if j is None else _split_size(lg.vertices[j])
-        out[i] = None if j is None or j in whole else ((k,) if k is not None else ())
+        out[i] = None if j is None or v.node.inputs[0] in whole else ((k,) if k is not None else ())
     return out
+
+
+def _whole_inputs(lg: LayerGraph) -> set[int]:
+    """Weight vertices whose input is a tensor another vertex holds whole (`_whole_tensors`; not the
+    model's input or the prefix's) and needs a gradient: a split layer's slice of it has its gradient
+    gathered (cost.layout_comm.whole_grad_gather)."""
+    owner = {n.name: i for i, v in enumerate(lg.vertices) for n in (v.node, *v.followers)}
+    whole = _whole_tensors(lg)
+    return {i for i, v in enumerate(lg.vertices)
+            if v.is_weight and v.input_grad and v.node.inputs and v.node.inputs[0] in owner
+            and v.node.inputs[0] in whole}
 
 
 def _sources(lg: LayerGraph) -> dict[int, list[int]]:
@@ -238,38 +251,80 @@ def _sources(lg: LayerGraph) -> dict[int, list[int]]:
     return out
 
 
-def _whole_outputs(lg: LayerGraph) -> set[int]:
-    """Vertices whose output the runtime holds whole on channel_filter (DTensor: Replicate): a layer
-    it leaves whole (cost.layout_comm.splits_by_layout), a join fed only by such vertices, unless a
-    batch norm follows (it takes its channel piece); or any vertex whose last norm is a layer, group
-    or RMS norm (approximation: DTensor gathers the channels it normalises over, as for HF ConvNeXt's
-    channels-first LayerNorm or a transformer's LayerNorm over split features)."""
+def _whole_origins(lg: LayerGraph) -> dict[str, frozenset[int]]:
+    """The nodes whose output the runtime holds whole on channel_filter (DTensor: Replicate), each
+    with the whole convs it comes from: a layer the runtime leaves whole (cost.layout_comm.
+    splits_by_layout), a join fed only by vertices whose output is whole, and the followers after
+    them up to a batch norm (it takes its channel piece); or a layer, group or RMS norm and the
+    followers after it (approximation: DTensor gathers the channels it normalises over, as for HF
+    ConvNeXt's channels-first LayerNorm or a transformer's LayerNorm over split features; no conv
+    origin). Per node: a later layer may read a follower before the norm."""
     sources = _sources(lg)
-    out: set[int] = set()
+    out: dict[str, frozenset[int]] = {}
     for i, v in enumerate(lg.vertices):  # in graph order: a join's sources come before it
-        whole = (not splits_by_layout(v.node)) if v.is_weight else (
-            bool(sources.get(i)) and all(j in out for j in sources[i]))
+        if v.is_weight:
+            origin = None if splits_by_layout(v.node) else frozenset({i} if v.node.op == "conv2d" else ())
+        elif sources.get(i) and all(lg.vertices[j].out_node.name in out for j in sources[i]):
+            origin = frozenset().union(*(out[lg.vertices[j].out_node.name] for j in sources[i]))
+        else:
+            origin = None
+        if origin is not None:
+            out[v.node.name] = origin
         for f in v.followers:
             if f.op == "batchnorm":
-                whole = False
+                origin = None
             elif f.op == "layernorm" and f.attr("stat_numel"):
-                whole = True
-        if whole:
-            out.add(i)
+                origin = frozenset()
+            if origin is not None:
+                out[f.name] = origin
+    return out
+
+
+def _whole_tensors(lg: LayerGraph) -> set[str]:
+    """Names of the nodes whose output the runtime holds whole on channel_filter (`_whole_origins`)."""
+    return set(_whole_origins(lg))
+
+
+def _whole_outputs(lg: LayerGraph) -> set[int]:
+    """Vertices whose output (`Vertex.out_node`) the runtime holds whole (`_whole_tensors`)."""
+    tensors = _whole_tensors(lg)
+    return {i for i, v in enumerate(lg.vertices) if v.out_node.name in tensors}
+
+
+def _joined_convs(lg: LayerGraph) -> set[int]:
+    """Whole conv vertices whose output, or a whole tensor made from it, meets a split operand in an
+    elementwise join (not a concatenation): DTensor slices the whole operand inside the join, its
+    gradient stays split back to the conv (through elementwise ops, pooling, a mean), and the conv's
+    backward gathers it at its output (cost.layout_comm.whole_grad_gather; measured: one gather per
+    conv however many joins)."""
+    origins = _whole_origins(lg)
+    owner = {n.name: i for i, v in enumerate(lg.vertices) for n in (v.node, *v.followers)}
+    out: set[int] = set()
+    for v in lg.vertices:
+        if v.is_weight or v.node.op == "concat" or not v.input_grad:
+            continue
+        ins = [name for name in v.node.inputs if name in owner]
+        whole = [name for name in ins if name in origins]
+        if whole and len(whole) < len(ins):
+            out.update(*(origins[name] for name in whole))
     return out
 
 
 def _options(lg: LayerGraph, ctx: CostContext, capacity: float, layouts: Sequence[LayerLayout],
-             even_only: bool, empty_ok: bool = False, inputs_from: dict | None = None) -> list[VertexOptions]:
+             even_only: bool, empty_ok: bool = False, inputs_from: dict | None = None,
+             whole_inputs: set[int] | None = None, joined: set[int] | None = None) -> list[VertexOptions]:
     """Options of every vertex; joins take the distributions the weight layers' layouts produce.
     `inputs_from`: `_inputs_from` of the graph `lg` is part of (default: of `lg`)."""
     dists = sorted({distribution_of(lay) for lay in layouts})
     whole, sources = _whole_outputs(lg), _sources(lg)
     inputs_from = _inputs_from(lg) if inputs_from is None else inputs_from
+    whole_inputs = _whole_inputs(lg) if whole_inputs is None else whole_inputs
+    joined = _joined_convs(lg) if joined is None else joined
     out = []
     for i, v in enumerate(lg.vertices):
         if v.is_weight:
-            vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok, inputs_from[i])
+            vo = _weight_options(v, ctx, layouts, capacity, even_only, empty_ok, inputs_from[i], i in whole_inputs,
+                                 i in joined)
             if not vo.options:
                 why = "; ".join(f"{p.layout.to_strategy()}: {p.reason}" for p in vo.pruned[:3])
                 raise InfeasibleError(f"layer {v.node.module or v.name} has no feasible decomposition ({why})")
@@ -803,11 +858,13 @@ def evaluate_plan(plan: Plan, *, grad_sync: str = "buckets", time_share: float |
     s = _setup(plan.model, plan.cluster, plan.world_size, plan.batch, None, "fp32", shape, calibration, time_share)
     opts = []
     whole, sources, inputs_from = _whole_outputs(s.lg), _sources(s.lg), _inputs_from(s.lg)
+    whole_in, joined = _whole_inputs(s.lg), _joined_convs(s.lg)
     for i, v in enumerate(s.lg.vertices):
         if v.is_weight:
             lay = plan.layout_of(v.node.module) if v.node.module else plan.default_layout
             opts.extend(_options(LayerGraph((v,), (), s.lg.graph), s.ctx, INF, [lay], even_only=False,
-                                 empty_ok=True, inputs_from={0: inputs_from[i]}))
+                                 empty_ok=True, inputs_from={0: inputs_from[i]},
+                                 whole_inputs={0} if i in whole_in else set(), joined={0} if i in joined else set()))
         else:
             opts.append(_join_options(v, s.ctx, [distribution_of(plan.default_layout)], i in whole,
                                       not any(j in whole for j in sources.get(i, ()))))
