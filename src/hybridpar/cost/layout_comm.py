@@ -160,8 +160,8 @@ def whole_conv_gathers(node: Node, layout: LayerLayout, *, input_split: bool = T
     hybridpar.runtime.dtensor_rules' convolution handler forward, and again backward for the weight
     gradient (an allgather of the sample group's input, G ranks, each time). None when the input
     arrives whole (`input_split` False: the model's input, a layer left whole, a tensor with an
-    empty channel piece). Its output gradient's gather, where DTensor makes one, is DTensor's (the
-    dry run's) to report."""
+    empty channel piece). Its output gradient's gather, where the output meets a split one, is
+    `whole_grad_gather`'s."""
     G = layout.channel * layout.filter
     if node.op != "conv2d" or splits_by_layout(node) or G == 1 or not input_split:
         return []
