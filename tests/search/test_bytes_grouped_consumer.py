@@ -32,7 +32,7 @@ class Consumers(nn.Module):
         self.bn = nn.BatchNorm2d(16) if consumer == "batchnorm" else None
         self.pw = nn.Conv2d(16, 16, 1) if consumer in ("batchnorm", "two_convs") else None
         self.pw2 = nn.Conv2d(16, 16, 1) if consumer == "two_convs" else None
-        self.head = nn.Linear(16, 10)
+        self.head = None if consumer == "mean_out" else nn.Linear(16, 10)
 
     def forward(self, x):
         s = self.stem(x)
@@ -45,8 +45,10 @@ class Consumers(nn.Module):
             y = (self.pw(d) + self.pw2(d)).mean((2, 3))
         elif self.consumer == "pool_add":  # split through the pooling: gathered at the conv's output
             y = (F.max_pool2d(torch.relu(d), 2) + F.max_pool2d(s, 2)).mean((2, 3))
-        else:  # "mean_add": split through the mean, gathered at the conv's output
+        elif self.consumer == "mean_add":  # split through the mean, gathered at the conv's output
             y = d.mean((2, 3)) + s.mean((2, 3))
+        else:  # "mean_out": the model's output, whole: neither gathered forward nor backward
+            return d.mean((2, 3))
         return self.head(y)
 
 
@@ -56,7 +58,7 @@ def factory(consumer: str = "mean_linear", batch: int = 8):
 
 PIECE = 4 * 16 * 8 * 8 * 4  # the dw conv's output for a sample group's 4 samples, fp32
 GATHERED = {"mean_linear": [4 * 16 * 4], "batchnorm": [PIECE], "two_convs": [PIECE, PIECE],
-            "pool_add": [PIECE], "mean_add": [PIECE]}
+            "pool_add": [PIECE], "mean_add": [PIECE], "mean_out": []}
 
 
 def _planned_and_sent(make, strategy: str, batch: int = 8):

@@ -401,7 +401,8 @@ def _edge_costs(lg: LayerGraph, opts: list[VertexOptions], ctx: CostContext) -> 
     return tuple(out)
 
 
-def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext) -> list[CommOp]:
+def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
+                 whole_out: bool = False) -> list[CommOp]:
     """Per-step collectives outside the layers, as `hybridpar train` issues them: each sample group's
     outputs gathered over its channel pieces (when G > 1), the loss (each group's mean) allreduced
     over the sample groups for reporting (hybridpar.runtime.engine), and the finiteness check's flags
@@ -410,7 +411,7 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
     out_node = opts[-1].vertex.out_node
     grid = LayerLayout(sample=last.sample, channel=1, filter=last.channel)
     ops = []
-    if last.channel > 1:
+    if last.channel > 1 and not whole_out:  # an output held whole (_output_whole) is not gathered
         per_sample = out_node.out_numel // max(out_node.out_shape[0], 1) if out_node.out_shape else 1
         gathered = ctx.batch // last.sample * per_sample * ctx.elem
         ops.append(CommOp.placed("allgather", "fwd", gathered, filter_groups(grid), "filter", grid))
@@ -424,6 +425,21 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
         world = LayerLayout(sample=ctx.ranks)
         ops.append(CommOp.placed("allreduce", "check", 2 * 8, shard_groups(world), "world", world))
     return ops
+
+
+_WHOLE_OUT: dict[int, tuple[LayerGraph, bool]] = {}
+
+
+def _output_whole(lg: LayerGraph) -> bool:
+    """Whether the model's output (the last vertex's) is a tensor the runtime holds whole on
+    channel_filter (`_whole_tensors`: a whole conv, then a mean): runtime.dtensors.gather_output then
+    moves nothing. Memoised per layer graph (asked once per predicted choice)."""
+    hit = _WHOLE_OUT.get(id(lg))
+    if hit is None or hit[0] is not lg:  # the graph kept alive in the value: its id is not reused
+        if len(_WHOLE_OUT) > 64:
+            _WHOLE_OUT.clear()
+        hit = _WHOLE_OUT[id(lg)] = (lg, bool(lg.vertices) and lg.vertices[-1].out_node.name in _whole_tensors(lg))
+    return hit[1]
 
 
 def _rides_in_bucket(op: CommOp, buckets) -> bool:
@@ -555,7 +571,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     for e in lg.edges:
         redist[e.dst] += redistribution_time(e.per_sample_numel * ctx.batch, opts[e.src].dist(choice[e.src]),
                                              opts[e.dst].dist(choice[e.dst]), ctx)
-    extras = _step_extras(opts, choice, ctx)
+    extras = _step_extras(opts, choice, ctx, _output_whole(lg))
     buckets = grad_bucket_schedule(lg, opts, choice, ctx) if grad_sync == "buckets" else []
     extra_s = sum(ctx.comm_time(op) for op in extras if not _rides_in_bucket(op, buckets))
     pre_fwd, pre_bwd = _prefix_time(lg, opts[0].dist(choice[0]), ctx)
