@@ -254,27 +254,32 @@ def _sources(lg: LayerGraph) -> dict[int, list[int]]:
 def _whole_origins(lg: LayerGraph) -> dict[str, frozenset[int]]:
     """The nodes whose output the runtime holds whole on channel_filter (DTensor: Replicate), each
     with the whole convs it comes from: a layer the runtime leaves whole (cost.layout_comm.
-    splits_by_layout), a join fed only by vertices whose output is whole, and the followers after
-    them up to a batch norm (it takes its channel piece); or a layer, group or RMS norm and the
-    followers after it (approximation: DTensor gathers the channels it normalises over, as for HF
-    ConvNeXt's channels-first LayerNorm or a transformer's LayerNorm over split features; no conv
-    origin). Per node: a later layer may read a follower before the norm."""
-    sources = _sources(lg)
+    splits_by_layout); a join or follower whose inputs (those the layers make) are all whole, but a
+    batch norm (it takes its channel piece); or a layer, group or RMS norm (approximation: DTensor
+    gathers the channels it normalises over, as for HF ConvNeXt's channels-first LayerNorm or a
+    transformer's LayerNorm over split features; no conv origin). Per node, from its own inputs: a
+    later layer may read a follower before the norm, or one on another branch (CLIP's pooled
+    post-LayerNorm beside the mean its classifier reads)."""
+    owned = {n.name for v in lg.vertices for n in (v.node, *v.followers)}
     out: dict[str, frozenset[int]] = {}
-    for i, v in enumerate(lg.vertices):  # in graph order: a join's sources come before it
+
+    def from_inputs(n) -> frozenset[int] | None:
+        ins = [i for i in n.inputs if i in owned]
+        if not ins or any(i not in out for i in ins):
+            return None
+        return frozenset().union(*(out[i] for i in ins))
+
+    for i, v in enumerate(lg.vertices):  # in graph order: a node's inputs come before it
         if v.is_weight:
             origin = None if splits_by_layout(v.node) else frozenset({i} if v.node.op == "conv2d" else ())
-        elif sources.get(i) and all(lg.vertices[j].out_node.name in out for j in sources[i]):
-            origin = frozenset().union(*(out[lg.vertices[j].out_node.name] for j in sources[i]))
         else:
-            origin = None
+            origin = from_inputs(v.node)
         if origin is not None:
             out[v.node.name] = origin
         for f in v.followers:
             if f.op == "batchnorm":
-                origin = None
-            elif f.op == "layernorm" and f.attr("stat_numel"):
-                origin = frozenset()
+                continue
+            origin = frozenset() if f.op == "layernorm" and f.attr("stat_numel") else from_inputs(f)
             if origin is not None:
                 out[f.name] = origin
     return out
