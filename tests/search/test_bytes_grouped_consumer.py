@@ -157,3 +157,30 @@ def test_whole_follows_the_inputs_not_the_order():
     x = torch.randn(8, 5, 16)
     res, run = _planned_and_sent(lambda: (NormOnABranch(), (x,)), "sample=2,filter=2")
     assert res.prediction.comm_bytes == run.total_bytes
+
+
+class ShapeRead(nn.Module):
+    """A LayerNorm's whole output reshaped to the patch conv's height and width (the tracer lists the
+    patch conv's output among the reshape's inputs), then a mean and a linear (HF PVTv2's last stage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 16, 2, stride=2)
+        self.dense = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        p = self.patch(x)
+        n, _, h, w = p.shape
+        t = self.norm(self.dense(p.flatten(2).transpose(1, 2)))
+        return self.head(t.reshape(n, h, w, 32).mean((1, 2)))
+
+
+def test_a_shape_read_is_not_an_operand():
+    """Before: the reshape counted the patch conv's split output as an operand, so its result and
+    the mean were not whole and the head's input gradient gather went unpriced (HF pvt_v2 tiny:
+    512 allgather bytes, sample=2,filter=2, batch 4)."""
+    x = torch.randn(8, 3, 8, 8)
+    res, run = _planned_and_sent(lambda: (ShapeRead(), (x,)), "sample=2,filter=2")
+    assert res.prediction.comm_bytes == run.total_bytes

@@ -23,7 +23,7 @@ import numpy as np
 from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.cost.collectives import CommOp
 from hybridpar.cost.layout_comm import BUCKET_BYTES, layout_refusal, splits_by_layout
-from hybridpar.cost.memory import kept_activations
+from hybridpar.cost.memory import JOIN_OPS, kept_activations
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import LayerLayout, Plan, Prediction, parse_strategy
@@ -264,7 +264,9 @@ def _whole_origins(lg: LayerGraph) -> dict[str, frozenset[int]]:
     out: dict[str, frozenset[int]] = {}
 
     def from_inputs(n) -> frozenset[int] | None:
-        ins = [i for i in n.inputs if i in owned]
+        # an elementwise join's operands, else the data input: the tracer also lists tensors whose
+        # shape the forward read (a reshape to a patch embedding's height and width)
+        ins = [i for i in (n.inputs if n.op in JOIN_OPS else n.inputs[:1]) if i in owned]
         if not ins or any(i not in out for i in ins):
             return None
         return frozenset().union(*(out[i] for i in ins))
