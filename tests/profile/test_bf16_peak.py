@@ -29,6 +29,9 @@ def test_no_bf16_figure_leaves_mfu_out_on_a_cpu(tmp_path, monkeypatch):
     assert peak_flops("localhost", "fp32") == 1e10
     monkeypatch.setenv("HYBRIDPAR_CALIBRATION", str(tmp_path / "none.json"))  # no calibration at all
     assert peak_flops("localhost", "bf16") is None
+    # nor against the built-in approximate fp32 figure (a step can outrun it: mfu > 1)
+    assert peak_flops("localhost", "fp32") is None
+    assert load_cluster("localhost").device.peak("fp32") == 1e10  # the planner still has its default
     # a GPU preset without a bf16 entry (V100) runs it at the fp32 rate
     assert peak_flops("dgx1-v100", "bf16") == load_cluster("dgx1-v100").device.peak("fp32")
     assert peak_flops("dgx-a100", "bf16") == load_cluster("dgx-a100").device.peak_flops["bf16"]

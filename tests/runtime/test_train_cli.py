@@ -191,7 +191,9 @@ def _weights_init():
 
 
 @pytest.mark.slow
-def test_config_file_metrics_and_progress_lines(tmp_path, capsys):
+def test_config_file_metrics_and_progress_lines(tmp_path, capsys, monkeypatch):
+    # uncalibrated localhost: no trustworthy peak, so no mfu (a step outran the 10 GFLOP/s default)
+    monkeypatch.setenv("HYBRIDPAR_CALIBRATION", str(tmp_path / "no-calibration.json"))
     (tmp_path / "run.toml").write_text('[train]\nmodel = "small_cnn"\nstrategy = "sample=2"\nnproc = 2\n'
                                        'batch = 8\nsteps = 4\noptimizer = "adamw"\nlr = 0.5\nlr-schedule = "cosine"\n'
                                        'warmup-steps = 2\nlog-every = 2\n')
@@ -210,7 +212,7 @@ def test_config_file_metrics_and_progress_lines(tmp_path, capsys):
     for r in records:
         assert {"step", "loss", "lr", "samples_per_s", "flops_per_s", "mfu", "peak_memory_bytes", "comm_s",
                 "comm_bytes"} <= r.keys()
-        assert 0 < r["mfu"] <= 1 and r["peak_memory_bytes"] > 0 and r["comm_bytes"]
+        assert r["mfu"] is None and r["flops_per_s"] > 0 and r["peak_memory_bytes"] > 0 and r["comm_bytes"]
     umask = os.umask(0)
     os.umask(umask)
     assert metrics.stat().st_mode & 0o777 == 0o666 & ~umask  # the umask's mode, not 0600

@@ -23,7 +23,12 @@ def _scalars(logdir, tag: str) -> list[tuple[int, float]]:
 
 @pytest.mark.slow
 def test_tensorboard_and_profile_flags(tmp_path, capsys, monkeypatch):
+    from hybridpar.cluster.calibration import Calibration, save_calibration
+
     monkeypatch.chdir(tmp_path)  # the profile's default folder, ./hybridpar-profile
+    # mfu needs a measured CPU peak (the built-in default is an approximation): a calibration file's
+    cal = Calibration(cpu_count=2, peak_flops_fp32=1e11, mem_bw_Bps=1e10)
+    monkeypatch.setenv("HYBRIDPAR_CALIBRATION", str(save_calibration(cal, tmp_path / "calibration.json")))
     code = main([*BASE, "--steps", "4", "--tensorboard", str(tmp_path / "tb"), "--profile-steps", "1:3", "--json"])
     cap = capsys.readouterr()
     assert code == 0, cap.err

@@ -36,14 +36,19 @@ def peak_flops(cluster: str, precision: str) -> float | None:
 
     A CPU with no figure for a reduced precision has an unknown one (bf16 ran 12x the fp32 matmul
     rate on this machine's AMX units; without the measurement mfu exceeded 1): None, so mfu is left
-    out until `hybridpar profile` measures it. A GPU preset without one runs it at the fp32 rate."""
+    out until `hybridpar profile` measures it. So is a CPU's built-in approximate figure (localhost
+    without a calibration file: 10 GFLOP/s per core, deliberately low for planning; small_cnn on 2
+    ranks achieved 1.18x it once a step stopped page-faulting). A GPU preset without one runs it at the
+    fp32 rate."""
     from hybridpar.cluster import load_cluster
 
     try:
-        device = load_cluster(cluster).device
+        cl = load_cluster(cluster)
     except Exception:  # noqa: BLE001 - metrics must never stop a run; mfu is then left out
         return None
-    if device.kind == "cpu" and precision not in device.peak_flops:
+    device = cl.device
+    if device.kind == "cpu" and (precision not in device.peak_flops or
+                                 cl.sources.get(f"device.peak_flops.{precision}", "").startswith("[approximation]")):
         return None
     return float(device.peak(precision))
 
