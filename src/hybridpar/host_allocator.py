@@ -41,6 +41,9 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
-    return all(mallopt(p, v) == 1 for p, v in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-                                                (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-                                                (_M_TOP_PAD, TOP_PAD)))
+    # each knob on its own (a refused one must not leave the others unset); glibc builds that cap the
+    # mmap threshold at 32 MiB (HEAP_MAX_SIZE / 2) refuse 1 GiB: take their cap then
+    mmap_set = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 or mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+    trim_set = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    pad_set = mallopt(_M_TOP_PAD, TOP_PAD) == 1
+    return mmap_set and trim_set and pad_set
