@@ -28,10 +28,12 @@ __all__ = [
 
 
 def solve(problem: PlacementProblem, solver: str = "ilp", *, time_limit_s: float = 30.0,
-          workers: int = 2, time_unit_s: float | None = None, seed: int = 0) -> PlacementResult:
+          workers: int = 2, time_unit_s: float | None = None, seed: int = 0,
+          gap: float | None = None) -> PlacementResult:
     """Place `problem` with one solver; the ILP is warm-started from the best of every baseline.
-    The ILP's answer depends only on the problem, `time_limit_s`, `workers` and `seed` (its time
-    limit is deterministic time, not wall time)."""
+    The ILP's answer depends only on the problem, `time_limit_s`, `workers`, `seed` and `gap` (its
+    time limit is deterministic time, not wall time; it stops within `gap` of the proven bound,
+    default ilp.DEFAULT_GAP)."""
     from hybridpar.errors import UserError
 
     if solver not in SOLVERS:
@@ -39,11 +41,11 @@ def solve(problem: PlacementProblem, solver: str = "ilp", *, time_limit_s: float
     problem.check_capacity()
     if solver != "ilp":
         return BASELINES[solver](problem)
-    from hybridpar.search.placer.ilp import solve_ilp
+    from hybridpar.search.placer.ilp import DEFAULT_GAP, solve_ilp
 
     hint, _ = best_baseline(problem)
     return solve_ilp(problem, time_limit_s=time_limit_s, hint=hint, workers=workers, time_unit_s=time_unit_s,
-                     seed=seed)
+                     seed=seed, gap=DEFAULT_GAP if gap is None else gap)
 
 
 def place_model(*args, **kwargs):

@@ -174,12 +174,13 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
                 time_limit_s: float = 30.0, batch: int | None = None, coarsen: int | None = None,
                 input_shape=None, dtype: str = "fp32", workers: int = 2,
                 mem_capacity_bytes: float | None = None, time_chunks: int | None = None,
-                seed: int = 0, free_order: bool = False) -> PlaceOutcome:
+                seed: int = 0, free_order: bool = False, gap: float | None = None) -> PlaceOutcome:
     """Place `model` over `devices` devices (0..devices-1) of `cluster` at `batch` samples per step.
 
     Returns the placement (solver result with schedule and gap), the one-device step for the speedup,
     every baseline's step, and a Plan (mp=devices, placement keyed by module name). The ILP's answer
-    depends only on the inputs, `time_limit_s` (deterministic time), `workers` and `seed`. Priced in
+    depends only on the inputs, `time_limit_s` (deterministic time), `workers`, `seed` and `gap` (the
+    ILP stops within this relative gap of its proven bound; None: ilp.DEFAULT_GAP). Priced in
     the MP runtime's program order; `free_order` prices DLPlacer's free schedule (a labelled what-if)."""
     from hybridpar.search.placer import BASELINES, SOLVERS, solve
 
@@ -189,6 +190,8 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
         raise UserError(f"time_limit_s must be a finite number > 0, got {time_limit_s}", param="time_limit_s")
     if time_limit_s <= 0:
         raise UserError(f"time_limit_s must be > 0, got {time_limit_s}", param="time_limit_s")
+    if gap is not None and not (math.isfinite(gap) and 0.0 <= gap < 1.0):
+        raise UserError(f"gap must be >= 0 and < 1, got {gap}", param="gap")
     if isinstance(devices, int) and devices > 0:
         budget.check(f"placement on {devices:,} devices", budget.placer_tables_estimate(devices),
                      "place on fewer devices")
@@ -200,7 +203,7 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
         budget.check(f"placement of {len(prob.tasks):,} tasks on {devices:,} devices",
                      budget.placer_ilp_estimate(len(prob.tasks), devices),
                      "coarsen the graph (--coarsen N) or place on fewer devices")
-    result = solve(prob, solver, time_limit_s=time_limit_s, workers=workers, seed=seed)
+    result = solve(prob, solver, time_limit_s=time_limit_s, workers=workers, seed=seed, gap=gap)
     baselines: dict[str, float] = {}
     for bname, fn in BASELINES.items():
         with contextlib.suppress(InfeasibleError):  # a baseline that does not fit is left out
