@@ -14,7 +14,10 @@ run queue (/proc/thread-self/schedstat) per step: CPU time taken by other jobs, 
 does not know about. A run-queue wait above a few percent of the step means the figure is not a
 quiet-machine figure.
 
-    python benchmarks/bench_mp.py [--models branchy,inception_mini,...] [--trials 12] [--no-profile]
+    python benchmarks/bench_mp.py [--models branchy,inception_mini,...] [--trials 12] [--worlds 3] [--no-profile]
+
+Every model is measured in `--worlds` fresh 2-rank worlds one after another; its measured speedup is
+the median of the per-world ratios (each world's is printed too).
 
 Prints a table and writes JSON to $HYBRIDPAR_BENCH_OUT when set.
 """
@@ -59,12 +62,12 @@ def run_queue_s() -> float:
         return 0.0
 
 
-def profile(specs: list[str], path: Path) -> float:
+def profile(specs: list[str], path: Path, rounds: int = 3, keep: str = "median") -> float:
     """`hybridpar profile` of each model's ops at the benchmark's batch and of gloo (p2p included) at 2
-    ranks, twice, keeping per op the faster round (bench_validation.profile: a burst of load from
-    other jobs rarely hits one op in both rounds)."""
-    return profile_rounds(set(specs), dict.fromkeys(specs, BATCH), path, rounds=2, ranks="2",
-                          splits_of=dict.fromkeys(specs, "1"))
+    ranks, `rounds` times, keeping per op the median round (bench_validation.profile: this VM's speed
+    drifts over tens of seconds, so the fastest round is biased low)."""
+    return profile_rounds(set(specs), dict.fromkeys(specs, BATCH), path, rounds=rounds, ranks="2",
+                          splits_of=dict.fromkeys(specs, "1"), keep=keep)
 
 
 def _batches(spec: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -153,6 +156,11 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=12, help="measured steps per case (after 2 warm-up)")
     ap.add_argument("--no-profile", action="store_true", help="reuse $HYBRIDPAR_CALIBRATION as it is")
     ap.add_argument("--time-limit", type=float, default=10.0, help="placer ILP time limit")
+    ap.add_argument("--worlds", type=int, default=3,
+                    help="fresh 2-rank worlds, one after another; a model's figures are the medians over them")
+    ap.add_argument("--rounds", type=int, default=3, help="hybridpar profile rounds (per op the median is kept)")
+    ap.add_argument("--keep", choices=("median", "fastest"), default="median",
+                    help="per op, which profile round to keep (fastest: the choice before 2026-12-01)")
     args = ap.parse_args()
     names = [m for m in args.models.split(",") if m]
     bad = [m for m in names if m not in MODELS]
@@ -167,19 +175,28 @@ def main() -> None:
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     prof_s = 0.0 if args.no_profile else profile([MODELS[m] for m in names],
-                                                 Path(os.environ["HYBRIDPAR_CALIBRATION"]))
+                                                 Path(os.environ["HYBRIDPAR_CALIBRATION"]), args.rounds, args.keep)
     placed = {}
     for m in names:
         outcome = place_model(MODELS[m], "localhost", 2, batch=BATCH, time_limit_s=args.time_limit)
         placed[m] = (outcome, placement_from_outcome(outcome, load_model(MODELS[m]).module))
     load_run = os.getloadavg()
-    res = spawn(_ranks, 2, [(m, MODELS[m], placed[m][1], args.trials) for m in names])
+    # Each world is one draw of this VM's drifting speed (a process's speed is set for tens of seconds):
+    # a model's figures are medians over fresh worlds, its speedup the median of the per-world ratios
+    worlds = [spawn(_ranks, 2, [(m, MODELS[m], placed[m][1], args.trials) for m in names])
+              for _ in range(args.worlds)]
     load_after = os.getloadavg()
     rows = {}
     for m in names:
         outcome, placement = placed[m]
-        r = res[m]
-        measured = r["eager"]["step_s"] / r["mp"]["step_s"]
+        per_world = [w[m]["eager"]["step_s"] / w[m]["mp"]["step_s"] for w in worlds]
+        r = {k: {f: statistics.median(w[m][k][f] for w in worlds)
+                 for f in ("step_s", "run_queue_s", "run_queue_mean_of_ranks_s")}
+             | {"quiet_trials": sum(w[m][k]["quiet_trials"] for w in worlds),
+                "trials": sum(w[m][k]["trials"] for w in worlds)}
+             for k in ("eager", "mp", "all_on_0")}
+        r["p2p_bytes"] = worlds[0][m]["p2p_bytes"]
+        measured = statistics.median(per_world)
         bd = outcome.result.breakdown
         rows[m] = {
             "model": MODELS[m], "placement": placement, "solver": f"{outcome.result.solver} ({outcome.result.status})",
@@ -196,11 +213,14 @@ def main() -> None:
             "run_queue_share_mp": r["mp"]["run_queue_mean_of_ranks_s"] / r["mp"]["step_s"],
             "p2p_bytes_measured_vs_predicted": r["p2p_bytes"] / max(predicted_p2p_bytes(outcome), 1),
             "quiet_trials": {k: f"{r[k]['quiet_trials']}/{r[k]['trials']}" for k in ("eager", "mp", "all_on_0")},
+            "measured_speedup_per_world": per_world,
         }
-    summary = {"batch": BATCH, "trials": args.trials, "load_avg_before": load_before, "load_avg_at_run": load_run,
+    summary = {"batch": BATCH, "trials": args.trials, "worlds": args.worlds, "profile_rounds": args.rounds,
+               "profile_keep": args.keep, "load_avg_before": load_before, "load_avg_at_run": load_run,
                "load_avg_after": load_after, "profile_s": prof_s, "wall_s": time.perf_counter() - t0,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
-    print(f"2 gloo ranks on localhost, batch {BATCH}, {args.trials} interleaved trials; load avg (1/5/15 min) "
+    print(f"2 gloo ranks on localhost, batch {BATCH}, {args.worlds} worlds x {args.trials} interleaved trials "
+          f"(medians over worlds; profile: {args.rounds} rounds, {args.keep} kept per op); load avg (1/5/15 min) "
           f"{' / '.join(f'{x:.2f}' for x in load_run)} at the start, "
           f"{' / '.join(f'{x:.2f}' for x in load_after)} at the end")
     head = (f"{'model':16s} {'pred':>6s} {'meas':>6s} {'err':>7s} {'1-dev pred/meas ms':>19s} "
@@ -212,7 +232,8 @@ def main() -> None:
               f"{r['predicted_mp_s'] * 1e3:7.1f} / {r['measured_mp_s'] * 1e3:7.1f} "
               f"{r['executor_overhead_vs_eager']:8.2f} "
               f"{r['run_queue_share_eager']:4.0%}/{r['run_queue_share_mp']:4.0%} "
-              f"{r['p2p_bytes_measured_vs_predicted']:6.3f} {r['quiet_trials']['eager']} {r['quiet_trials']['mp']}")
+              f"{r['p2p_bytes_measured_vs_predicted']:6.3f} {r['quiet_trials']['eager']} {r['quiet_trials']['mp']}"
+              f"   per world: {' '.join(f'{v:.2f}' for v in r['measured_speedup_per_world'])}")
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:
         Path(out).write_text(json.dumps(summary, indent=2))

@@ -10,6 +10,8 @@ shared machine hits both alike; medians are reported. Only ratios mean anything,
 
     .venv/bin/python benchmarks/bench_runtime.py [--nproc 4] [--trials 3] [--steps 4] [--baseline 767c6c5]
 
+`--nproc 2`: sample=2 (local and global statistics), channel=2 and filter=2, each rank on its own core.
+
 `--collectives`: what one collective costs between compute on these ranks (20 convolutions, each
 followed by nothing, by gloo's allreduce of 32 floats, or by hybridpar's one-round allreduce of them;
 also 9 global batch-norm layers' worth: the runtime's cost floor for global statistics).
@@ -35,6 +37,11 @@ from _baseline import worktree_src  # benchmarks/ is sys.path[0] when run as a s
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "767c6c5"  # main before the DTensor global-semantics runtime
 CF_STRATEGIES = ["sample=2,channel=2", "sample=2,filter=2", "channel=2,filter=2", "channel=4"]
+
+
+def cf_strategies(nproc: int) -> list[str]:
+    """The channel/filter layouts compared on `nproc` ranks (the 4-rank set is the issue's)."""
+    return CF_STRATEGIES if nproc == 4 else [f"channel={nproc}", f"filter={nproc}"]
 
 
 # --- inside a gloo world (works with the current runtime and the baseline's: same engine API) ---
@@ -220,8 +227,7 @@ def main() -> None:
     if args.worker:
         return worker_main(args)
     if args.one_round_ab:
-        lays = ";".join([f"sample={args.nproc}/local", f"sample={args.nproc}", "sample=2,channel=2",
-                         "sample=2,filter=2", f"channel={args.nproc}"])
+        lays = ";".join([f"sample={args.nproc}/local", f"sample={args.nproc}", *cf_strategies(args.nproc)])
         r = _trial(ROOT / "src", args, lays)
         print(f"{args.nproc} gloo ranks, ms per step (medians of {args.steps}, interleaved):")
         for k, v in r.items():
@@ -235,7 +241,7 @@ def main() -> None:
         return None
 
     base_src = worktree_src(args.baseline)
-    layouts = [f"sample={args.nproc}/local", f"sample={args.nproc}", *CF_STRATEGIES]
+    layouts = [f"sample={args.nproc}/local", f"sample={args.nproc}", *cf_strategies(args.nproc)]
     if args.only:
         unknown = sorted(set(args.only) - set(layouts))
         if unknown:
