@@ -126,3 +126,43 @@ def test_gradient_buckets_reverse_order_and_size():
     buckets = buckets_of(params, 1000)
     assert [[p.numel() for p in b] for b in buckets] == [[300], [50, 200], [100]]
     assert [[p.numel() for p in b] for b in buckets_of(params, 1 << 20)] == [[300, 50, 200, 100]]
+
+
+class _Chain3(nn.Module):
+    """x -> +1 -> +1 -> +1 -> sum, an nn.Identity (a leaf, so a hook sees the value) after each add;
+    the adds save nothing for backward, so eager frees each value once the next add has read it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Identity(), nn.Identity(), nn.Identity()
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x + 1) + 1) + 1).sum()
+
+
+def test_the_executor_forgets_a_value_after_its_last_use_as_eager_does():
+    import weakref
+
+    from hybridpar.runtime.comm_log import CommLog
+    from hybridpar.runtime.mp.executor import run_forward
+    from hybridpar.runtime.mp.p2p import Link
+
+    model = _Chain3()
+    part = partition_module(_Chain3(), {}, 1)
+    refs, alive_at_c = [], []
+    model.a.register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+    model.c.register_forward_hook(lambda m, i, o: alive_at_c.append(refs[-1]() is not None))
+    part.gm.a.register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+    part.gm.c.register_forward_hook(lambda m, i, o: alive_at_c.append(refs[-1]() is not None))
+    x = torch.randn(4, 3, requires_grad=True)
+    expected = model(x)
+    assert alive_at_c == [False]  # eager: a's output is gone by the time c runs
+    refs.clear()
+    alive_at_c.clear()
+    link = Link(rank_of_device=lambda d: d, log=CommLog(), prepost=True)
+    out, _ = run_forward(part, 0, link, (x,), {}, 0, torch.device("cpu"))
+    assert alive_at_c == [False], "the executor held a's output past its last use"
+    assert torch.equal(out, expected)
+    drops = part.drops_of(0)
+    dropped = {n.name for names in drops.values() for n in names}
+    assert part.output_node not in dropped and "x" not in dropped

@@ -81,6 +81,7 @@ def run_forward(part: Partition, device: int, link: Link, inputs: tuple, cross: 
     nodes = part.nodes
     token = new_token(torch_device)
     events = part.events_of(device)
+    drops = part.drops_of(device)
     tag = {i: msg_base + c.first_msg for i, c in cross.items()}
     incoming = {}
     if link.prepost:  # post every receive now; each is waited where it is needed
@@ -107,6 +108,8 @@ def run_forward(part: Partition, device: int, link: Link, inputs: tuple, cross: 
             else:
                 token = _recv(link, t, cross, tag, incoming, token, env, nodes, torch_device)
             nxt = next(ev, None)
+        for gone in drops.get(i, ()):  # as eager frees it (Partition.drops_of)
+            env.pop(gone, None)
     out_node = next(n for n in nodes if n.name == part.output_node)
     output = env[out_node] if part.output_device == device else None
     return output, token

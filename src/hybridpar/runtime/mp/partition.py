@@ -49,6 +49,43 @@ class Partition:
     def nodes(self) -> tuple[fx.Node, ...]:
         return tuple(self.gm.graph.nodes)
 
+    @cached_property
+    def _drop_plans(self) -> dict[int, dict[int, tuple[fx.Node, ...]]]:
+        return {}
+
+    def drops_of(self, device: int) -> dict[int, tuple[fx.Node, ...]]:
+        """Position -> the values this device forgets once that position's node and p2p events are
+        done: their last local use or send. Why: eager PyTorch frees an activation as soon as nothing
+        refers to it, so the allocator hands its memory, still in cache, to the next op; an
+        interpreter that keeps every value until the step ends makes every op write cold memory
+        and holds every activation (those autograd saves for backward stay held by autograd)."""
+        plan = self._drop_plans.get(device)
+        if plan is None:
+            plan = self._drop_plans[device] = self._plan_drops(device)
+        return plan
+
+    def _plan_drops(self, device: int) -> dict[int, tuple[fx.Node, ...]]:
+        last: dict[fx.Node, int] = {}
+        for i, n in enumerate(self.nodes):
+            if n.op in ("placeholder", "output") or self.device_of.get(n.name) != device:
+                continue
+            last.setdefault(n, i)  # a value no one here uses is forgotten where it was made
+            for a in n.all_input_nodes:
+                last[a] = max(last.get(a, -1), i)
+        by_name = {n.name: n for n in self.nodes}
+        for t in self.transfers:
+            node = by_name[t.node]
+            if t.src == device:
+                last[node] = max(last.get(node, -1), t.send_pos)
+            elif t.dst == device:
+                last.setdefault(node, t.recv_pos)
+        keep = by_name[self.output_node]
+        plan: dict[int, list[fx.Node]] = {}
+        for n, i in last.items():
+            if n is not keep and n.op != "placeholder":  # inputs: the caller holds them anyway
+                plan.setdefault(i, []).append(n)
+        return {i: tuple(v) for i, v in plan.items()}
+
     def events_of(self, device: int) -> list[tuple[int, str, Transfer]]:
         """This device's p2p events in execution order: (position, "send"|"recv", transfer).
         At one position receives come before the local node runs and sends after it."""
