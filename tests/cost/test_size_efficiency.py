@@ -144,3 +144,5 @@ def test_profile_measures_every_layout_of_k_ranks():
     assert keys == want
     depthwise = OpSpec("conv2d", (8, 16, 8, 8), (16, 1, 3, 3), (8, 16, 8, 8), padding=(1, 1), groups=16)
     assert len(split_variants([depthwise], (4,))) == 2  # whole and a quarter of the samples
+    lstm = OpSpec("lstm", (8, 12, 16), None, (8, 12, 32))
+    assert {v.x for v in split_variants([lstm], (2, 4))} == {(8, 12, 16), (4, 12, 16), (2, 12, 16)}
