@@ -50,8 +50,8 @@ class Partition:
         return tuple(self.gm.graph.nodes)
 
     @cached_property
-    def _drop_plans(self) -> dict[int, dict[int, tuple[fx.Node, ...]]]:
-        return {}
+    def _drops(self) -> dict[int, dict[int, tuple[fx.Node, ...]]]:
+        return {d: self._plan_drops(d) for d in range(self.mp)}
 
     def drops_of(self, device: int) -> dict[int, tuple[fx.Node, ...]]:
         """Position -> the values this device forgets once that position's node and p2p events are
@@ -59,10 +59,7 @@ class Partition:
         refers to it, so the allocator hands its memory, still in cache, to the next op; an
         interpreter that keeps every value until the step ends makes every op write cold memory
         and holds every activation (those autograd saves for backward stay held by autograd)."""
-        plan = self._drop_plans.get(device)
-        if plan is None:
-            plan = self._drop_plans[device] = self._plan_drops(device)
-        return plan
+        return self._drops[device]
 
     def _plan_drops(self, device: int) -> dict[int, tuple[fx.Node, ...]]:
         last: dict[fx.Node, int] = {}
