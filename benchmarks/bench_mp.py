@@ -178,7 +178,8 @@ def main() -> None:
                                                  Path(os.environ["HYBRIDPAR_CALIBRATION"]), args.rounds, args.keep)
     placed = {}
     for m in names:
-        outcome = place_model(MODELS[m], "localhost", 2, batch=BATCH, time_limit_s=args.time_limit)
+        outcome = place_model(MODELS[m], "localhost", 2, batch=BATCH, time_limit_s=args.time_limit,
+                              optimizer="sgd")  # what the runs train with (train's default)
         placed[m] = (outcome, placement_from_outcome(outcome, load_model(MODELS[m]).module))
     load_run = os.getloadavg()
     # Each world is one draw of this VM's drifting speed (a process's speed is set for tens of seconds):

@@ -161,6 +161,13 @@ def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: in
     for ws in {w for f in files for w in f.get("gloo", {})}:
         best.setdefault("gloo", {})[ws] = pick([f["gloo"][ws] for f in files if ws in f.get("gloo", {})],
                                                lambda fit: _gloo_at(fit, 2**20))
+    # the optimizer step and loss fits: the round at the median of a mid-sized case
+    for kind in {k for f in files for k in f.get("update", {})}:
+        best["update"][kind] = pick([f["update"][kind] for f in files if kind in f.get("update", {})],
+                                    lambda fit: fit["call_s"] + 20 * fit["per_tensor_s"] + 1e6 * fit["per_element_s"])
+    if any(f.get("loss") for f in files):
+        best["loss"] = pick([f["loss"] for f in files if f.get("loss")],
+                            lambda fit: fit["call_s"] + 1e4 * fit["per_element_s"])
     best["collectives"] = _mean_fits(coll_runs)
     target.write_text(json.dumps(best, indent=2))
     return time.perf_counter() - t0
@@ -257,7 +264,7 @@ def predict_mp(model: str, batch: int, dp: int, plan_file: Path) -> dict:
     from hybridpar.search.placer.module_placement import placement_from_outcome
 
     per = batch // dp
-    out = place_model(model, "localhost", 2, batch=per, time_limit_s=10)
+    out = place_model(model, "localhost", 2, batch=per, time_limit_s=10, optimizer="sgd")  # train's default
     placement = placement_from_outcome(out, load_model(model).module)
     strategy = "mp=2" if dp == 1 else f"mp=2,sample={dp}"
     Plan(model=out.plan.model, world_size=2 * dp, batch=batch, dp=dp, mp=2, placement=placement,
@@ -267,7 +274,7 @@ def predict_mp(model: str, batch: int, dp: int, plan_file: Path) -> dict:
     if dp == 1:
         step, comm = out.result.step_time_s, bd.comm_s
     else:
-        h = hybrid_step_time(model, "localhost", dp, 2, per, placement=placement)
+        h = hybrid_step_time(model, "localhost", dp, 2, per, placement=placement, optimizer="sgd")
         step, comm = h.step_time_s, bd.comm_s * h.mp_step_s / out.result.step_time_s + h.allreduce_s
     return {"strategy": strategy, "predicted_s": step, "compute_s": bd.compute_s, "comm_s": comm,
             "speedup": out.speedup, "devices_used": len(set(out.result.assignment))}

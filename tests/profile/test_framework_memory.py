@@ -43,3 +43,6 @@ def test_profile_writes_the_constant(tmp_path):
     cal, path = run_profile(opts, tmp_path / "cal.json")
     assert 100 << 20 < load_calibration(path).framework_bytes < 2 << 30
     assert framework_bytes_for(None, path) == cal.framework_bytes  # what the memory model then adds
+    # the optimizer step and the loss, fitted for every optimizer kind (hybridpar.profile.update)
+    assert set(cal.update) == {"sgd", "momentum", "adamw"} and cal.loss is not None
+    assert load_calibration(path).update == cal.update

@@ -16,7 +16,7 @@ import torch
 
 from hybridpar.cli.main import main
 from hybridpar.cluster.calibration import Calibration, Measurement, RuntimeOverhead, load_calibration, save_calibration
-from hybridpar.profile import executor, framework_memory, run, runtime_overhead
+from hybridpar.profile import executor, framework_memory, run, runtime_overhead, update
 from hybridpar.profile.run import ProfileOptions, overhead_to_keep
 
 ARGV = ["profile", "--model", "", "--ranks", "2", "--sizes", "4K,8K", "--repeats", "1", "--warmup", "0"]
@@ -41,6 +41,8 @@ def measured(monkeypatch) -> list[dict]:
     monkeypatch.setattr(run, "measure_collectives", collectives)
     monkeypatch.setattr(framework_memory, "measure_framework_bytes", lambda world: 300 << 20)
     monkeypatch.setattr(executor, "mp_node_overhead_s", lambda: 1e-5)
+    fit = {"call_s": 1e-4, "per_tensor_s": 1e-6, "per_element_s": 1e-9}
+    monkeypatch.setattr(update, "measure_update", lambda **_kw: {"update": {"sgd": fit}, "loss": fit})
     return calls
 
 

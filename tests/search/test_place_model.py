@@ -12,6 +12,7 @@ from hybridpar.cli.main import main
 from hybridpar.cluster import load_cluster
 from hybridpar.cost.compute import op_time
 from hybridpar.cost.memory import training_memory
+from hybridpar.cost.update import step_work
 from hybridpar.graph.models import load_model
 from hybridpar.plans import load_plan
 from hybridpar.search.placer import place_model
@@ -35,7 +36,9 @@ def test_problem_totals_match_the_cost_model():
     assert len(coarse) <= 10 < len(fine)
     assert sum(t.mem_bytes for t in prob.tasks) == pytest.approx(training_memory(fine).total_bytes, rel=1e-9)
     fwd = sum(op_time(n, cl).fwd_s for n in fine.nodes)
-    assert sum(t.fwd_s[0] for t in prob.tasks) == pytest.approx(fwd, rel=1e-9)
+    loss = step_work(cl, "momentum").loss_s(sum(fine.node(o).out_numel for o in fine.outputs))
+    assert loss > 0
+    assert sum(t.fwd_s[0] for t in prob.tasks) == pytest.approx(fwd + loss, rel=1e-9)
     assert prob.links[0][1] == cl.links_between(0, 1)
     assert sum(t.grad_bytes for t in prob.tasks) == 4 * fine.params
 

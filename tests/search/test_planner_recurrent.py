@@ -77,9 +77,10 @@ def test_lstm_priced_from_its_profile_record_as_the_placer_does(lstm_profiled):
         t = op_time(scaled, cluster)
         assert t.source == "measured"
         assert (t.fwd_s, t.bwd_s) == pytest.approx((per_layer[node.module]["fwd_s"], per_layer[node.module]["bwd_s"]))
-    # both towers and the embedding are in the step's compute, forward and backward
+    # both towers and the embedding are in the step's compute, forward and backward, with the
+    # optimizer step and the loss (tests/search/test_step_extras.py; a roofline here: no fits measured)
     layers = sum(v["fwd_s"] + v["bwd_s"] for v in per_layer.values())
-    assert res.prediction.compute_s == pytest.approx(layers)
+    assert 0 < res.prediction.compute_s - layers < 1e-4
     assert res.prediction.compute_s >= 2 * 10e-3 * k
     assert res.prediction.step_time_s >= res.prediction.compute_s
 

@@ -93,6 +93,15 @@ class RuntimeOverhead(_Model):
     layer_bwd_s: float = Field(ge=0)
 
 
+class StepFit(_Model):
+    """Per-step work outside the graph's ops (hybridpar.profile.update), CPU seconds of one thread:
+    call_s + per_tensor_s * tensors + per_element_s * elements."""
+
+    call_s: float = Field(ge=0)
+    per_tensor_s: float = Field(default=0.0, ge=0)
+    per_element_s: float = Field(ge=0)
+
+
 class Calibration(_Model):
     version: int = CALIBRATION_VERSION
     device_name: str = "localhost-cpu"
@@ -123,6 +132,11 @@ class Calibration(_Model):
     # what the channel/filter/sample runtime adds per node and per split layer (RuntimeOverhead); None
     # in files written before it: those layouts are then priced without it
     runtime_overhead: RuntimeOverhead | None = None
+    # optimizer.step() + zero_grad() per optimizer kind ("sgd", "momentum", "adamw") over the parameter
+    # tensors a rank holds, and the loss (cross-entropy forward + backward) over its output's elements;
+    # empty/None in files written before them: priced by the roofline then (hybridpar.cost.update)
+    update: dict[str, StepFit] = {}
+    loss: StepFit | None = None
 
     def gloo_fit(self, world_size: int) -> GlooFit | None:
         """The fit at `world_size`, else the measured world size nearest to it."""

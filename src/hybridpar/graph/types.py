@@ -80,6 +80,11 @@ class Graph:
                 out[i].append(n.name)
         return {k: tuple(v) for k, v in out.items()}
 
+    @cached_property
+    def outputs(self) -> tuple[str, ...]:
+        """The nodes no other node reads: what the model returns (tracing drops dead ends)."""
+        return tuple(k for k, v in self.successors.items() if not v and self.node(k).op != "input")
+
     def edges(self) -> list[tuple[str, str]]:
         return [(i, n.name) for n in self.nodes for i in n.inputs]
 

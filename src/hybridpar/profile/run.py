@@ -15,6 +15,7 @@ from hybridpar.cluster.calibration import (
     GlooFit,
     OpRecord,
     RuntimeOverhead,
+    StepFit,
     default_calibration_path,
     load_calibration,
     save_calibration,
@@ -105,7 +106,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     dist_layers = bool(opts.model) and any(k > 1 for k in opts.splits)
     path = calibration_path(out)
     overhead = overhead_to_keep(opts, path)
-    total = 3 + len(specs) + len(opts.ranks) + int(dist_layers) + int(overhead is None)
+    total = 4 + len(specs) + len(opts.ranks) + int(dist_layers) + int(overhead is None)
     step = progress or (lambda desc, total: None)
 
     step("matmul peaks and copy bandwidth", total)
@@ -140,6 +141,10 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     from hybridpar.profile.executor import mp_node_overhead_s
 
     node_overhead = mp_node_overhead_s()
+    step("optimizer step and loss", total)
+    from hybridpar.profile.update import measure_update
+
+    per_step = measure_update(warmup=opts.warmup, repeats=max(5, opts.repeats))
     if overhead is None:
         step("channel/filter runtime overhead", total)
         from hybridpar.profile.runtime_overhead import runtime_overhead
@@ -157,7 +162,9 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       hostname=platform.node(), cpu_count=physical_cores(), torch_version=torch.__version__,
                       threads_per_rank=1, **device, gloo=fits,
                       collectives=colls, ops=records, framework_bytes=framework,
-                      mp_node_overhead_s=node_overhead, runtime_overhead=overhead)
+                      mp_node_overhead_s=node_overhead, runtime_overhead=overhead,
+                      update={k: StepFit(**v) for k, v in per_step["update"].items()},
+                      loss=StepFit(**per_step["loss"]))
     return cal, save_calibration(cal, path)
 
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from hybridpar.errors import UserError
 from hybridpar.plans import Plan
@@ -60,14 +59,14 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
                metrics: str | None = None, tensorboard: str | None = None,
                profile_steps: str | tuple[int, int] | None = None, profile_dir: str | None = None,
                workers: int | None = None, launcher_world: int | None = None,
-               local_ranks: int | None = None, place: Callable[[Plan, nn.Module], Plan] | None = None) -> RunSetup:
+               local_ranks: int | None = None, place: Callable[..., Plan] | None = None) -> RunSetup:
     """Validate a training run and return its RunSetup (UserError, with `param` set, on bad input).
 
     `plan`: a Plan or the path of a plan.json; exactly one of `plan` and `strategy`. `launcher_world`:
     the world a launcher (torchrun) already started (None: this call's ranks are spawned locally);
     `local_ranks`: how many of those share this machine (default: all of them). `resume`: "no",
     "yes" (continue from this run's newest good checkpoint; refuse when every checkpoint is damaged)
-    or "if-any" (start at step 0 then); True/False mean "yes"/"no". `place(plan, module)`: returns a
+    or "if-any" (start at step 0 then); True/False mean "yes"/"no". `place(plan, module, optimizer=...)`: returns a
     model-parallel plan with its placement filled in (the caller's search, e.g.
     hybridpar.cli.placement.with_placement; the runtime never searches); without it such a plan
     must come with its placement."""
@@ -126,7 +125,10 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
         if place is None:
             raise UserError("plan: a model-parallel plan needs its placement before launch (write one with "
                             "`hybridpar place --out` or `hybridpar plan --out`)", param="plan")
-        the_plan = place(the_plan, loaded.module)
+        from hybridpar.cost.update import optimizer_kind
+
+        # priced with the update this run makes (its state in memory, its time in the step)
+        the_plan = place(the_plan, loaded.module, optimizer=optimizer_kind(optimizer, momentum))
     _check_layout(loaded.module, the_plan, batch, micro_batches, precision, tuple(loaded.example_inputs))
     n, data_bytes = _data_size(data, shape, spec, synthetic_size, seed, with_inputs)
     sample_bytes = math.prod(shape) * (8 if spec.vocab is not None else 4)

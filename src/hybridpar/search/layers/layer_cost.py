@@ -105,6 +105,11 @@ class CostContext:
 
         # what the runtime's own Python adds per node and per split layer (measured on localhost only)
         self.overhead = runtime_overhead_for(cluster.device, calibration) if ranks > 1 else None
+        from hybridpar.cost.update import optimizer_kind, step_work
+
+        # the optimizer step and the loss (not graph ops)
+        self.work = step_work(cluster.device, optimizer_kind(optimizer, momentum), dtype=dtype,
+                              calibration=calibration)
 
     def runtime_overhead(self, nodes: int, g: int, split_layers: int = 0) -> tuple[float, float]:
         """Forward and backward seconds the channel/filter/sample runtime adds to `nodes` graph nodes

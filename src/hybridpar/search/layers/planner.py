@@ -535,6 +535,16 @@ def grad_bucket_schedule(lg: LayerGraph, opts: list[VertexOptions], choice: Sequ
     return out + [(key, b, None) for key, b in whole.items()]
 
 
+def step_extra_s(lg: LayerGraph, held, sample: int, ctx: CostContext) -> float:
+    """Seconds per step outside the layers' ops (hybridpar.cost.update): the optimizer's step and
+    zero_grad over every parameter tensor (each rank holds a piece of each) of the local elements
+    `held` (LayerMemory) says, and the loss over this rank's outputs (its sample group's, whole)."""
+    tensors = sum(len(n.param_shapes) for n in lg.graph.nodes)
+    elements = sum(m.weights_bytes for m in held) / ctx.elem
+    out_numel = sum(lg.graph.node(o).out_numel for o in lg.graph.outputs)  # the graph is at the global batch
+    return ctx.work.update_s(tensors, elements) + ctx.work.loss_s(out_numel / sample)
+
+
 def predict(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
             grad_sync: str = "flat") -> Prediction:
     return predict_with_breakdown(lg, opts, choice, ctx, grad_sync)[0]
@@ -618,7 +628,12 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
         step = t + grad
     if grad_sync != "flat" and ctx.cluster.device.comm_takes_compute:
         step = t + grad  # the exchanges run on the cores backward runs on: nothing hides (DeviceSpec)
-    compute = pre_fwd + pre_bwd + sum(c.fwd_s + c.bwd_s for c in costs)
+    d0 = opts[0].dist(choice[0])
+    held = [c.memory for c in costs] + ([_prefix_memory(lg, d0, ctx)] if lg.prefix else [])
+    # the loss on this rank's outputs before backward, the optimizer on its shards after the last sync
+    extra_compute = step_extra_s(lg, held, opts[-1].dist(choice[-1]).sample, ctx)
+    step += extra_compute
+    compute = pre_fwd + pre_bwd + sum(c.fwd_s + c.bwd_s for c in costs) + extra_compute
     comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs) + sum(redist) + grad + extra_s + pre_cf + pre_cb
     nbytes: dict[str, int] = dict(pre_bytes)
     for op in [*(op for op in extras if op.phase != "check"), *(grad_allreduce(b, k) for k, b in by_key.items())]:
@@ -631,10 +646,8 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     redist_tmp = max((redistribution_transient_bytes(e.per_sample_numel * ctx.batch, ctx.ranks, ctx.elem)
                       for e in lg.edges if opts[e.src].dist(choice[e.src]) != opts[e.dst].dist(choice[e.dst])),
                      default=0.0)
-    d0 = opts[0].dist(choice[0])
     # every layer's memory and the prefix's; the step adds the largest transient (a layer's, a
     # redistribution's, the optimizer step's), the input/output and the framework
-    held = [c.memory for c in costs] + ([_prefix_memory(lg, d0, ctx)] if lg.prefix else [])
     rank_mem = step_memory(held, framework_bytes=ctx.framework_bytes, io_bytes=io_bytes(lg.graph, ctx.batch, ctx.elem),
                            optimizer=ctx.optimizer, weight_decay=ctx.weight_decay, extra_transient_bytes=redist_tmp)
     mem = int(rank_mem.total_bytes)

@@ -17,15 +17,14 @@ from hybridpar.cluster.calibration import load_calibration
 from hybridpar.cost import memory as cost_memory
 from hybridpar.cost.collectives import allreduce_time
 from hybridpar.cost.compute import op_time
-from hybridpar.cost.memory import OPTIMIZER_STATE_BYTES, kept_activations
+from hybridpar.cost.memory import kept_activations, optimizer_state_copies
+from hybridpar.cost.update import step_work
 from hybridpar.graph.coarsen import merge_groups
 from hybridpar.graph.params import owner_of
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 from hybridpar.search.placer.problem import PlacementProblem, Task
 from hybridpar.search.placer.unroll import chunk_of, share, tie_name
 
-# SGD with momentum touches w, grad and momentum: read 3, write 2 tensors of the parameters' size.
-UPDATE_BYTES_PER_PARAM_BYTE = 5
 LOSS_BYTES = 4  # the MP runtime allreduces the step's fp32 loss over the group
 
 
@@ -128,12 +127,15 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
     m = len(device_ids)
     b = DTYPE_BYTES[dtype]
     master = 4 if b < 4 else 0
-    per_param = b + master + b + OPTIMIZER_STATE_BYTES[optimizer]  # weights (+fp32 master), grads, state
+    # weights (+fp32 master), grads, optimizer state (fp32 buffers)
+    per_param = b + master + b + 4 * optimizer_state_copies(optimizer)
     kept = set(kept_activations(fine))
     owner = {x: tie_name(n) for n in coarse.nodes for x in members(n)}
     fine_succ = fine.successors
     dev = cluster.device
     node_s = executor_node_overhead_s(cluster)
+    work = step_work(cluster, optimizer, dtype=dtype)
+    outputs = set(fine.outputs)
     tasks = []
     for n in coarse.nodes:
         fwd = bwd = ovh = 0.0
@@ -143,7 +145,11 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
             t = op_time(fn, cluster, dtype=dtype)
             ovh += node_s if fn.op != "input" else 0.0
             fwd += t.fwd_s
-            bwd += t.bwd_s + UPDATE_BYTES_PER_PARAM_BYTE * fn.params * b / dev.mem_bw_Bps
+            # the optimizer's work on this node's parameters, on its device after backward (the
+            # schedule counts it in the node's backward); the loss after the output's forward
+            bwd += t.bwd_s + work.update_per_tensor(len(fn.param_shapes), fn.params)
+            if fn.name in outputs:
+                fwd += work.loss_s(fn.out_numel)
             mem += fn.params * per_param
             grad += fn.params * b
             mem += _activation_bytes(fn, x in kept, b)
@@ -170,9 +176,13 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
     if post is not None:
         notes += (f"MP runtime: posting a transfer keeps the sender busy {post.intercept_s * 1e6:.0f} us "
                   f"+ {post.slope_s_per_byte * 1e9:.3g} ns/B (measured by `hybridpar profile`)",)
+    notes += (f"optimizer step ({optimizer}) + zero_grad: {work.update_call_s * 1e6:.0f} us per device "
+              f"+ {work.update_per_tensor_s * 1e6:.1f} us per tensor + {work.update_per_element_s * 1e9:.2g} ns "
+              f"per parameter; loss {work.loss_call_s * 1e6:.0f} us + {work.loss_per_element_s * 1e9:.2g} ns "
+              f"per output element ({work.source})",)
     return PlacementProblem(coarse.name, tuple(tasks), m, (cap,) * m, bw, lat, links, tuple(device_ids),
                             notes, step_s, program_order, post.intercept_s if post else 0.0,
-                            post.slope_s_per_byte if post else 0.0)
+                            post.slope_s_per_byte if post else 0.0, work.update_call_s)
 
 
 def executor_node_overhead_s(cluster: Cluster) -> float:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hybridpar.cluster import Cluster, load_cluster
+from hybridpar.cost.memory import OPTIMIZERS
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import Plan, Prediction
@@ -33,8 +34,8 @@ DEFAULT_COARSEN = 64
 def one_process_step_s(prob: PlacementProblem) -> float:
     """The step of one process running the whole model eagerly on device 0 (what the speedup is
     over): every task one after the other, without the MP runtime's own costs (its executor's work
-    per node and its loss allreduce)."""
-    return sum(t.fwd_s[0] + t.bwd_s[0] - t.overhead_s for t in prob.tasks)
+    per node and its loss allreduce); with the optimizer's calls, which one process makes too."""
+    return sum(t.fwd_s[0] + t.bwd_s[0] - t.overhead_s for t in prob.tasks) + prob.update_call_s
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class PlaceOutcome:
                     "compute_s": bd.compute_s, "exposed_comm_s": bd.exposed_comm_s, "comm_s": bd.comm_s,
                     "idle_s": bd.idle_s, "memory_bytes": r.memory_bytes,
                     "memory_capacity_bytes": list(self.problem.mem_capacity_bytes),
-                    "baselines": self.baselines, "notes": list(self.notes) + list(r.notes)}
+                    "baselines": self.baselines, "notes": list(self.notes) + list(r.notes),
+                    "cost_notes": list(self.problem.notes)}  # what the prices hold (cluster, runtime, update)
 
 
 @lru_cache(maxsize=16)
@@ -141,14 +143,18 @@ FREE_ORDER_NOTE = ("WHAT-IF (free order): priced with each device free to run an
 def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, batch: int | None = None,
                   coarsen: int | None = None, input_shape=None, dtype: str = "fp32",
                   mem_capacity_bytes: float | None = None, time_chunks: int | None = None,
-                  free_order: bool = False) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
+                  free_order: bool = False, optimizer: str = "momentum",
+                  ) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
     """The placement problem of a model; `time_chunks` K >= 2 splits recurrent nodes into K tied time
     chunks, a what-if the runtime does not run (None: the default, off; 0: off). Priced in the MP
     runtime's program order (schedule.program_schedule) unless `free_order` or time chunks ask for a
-    free schedule (DLPlacer's, the runtime does not run it: a what-if). The returned coarse graph has
-    one node per task."""
+    free schedule (DLPlacer's, the runtime does not run it: a what-if). `optimizer` (a name of
+    hybridpar.cost.memory.OPTIMIZERS) sets the optimizer state each device holds and the update's time.
+    The returned coarse graph has one node per task."""
     if devices < 1:
         raise UserError(f"devices must be >= 1, got {devices}", param="devices")
+    if optimizer not in OPTIMIZERS:
+        raise UserError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}", param="optimizer")
     if coarsen is not None and coarsen < 2:
         raise UserError(f"coarsen must be >= 2 nodes, got {coarsen}", param="coarsen")
     batch = DEFAULT_BATCH if batch is None else batch
@@ -164,7 +170,7 @@ def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2,
     fine, name = model_graph(model, batch, input_shape)
     chunks = time_chunks or 0  # off by default (what_if_note)
     coarse = _coarse(fine, coarsen or DEFAULT_COARSEN, chunks if chunks >= 2 else 0)
-    prob = problem_from_graph(coarse, fine, cl, tuple(range(devices)), dtype=dtype,
+    prob = problem_from_graph(coarse, fine, cl, tuple(range(devices)), dtype=dtype, optimizer=optimizer,
                               mem_capacity_bytes=mem_capacity_bytes,
                               program_order=not free_order and "time_chunks" not in dict(coarse.meta))
     return prob, coarse, fine, cl, name
@@ -174,7 +180,8 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
                 time_limit_s: float = 30.0, batch: int | None = None, coarsen: int | None = None,
                 input_shape=None, dtype: str = "fp32", workers: int = 2,
                 mem_capacity_bytes: float | None = None, time_chunks: int | None = None,
-                seed: int = 0, free_order: bool = False, gap: float | None = None) -> PlaceOutcome:
+                seed: int = 0, free_order: bool = False, gap: float | None = None,
+                optimizer: str = "momentum") -> PlaceOutcome:
     """Place `model` over `devices` devices (0..devices-1) of `cluster` at `batch` samples per step.
 
     Returns the placement (solver result with schedule and gap), the one-device step for the speedup,
@@ -198,7 +205,7 @@ def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *
     prob, coarse, fine, cl, name = build_problem(model, cluster, devices, batch=batch, coarsen=coarsen,
                                                  input_shape=input_shape, dtype=dtype,
                                                  mem_capacity_bytes=mem_capacity_bytes, time_chunks=time_chunks,
-                                                 free_order=free_order)
+                                                 free_order=free_order, optimizer=optimizer)
     if solver == "ilp":
         budget.check(f"placement of {len(prob.tasks):,} tasks on {devices:,} devices",
                      budget.placer_ilp_estimate(len(prob.tasks), devices),

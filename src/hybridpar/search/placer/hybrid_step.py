@@ -45,11 +45,13 @@ class HybridStep:
 
 def hybrid_step_time(model, cluster: str | Cluster, dp: int, mp: int, batch_per_worker: int, *,
                      placement: Mapping[str, int] | None = None, solver: str = "ilp", time_limit_s: float = 20.0,
-                     coarsen: int | None = None, bucket_bytes: int = DDP_BUCKET_BYTES) -> HybridStep:
+                     coarsen: int | None = None, bucket_bytes: int = DDP_BUCKET_BYTES,
+                     optimizer: str = "momentum") -> HybridStep:
     """Predicted step of D x M hybrid training at `batch_per_worker` samples per replica.
 
     model: zoo name, file spec or Graph (a name caches the placement per (model, cluster, M, batch)).
-    placement: module or fine node name -> device to time instead of searching (e.g. a Plan's placement)."""
+    placement: module or fine node name -> device to time instead of searching (e.g. a Plan's placement).
+    optimizer: what each replica steps with (api.build_problem)."""
     if dp < 1 or mp < 1:
         raise UserError(f"dp and mp must be >= 1, got dp={dp}, mp={mp}")
     full = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, dp * mp)
@@ -58,26 +60,27 @@ def hybrid_step_time(model, cluster: str | Cluster, dp: int, mp: int, batch_per_
     # each replica's MP group is priced on the whole D x M cluster: where ranks share cores (localhost),
     # all D x M ranks compute at once, so its compute stretches by (D x M) / cores, not M / cores
     if placement is not None or not isinstance(model, str) or not isinstance(cluster, str):
-        result = _mp_result(model, full, mp, batch_per_worker, solver, time_limit_s, coarsen, placement)
+        result = _mp_result(model, full, mp, batch_per_worker, solver, time_limit_s, coarsen, placement, optimizer)
     else:
-        result = _cached_mp_result(model, cluster, dp * mp, mp, batch_per_worker, solver, time_limit_s, coarsen)
+        result = _cached_mp_result(model, cluster, dp * mp, mp, batch_per_worker, solver, time_limit_s, coarsen,
+                                   optimizer)
     return _with_allreduce(result, full, dp, mp, batch_per_worker, bucket_bytes)
 
 
 @lru_cache(maxsize=256)
 def _cached_mp_result(model: str, cluster: str, world: int, mp: int, batch: int, solver: str, time_limit_s: float,
-                      coarsen: int | None) -> PlacementResult:
-    return _mp_result(model, load_cluster(cluster, world), mp, batch, solver, time_limit_s, coarsen, None)
+                      coarsen: int | None, optimizer: str) -> PlacementResult:
+    return _mp_result(model, load_cluster(cluster, world), mp, batch, solver, time_limit_s, coarsen, None, optimizer)
 
 
 def _mp_result(model, cluster, mp: int, batch: int, solver: str, time_limit_s: float, coarsen: int | None,
-               placement: Mapping[str, int] | None) -> PlacementResult:
+               placement: Mapping[str, int] | None, optimizer: str = "momentum") -> PlacementResult:
     from hybridpar.search.placer import solve
     from hybridpar.search.placer.adapter import members, node_modules
     from hybridpar.search.placer.api import build_problem
     from hybridpar.search.placer.unroll import tie_name
 
-    prob, coarse, *_ = build_problem(model, cluster, mp, batch=batch, coarsen=coarsen)
+    prob, coarse, *_ = build_problem(model, cluster, mp, batch=batch, coarsen=coarsen, optimizer=optimizer)
     if placement is None:
         return solve(prob, "single" if mp == 1 else solver, time_limit_s=time_limit_s, workers=2)
     assignment: list[int] = []
@@ -115,7 +118,7 @@ def _with_allreduce(result: PlacementResult, cluster: Cluster, dp: int, mp: int,
             dt = allreduce_time(size, groups[d], cluster) * contention
             t_end = max(t_end, ready) + dt
             busy += dt
-        finish.append(t_end)
+        finish.append(t_end + prob.update_call_s if t_end else 0.0)  # the optimizer steps after its sync
         total.append(busy)
     step = max([mp_step, *finish])
     return HybridStep(dp, mp, batch, step, mp_step, max(total), step - mp_step, tuple(total), result.solver,

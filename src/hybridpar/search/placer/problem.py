@@ -6,6 +6,7 @@ random graphs; `adapter.problem_from_graph` builds one from a model graph and a 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -70,6 +71,9 @@ class PlacementProblem:
     # seconds + seconds per byte: the sending device is busy for it (localhost: measured, p2p_post)
     post_s: float = 0.0
     post_s_per_byte: float = 0.0
+    # every device's fixed compute once its backward is done: the optimizer's step() and zero_grad()
+    # calls (their per-tensor work is in each task's bwd_s); added to the makespan like step_overhead_s
+    update_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         m = self.num_devices
@@ -239,7 +243,4 @@ def _toposort(tasks: list[Task]) -> list[Task]:
 
 
 def _replace_tasks(problem: PlacementProblem, tasks: list[Task]) -> PlacementProblem:
-    return PlacementProblem(problem.name, tuple(tasks), problem.num_devices, problem.mem_capacity_bytes,
-                            problem.bw_Bps, problem.latency_s, problem.links, problem.device_ids, problem.notes,
-                            problem.step_overhead_s, problem.program_order, problem.post_s,
-                            problem.post_s_per_byte)
+    return dataclasses.replace(problem, tasks=tuple(tasks))

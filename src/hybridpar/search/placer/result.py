@@ -38,8 +38,9 @@ class PlacementResult:
 
     @property
     def step_time_s(self) -> float:
-        """The schedule's makespan plus the runtime's fixed cost per step (problem.step_overhead_s)."""
-        return self.schedule.makespan + self.problem.step_overhead_s
+        """The schedule's makespan plus the runtime's fixed costs per step (problem.step_overhead_s,
+        problem.update_call_s)."""
+        return self.schedule.makespan + self.problem.step_overhead_s + self.problem.update_call_s
 
     @property
     def gap(self) -> float | None:
@@ -54,11 +55,12 @@ class PlacementResult:
         """The schedule's breakdown; the runtime's fixed cost per step (its loss allreduce) counts as
         an exposed transfer after the schedule."""
         bd = breakdown(self.schedule, self.problem.num_devices)
-        o = self.problem.step_overhead_s
-        if not o:
+        o, u = self.problem.step_overhead_s, self.problem.update_call_s
+        if not o and not u:
             return bd
-        return dataclasses.replace(bd, step_s=bd.step_s + o, exposed_comm_s=bd.exposed_comm_s + o,
-                                   comm_s=bd.comm_s + o, idle_s=bd.idle_s + o)
+        return dataclasses.replace(bd, step_s=bd.step_s + o + u, compute_s=bd.compute_s + u,
+                                   exposed_comm_s=bd.exposed_comm_s + o, comm_s=bd.comm_s + o,
+                                   idle_s=bd.idle_s + o, busy_s=tuple(b + u for b in bd.busy_s))
 
     @cached_property
     def memory_bytes(self) -> list[int]:

@@ -1,0 +1,87 @@
+"""Per-step work outside the graph's ops: the optimizer step with `zero_grad`, and the loss.
+
+Every rank runs `optimizer.step(); optimizer.zero_grad()` over the parameter tensors it holds (a
+shard of each under a channel/filter split, its devices' layers under model parallelism), and the
+rank holding the model's output runs the loss (cross-entropy) on its samples' outputs:
+
+  update = call_s + per_tensor_s * tensors + per_element_s * elements
+  loss   = call_s + per_element_s * output elements
+
+localhost: fitted by `hybridpar profile` (hybridpar.profile.update; CPU time of one thread, stretched
+by the device's time share as the op table is). torch's optimizers loop over tensors in Python on a
+CPU, so per tensor is most of it in small models. Elsewhere (GPU presets, a CPU without a profile):
+a roofline, labelled an approximation: the bytes each update reads and writes per parameter at the
+device's memory bandwidth, and a few kernel launches per step (torch's foreach kernels, the GPU
+default, update every tensor of a step in a handful of launches).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hybridpar.cluster.calibration import Calibration, load_calibration
+from hybridpar.cluster.model import Cluster, DeviceSpec
+
+# bytes read + written per parameter element, in units of the element size: SGD reads the weight and
+# its gradient and writes the weight; momentum adds its buffer's read and write; Adam(W) two moments
+UPDATE_PASSES = {"sgd": 3, "momentum": 5, "lars": 5, "adam": 7, "adamw": 7}
+LOSS_PASSES = 4  # log-softmax forward (read, write) and its gradient (read, write)
+ROOFLINE_LAUNCHES = 4  # kernels per update or loss on a GPU (foreach groups, softmax + nll)
+# the measured kind that stands for one the profile does not time (LARS: SGD with momentum plus per-
+# tensor norms, an approximation; Adam: AdamW's loop without the decoupled decay)
+_MEASURED_AS = {"lars": "momentum", "adam": "adamw"}
+
+
+def optimizer_kind(name: str, momentum: float = 0.0) -> str:
+    """The cost model's name (hybridpar.cost.memory.OPTIMIZERS) of `hybridpar train`'s optimizer:
+    "sgd" with momentum is "momentum"."""
+    return "momentum" if name == "sgd" and momentum else name
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The fits of one device: seconds for `tensors` tensors of `elements` parameter elements."""
+
+    update_call_s: float
+    update_per_tensor_s: float
+    update_per_element_s: float
+    loss_call_s: float
+    loss_per_element_s: float
+    source: str  # "measured" or "roofline"
+
+    def update_s(self, tensors: int, elements: float) -> float:
+        if tensors <= 0:
+            return 0.0
+        return self.update_call_s + self.update_per_tensor_s * tensors + self.update_per_element_s * elements
+
+    def update_per_tensor(self, tensors: int, elements: float) -> float:
+        """The part of `update_s` that grows with what a device holds (without the call)."""
+        return self.update_per_tensor_s * tensors + self.update_per_element_s * elements
+
+    def loss_s(self, elements: float) -> float:
+        return self.loss_call_s + self.loss_per_element_s * elements if elements > 0 else 0.0
+
+
+def step_work(device: DeviceSpec | Cluster, optimizer: str = "sgd", *, dtype: str = "fp32",
+              calibration: Calibration | str | os.PathLike | None = None) -> StepWork:
+    """The update and loss fits of `device` for `optimizer` ("sgd" = train's default, momentum 0)."""
+    from hybridpar.cost.compute import efficiency_table
+    from hybridpar.graph.types import DTYPE_BYTES
+
+    dev = device.device if isinstance(device, Cluster) else device
+    cal = calibration if isinstance(calibration, Calibration) else None
+    if cal is None and (calibration is not None or dev.kind == "cpu"):
+        cal = load_calibration(calibration)
+    if cal is not None and cal.device_name == dev.name and cal.loss is not None:
+        fit = cal.update.get(optimizer) or cal.update.get(_MEASURED_AS.get(optimizer, ""))
+        if fit is not None:
+            k = dev.time_share
+            return StepWork(fit.call_s * k, fit.per_tensor_s * k, fit.per_element_s * k,
+                            cal.loss.call_s * k, cal.loss.per_element_s * k, "measured")
+    table = efficiency_table()[dev.kind]
+    bw = dev.mem_bw_Bps * table["classes"]["elementwise"]["memory"]
+    b = DTYPE_BYTES[dtype]
+    launch = ROOFLINE_LAUNCHES * table["launch_s"] * dev.time_share
+    per_elem = UPDATE_PASSES.get(optimizer, UPDATE_PASSES["momentum"]) * b / bw * dev.time_share
+    return StepWork(launch, 0.0, per_elem, launch, LOSS_PASSES * b / bw * dev.time_share, "roofline")
