@@ -109,12 +109,22 @@ def test_localhost_uses_measured_per_shape_records():
                       ops={r.key: r for r in (whole, half)})
     t = op_time(node, cpu, sample_frac=0.5, calibration=cal)
     assert (t.source, t.fwd_s) == ("measured", pytest.approx(0.8e-3))  # the piece's own record, not 1/2
-    # a quarter of the batch has no record: scaled from another batch's, at the measured matmul rate
-    # of its smaller size (slower than a quarter of the time)
+    # a quarter of the batch has no record: with two other batches' records, each pass is affine in
+    # the batch through them (batch 4: 0.8 ms, batch 8: 1.0 ms -> 0.6 ms fixed + 0.05 ms per sample)
     q = op_time(node, cpu, sample_frac=0.25, calibration=cal)
-    assert q.source == "measured-scaled" and q.fwd_s > 0.25 * 1e-3 * 1.01
-    no_curve = cal.model_copy(update={"matmul_curve": []})
+    assert q.source == "measured-scaled"
+    assert (q.fwd_s, q.bwd_data_s, q.bwd_weight_s) == pytest.approx((0.7e-3, 1.4e-3, 2.1e-3))
+    assert op_time(node, cpu, sample_frac=0.75, calibration=cal).fwd_s == pytest.approx(0.9e-3)  # between
+    # with one other batch's record: scaled from it, at the measured matmul rate of its smaller size
+    # (slower than a quarter of the time)
+    one = cal.model_copy(update={"ops": {whole.key: whole}})
+    q1 = op_time(node, cpu, sample_frac=0.25, calibration=one)
+    assert q1.source == "measured-scaled" and q1.fwd_s > 0.25 * 1e-3 * 1.01
+    no_curve = one.model_copy(update={"matmul_curve": []})
     assert op_time(node, cpu, sample_frac=0.25, calibration=no_curve).fwd_s == pytest.approx(0.25e-3)
+    # two records that fall with the batch (noise): in proportion to the nearer one
+    noisy = cal.model_copy(update={"ops": {whole.key: whole, half.key: _record(node, s=1.2e-3, sample_frac=0.5)}})
+    assert op_time(node, cpu, sample_frac=0.25, calibration=noisy).fwd_s == pytest.approx(0.6e-3)
     # a shape with no record at any batch: the roofline, with the measured curve's size factor
     fc = linear(4, 32, 32)
     slow = op_time(fc, cpu, calibration=cal)

@@ -288,23 +288,61 @@ def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample
     return OpTime(fwd, bwd_data, bwd_weight)
 
 
-def _lookup(cal: Calibration, op: str, loc: LocalShapes) -> tuple[OpRecord, float] | None:
-    """Exact local-shape match, else the same op and per-sample shapes at another batch size
-    (time scaled linearly in the batch)."""
+@dataclass(frozen=True)
+class _Hit:
+    """Measured seconds of one op at a local shape: a record of that shape, or derived from records of
+    the same op and per-sample shapes at other batch sizes (`scale`: the batch ratio when one record
+    was scaled in proportion; 1.0 otherwise)."""
+
+    fwd_s: float
+    bwd_data_s: float
+    bwd_weight_s: float | None
+    scale: float = 1.0
+    derived: bool = False
+
+
+def _times(rec: OpRecord) -> tuple[float, float, float | None]:
+    return rec.fwd.median_s, rec.bwd_data.median_s, rec.bwd_weight.median_s if rec.bwd_weight else None
+
+
+def _lookup(cal: Calibration, op: str, loc: LocalShapes) -> _Hit | None:
+    """Exact local-shape match, else the same op and per-sample shapes at other batch sizes: with two or
+    more such records, each pass's time is affine in the batch through the two nearest (interpolated
+    between them, extrapolated beyond: an op's fixed cost, e.g. an LSTM's per-time-step kernels, does
+    not shrink with the batch); with one, scaled in proportion to the batch (`scale`)."""
     rec = cal.ops.get(loc.key(op))
     if rec is not None:
-        return rec, 1.0
+        return _Hit(*_times(rec))
     if not loc.x or not loc.y:
         return None
+    same: dict[int, OpRecord] = {}
+    w = "x".join(map(str, loc.w)) if loc.w else "-"
     for other in cal.ops.values():
         if other.op != op:
             continue
         parts = dict(p.split("=", 1) for p in other.key.split("|")[1:])
         ox, oy = parts["x"].split("x"), parts["y"].split("x")
-        same_w = parts["w"] == ("x".join(map(str, loc.w)) if loc.w else "-")
-        if same_w and ox[1:] == [str(v) for v in loc.x[1:]] and oy[1:] == [str(v) for v in loc.y[1:]]:
-            return other, loc.x[0] / int(ox[0])
-    return None
+        if parts["w"] == w and ox[1:] == [str(v) for v in loc.x[1:]] and oy[1:] == [str(v) for v in loc.y[1:]]:
+            same.setdefault(int(ox[0]), other)
+    if not same:
+        return None
+    n = loc.x[0]
+    if len(same) == 1:
+        (nb, other), = same.items()
+        return _Hit(*_times(other), scale=n / nb, derived=True)
+    n1, n2 = sorted(sorted(same, key=lambda b: (abs(b - n), b))[:2])
+    t1, t2 = _times(same[n1]), _times(same[n2])
+
+    def at(a: float | None, b: float | None) -> float | None:
+        if a is None or b is None:
+            return None
+        slope = (b - a) / (n2 - n1)
+        fixed = a - slope * n1
+        if slope < 0 or fixed < 0:  # noise across the two records: in proportion to the nearer one
+            return a * n / n1 if abs(n - n1) <= abs(n - n2) else b * n / n2
+        return fixed + slope * n
+
+    return _Hit(at(t1[0], t2[0]), at(t1[1], t2[1]), at(t1[2], t2[2]), derived=True)
 
 
 def variant_name(op: str, channel: int, filter_: int, input_grad: bool = True) -> str:
@@ -344,15 +382,15 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
         of_variant = hit is not None
         hit = hit or _lookup(cal, node.op, loc)
         if hit is not None:
-            rec, scale = hit
-            if scale != 1.0 and cpu is not None:  # another batch's record: its FLOP rate at this size
+            scale = hit.scale
+            if scale != 1.0 and cpu is not None:  # one other batch's record: its FLOP rate at this size
                 f = node.fwd_flops * loc.flop_frac
                 scale *= curve_factor(cpu, f / scale) / curve_factor(cpu, f)
             k = scale * dev.time_share
-            bw = rec.bwd_weight.median_s * k if rec.bwd_weight is not None else 0.0
+            bw = hit.bwd_weight_s * k if hit.bwd_weight_s is not None else 0.0
             first = node.op in _MATMUL and node.bwd_data_flops == 0  # first layer: autograd skips dx
-            bd = 0.0 if first else rec.bwd_data.median_s * k
-            source = "measured" if scale == 1.0 else "measured-scaled"
-            return OpTime(rec.fwd.median_s * k, bd, bw, f"{source}:{variant}" if of_variant else source)
+            bd = 0.0 if first else hit.bwd_data_s * k
+            source = "measured-scaled" if hit.derived else "measured"
+            return OpTime(hit.fwd_s * k, bd, bw, f"{source}:{variant}" if of_variant else source)
     return roofline_time(node, dev, dtype=dtype, sample_frac=sample_frac, channel_frac=channel_frac,
                          filter_frac=filter_frac, cpu=cpu)
