@@ -12,7 +12,7 @@ two ranks' compute differs in one run; (2)-(4) that the allreduce waits for the 
 
 2026-12-01 07:15 UTC, quiet (two runs of each): (1) 7.8 / 11.1 and 11.4 / 10.3 ms per rank, (2)
 15.4-16.3 ms, (3) 14.9-15.8 ms, (4) 12.9-15.9 ms; one process alone through `hybridpar train`: 8.6-8.9
-ms, 8.7 predicted. 07:40 UTC, this script: (1) 8.8 / 17.0 ms (the same loop, the same moment, no
+ms, 8.7 predicted. 07:28 UTC, this script: (1) 8.8 / 17.0 ms (the same loop, the same moment, no
 collective), (2) 16.8 / 17.7, (3) 16.6 / 16.6, (4) 15.9 / 16.2 ms.
 
     python benchmarks/probe_skew.py [--drift] [--variants plain,plainar,ddp,ours]
