@@ -168,6 +168,9 @@ def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: in
     if any(f.get("loss") for f in files):
         best["loss"] = pick([f["loss"] for f in files if f.get("loss")],
                             lambda fit: fit["call_s"] + 1e4 * fit["per_element_s"])
+    for p in {p for f in files for p in f.get("rank_skew", {})}:  # the round at the median, per rank count
+        best.setdefault("rank_skew", {})[p] = pick([f["rank_skew"][p] for f in files if p in f.get("rank_skew", {})],
+                                                   float)
     best["collectives"] = _mean_fits(coll_runs)
     target.write_text(json.dumps(best, indent=2))
     return time.perf_counter() - t0

@@ -16,7 +16,7 @@ import torch
 
 from hybridpar.cli.main import main
 from hybridpar.cluster.calibration import Calibration, Measurement, RuntimeOverhead, load_calibration, save_calibration
-from hybridpar.profile import executor, framework_memory, run, runtime_overhead, update
+from hybridpar.profile import executor, framework_memory, rank_skew, run, runtime_overhead, update
 from hybridpar.profile.run import ProfileOptions, overhead_to_keep
 
 ARGV = ["profile", "--model", "", "--ranks", "2", "--sizes", "4K,8K", "--repeats", "1", "--warmup", "0"]
@@ -43,6 +43,7 @@ def measured(monkeypatch) -> list[dict]:
     monkeypatch.setattr(executor, "mp_node_overhead_s", lambda: 1e-5)
     fit = {"call_s": 1e-4, "per_tensor_s": 1e-6, "per_element_s": 1e-9}
     monkeypatch.setattr(update, "measure_update", lambda **_kw: {"update": {"sgd": fit}, "loss": fit})
+    monkeypatch.setattr(rank_skew, "measure_rank_skew", lambda ranks: {2: 1.1})
     return calls
 
 

@@ -137,6 +137,18 @@ class Calibration(_Model):
     # empty/None in files written before them: priced by the roofline then (hybridpar.cost.update)
     update: dict[str, StepFit] = {}
     loss: StepFit | None = None
+    # P -> how much longer a synchronous step of P ranks computes than one process alone (the slowest
+    # rank's CPU time per lockstep iteration over one process's; hybridpar.profile.rank_skew); empty in
+    # older files: no such stretch then
+    rank_skew: dict[int, float] = {}
+
+    def skew(self, ranks: int) -> float:
+        """rank_skew at `ranks` (1.0 for one rank), else at the measured rank count nearest to it."""
+        if ranks <= 1 or not self.rank_skew:
+            return 1.0
+        if ranks in self.rank_skew:
+            return self.rank_skew[ranks]
+        return self.rank_skew[min(self.rank_skew, key=lambda p: (abs(p - ranks), p))]
 
     def gloo_fit(self, world_size: int) -> GlooFit | None:
         """The fit at `world_size`, else the measured world size nearest to it."""

@@ -64,6 +64,11 @@ def localhost_cluster(spec: ClusterFile, ranks: int | None, calibration: str | o
                                            "mem_bw_Bps": cal.mem_bw_Bps})
         for key in (*(f"device.peak_flops.{d}" for d in peaks), "device.mem_bw_Bps"):
             sources[key] = f"measured by `hybridpar profile` ({where})"
+        skew = cal.skew(ranks)
+        if skew != 1.0:  # a synchronous step moves at its slowest rank's pace (profile.rank_skew)
+            device = device.model_copy(update={"time_share": share * skew})
+            sources["device.time_share"] = (f"ranks/cores x {skew:.3g}, the slowest of {ranks} ranks in lockstep "
+                                            f"against one process, measured by `hybridpar profile` ({where})")
         alpha, beta = _gloo_alpha_beta(cal, ranks, cores)
         if alpha is not None and beta is not None:
             intra = intra.model_copy(update={"link_latency_s": alpha, "link_bw_Bps": 1.0 / beta})

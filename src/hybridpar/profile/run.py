@@ -106,7 +106,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     dist_layers = bool(opts.model) and any(k > 1 for k in opts.splits)
     path = calibration_path(out)
     overhead = overhead_to_keep(opts, path)
-    total = 4 + len(specs) + len(opts.ranks) + int(dist_layers) + int(overhead is None)
+    total = 5 + len(specs) + len(opts.ranks) + int(dist_layers) + int(overhead is None)
     step = progress or (lambda desc, total: None)
 
     step("matmul peaks and copy bandwidth", total)
@@ -145,6 +145,10 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     from hybridpar.profile.update import measure_update
 
     per_step = measure_update(warmup=opts.warmup, repeats=max(5, opts.repeats))
+    step("ranks in lockstep against one process", total)
+    from hybridpar.profile.rank_skew import measure_rank_skew
+
+    skew = measure_rank_skew(opts.ranks)
     if overhead is None:
         step("channel/filter runtime overhead", total)
         from hybridpar.profile.runtime_overhead import runtime_overhead
@@ -164,7 +168,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       collectives=colls, ops=records, framework_bytes=framework,
                       mp_node_overhead_s=node_overhead, runtime_overhead=overhead,
                       update={k: StepFit(**v) for k, v in per_step["update"].items()},
-                      loss=StepFit(**per_step["loss"]))
+                      loss=StepFit(**per_step["loss"]), rank_skew=skew)
     return cal, save_calibration(cal, path)
 
 

@@ -109,7 +109,7 @@ def _print_detail(c) -> None:
                       f"{_gbps(c.inter.nic_bw_Bps)} GB/s per direction, latency {c.inter.latency_s * 1e6:.3g} us")
     if c.ranks_share_cores:
         console.print(f"{c.num_devices} ranks on {c.cores} core(s): compute stretches by "
-                      f"{d.time_share:.3g}x (ranks time-share the cores)")
+                      f"{d.time_share:.3g}x (ranks time-share the cores; a step moves at its slowest rank's pace)")
     # Sources contain brackets ("[approximation]"): escape them from rich markup.
     console.print(table("sources", ["figure", "source"], [(k, escape(v)) for k, v in sorted(c.sources.items())],
                         justify_right=lambda col: False))

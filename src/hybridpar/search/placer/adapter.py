@@ -182,7 +182,7 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
               f"per output element ({work.source})",)
     return PlacementProblem(coarse.name, tuple(tasks), m, (cap,) * m, bw, lat, links, tuple(device_ids),
                             notes, step_s, program_order, post.intercept_s if post else 0.0,
-                            post.slope_s_per_byte if post else 0.0, work.update_call_s)
+                            post.slope_s_per_byte if post else 0.0, work.update_call_s, dev.time_share)
 
 
 def executor_node_overhead_s(cluster: Cluster) -> float:

@@ -34,8 +34,10 @@ DEFAULT_COARSEN = 64
 def one_process_step_s(prob: PlacementProblem) -> float:
     """The step of one process running the whole model eagerly on device 0 (what the speedup is
     over): every task one after the other, without the MP runtime's own costs (its executor's work
-    per node and its loss allreduce); with the optimizer's calls, which one process makes too."""
-    return sum(t.fwd_s[0] + t.bwd_s[0] - t.overhead_s for t in prob.tasks) + prob.update_call_s
+    per node and its loss allreduce); with the optimizer's calls, which one process makes too. Alone on
+    the machine: not stretched by the group's time share (ranks sharing cores, the slowest rank)."""
+    work = sum(t.fwd_s[0] + t.bwd_s[0] - t.overhead_s for t in prob.tasks) + prob.update_call_s
+    return work / prob.time_share
 
 
 @dataclass(frozen=True)

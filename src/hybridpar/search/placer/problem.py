@@ -74,6 +74,9 @@ class PlacementProblem:
     # every device's fixed compute once its backward is done: the optimizer's step() and zero_grad()
     # calls (their per-tensor work is in each task's bwd_s); added to the makespan like step_overhead_s
     update_call_s: float = 0.0
+    # how much every task's compute is stretched over one process alone on the same machine (ranks
+    # sharing cores, a step moving at its slowest rank's pace: DeviceSpec.time_share); 1 on GPUs
+    time_share: float = 1.0
 
     def __post_init__(self) -> None:
         m = self.num_devices

@@ -1,0 +1,106 @@
+"""How much longer a synchronous step of P ranks computes than one process alone, on this machine.
+
+The op table is timed in one process alone. A training step of P ranks ends at the same collective on
+every rank (the gradient allreduce; under a channel/filter split every layer's exchange), so it moves
+at the pace of the slowest rank. On this 2-vCPU VM two ranks running the same loop at the same moment
+took 8.8 and 17.0 ms per step (`benchmarks/probe_skew.py`, 2026-12-01), and the validation's sample
+rows came out ~11% under the measured steps while one process alone was predicted within a few
+percent. Not a time share: each rank had its own core.
+
+Measured as CPU time of each rank's thread (time.thread_time: waiting for a core, which the time share
+prices, does not count), in lockstep: P worker processes run a reference iteration (a convolution and
+an LSTM, forward and backward), wait at a barrier, and again; per iteration the slowest rank's CPU
+time. Alone: one worker runs the same iterations while the others wait. The phases alternate over
+`cycles` so that the machine's drift hits them alike:
+
+  rank_skew[P] = mean over iterations (max over ranks of CPU time) / mean over iterations (CPU time alone)
+
+`hybridpar.cluster.localhost` stretches compute at P ranks by it (on top of ranks/cores).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+from collections.abc import Sequence
+
+
+def _iteration():
+    import torch
+
+    torch.manual_seed(0)
+    conv, x = torch.nn.Conv2d(16, 16, 3, padding=1), torch.randn(8, 16, 24, 24)
+    lstm, s = torch.nn.LSTM(32, 64, batch_first=True), torch.randn(8, 24, 32)
+
+    def run() -> None:
+        conv(x.clone()).sum().backward()
+        lstm(s.clone())[0].sum().backward()
+
+    return run
+
+
+def _worker(rank: int, phases: Sequence[int], iters: int, start, barriers: dict, q) -> None:
+    import time
+
+    import torch
+
+    from hybridpar.host_allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the ranks and the op table run
+    torch.set_num_threads(1)
+    run = _iteration()
+    for _ in range(3):
+        run()
+    for k, p in enumerate(phases):
+        start.wait()  # every worker, every phase: the phases do not overlap
+        if rank >= p:
+            continue
+        cpu = []
+        for _ in range(iters):
+            t0 = time.thread_time()
+            run()
+            cpu.append(time.thread_time() - t0)
+            barriers[p].wait()
+        q.put((k, rank, cpu))
+
+
+def measure_rank_skew(ranks: Sequence[int], *, cycles: int = 3, iters: int = 15, timeout_s: float = 300.0) -> dict:
+    """{P: rank_skew} for each P > 1 in `ranks` (see the module docstring)."""
+    ps = sorted({p for p in ranks if p > 1})
+    if not ps:
+        return {}
+    ctx = mp.get_context("spawn")
+    width = max(ps)
+    phases = [p for _ in range(cycles) for p in (1, *ps)]
+    start = ctx.Barrier(width)
+    barriers = {p: ctx.Barrier(p) for p in (1, *ps)}
+    q = ctx.Queue()
+    env = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        procs = [ctx.Process(target=_worker, args=(r, phases, iters, start, barriers, q), daemon=True)
+                 for r in range(width)]
+        for pr in procs:
+            pr.start()
+        got: dict[int, dict[int, list[float]]] = {}
+        for _ in range(sum(phases)):
+            k, rank, cpu = q.get(timeout=timeout_s)
+            got.setdefault(k, {})[rank] = cpu
+        for pr in procs:
+            pr.join(timeout=30)
+    finally:
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+    out: dict[int, float] = {}
+    for p in ps:
+        ratios = []
+        for c in range(cycles):
+            alone_k, together_k = c * (len(ps) + 1), c * (len(ps) + 1) + 1 + ps.index(p)
+            alone = statistics.fmean(got[alone_k][0])
+            slowest = statistics.fmean(max(cpu[i] for cpu in got[together_k].values()) for i in range(iters))
+            ratios.append(slowest / alone)
+        out[p] = max(1.0, statistics.median(ratios))  # a step is never faster for having more ranks
+    return out

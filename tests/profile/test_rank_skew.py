@@ -1,0 +1,65 @@
+"""A synchronous step of P ranks moves at its slowest rank's pace: `hybridpar profile` measures by how
+much (hybridpar.profile.rank_skew) and the localhost cluster stretches compute at P ranks by it; a
+process alone (the placer's one-process baseline) is not stretched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hybridpar.cluster import load_cluster
+from hybridpar.cluster.calibration import Calibration, save_calibration
+from hybridpar.cluster.localhost import oversubscription, physical_cores
+from hybridpar.profile.rank_skew import measure_rank_skew
+from hybridpar.search.layers.planner import plan_model
+from hybridpar.search.placer.api import place_model
+
+
+@pytest.mark.timeout(120)
+def test_measure_rank_skew_on_this_machine():
+    got = measure_rank_skew([1, 2], cycles=1, iters=3)
+    assert set(got) == {2} and 1.0 <= got[2] < 10.0  # never below one process alone
+
+
+def test_skew_at_the_nearest_measured_rank_count():
+    cal = Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10, rank_skew={2: 1.2, 4: 1.5})
+    assert (cal.skew(1), cal.skew(2), cal.skew(3), cal.skew(4), cal.skew(8)) == (1.0, 1.2, 1.2, 1.5, 1.5)
+    assert Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10).skew(4) == 1.0
+
+
+def _save(path, **fields):
+    save_calibration(Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10, **fields), path)
+    return str(path)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_localhost_compute_stretches_at_p_ranks_not_alone(tmp_path, monkeypatch):
+    plain, skewed = _save(tmp_path / "a.json"), _save(tmp_path / "b.json", rank_skew={2: 1.5, 4: 1.25})
+    cores = physical_cores()
+    for ranks, k in ((1, 1.0), (2, 1.5), (4, 1.25)):
+        base = load_cluster("localhost", gpus=ranks, calibration=plain).device.time_share
+        assert base == oversubscription(ranks, cores)
+        dev = load_cluster("localhost", gpus=ranks, calibration=skewed).device
+        assert dev.time_share == pytest.approx(base * k)
+    c = load_cluster("localhost", gpus=2, calibration=skewed)
+    assert "slowest of 2 ranks" in c.sources["device.time_share"]
+    # the planner's compute at 2 ranks stretches by it; the placer's one-process baseline does not
+    model = (Net(), (torch.randn(8, 64),))
+    pred = {}
+    for name, path in (("plain", plain), ("skewed", skewed)):
+        monkeypatch.setenv("HYBRIDPAR_CALIBRATION", path)
+        pred[name] = plan_model(model, "localhost", 2, 8, strategy="sample=2").prediction.compute_s
+        out = place_model(model, "localhost", 2, batch=8, solver="single")
+        pred[f"{name}_single"], pred[f"{name}_mp"] = out.single_step_s, out.result.breakdown.compute_s
+    assert pred["skewed"] == pytest.approx(1.5 * pred["plain"])
+    assert pred["skewed_single"] == pytest.approx(pred["plain_single"])
+    assert pred["skewed_mp"] == pytest.approx(1.5 * pred["plain_mp"])  # the MP step's compute, on 2 ranks
