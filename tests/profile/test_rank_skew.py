@@ -63,3 +63,16 @@ def test_localhost_compute_stretches_at_p_ranks_not_alone(tmp_path, monkeypatch)
     assert pred["skewed"] == pytest.approx(1.5 * pred["plain"])
     assert pred["skewed_single"] == pytest.approx(pred["plain_single"])
     assert pred["skewed_mp"] == pytest.approx(1.5 * pred["plain_mp"])  # the MP step's compute, on 2 ranks
+
+
+def test_a_calibration_with_a_skew_below_one_is_refused(tmp_path):
+    import json
+
+    from hybridpar.cluster.calibration import load_calibration
+    from hybridpar.errors import UserError
+
+    path = tmp_path / "cal.json"
+    data = json.loads(Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10).model_dump_json())
+    path.write_text(json.dumps({**data, "rank_skew": {"2": 0.5}}))  # would make 2 ranks compute faster
+    with pytest.raises(UserError, match="rank_skew"):
+        load_calibration(path)

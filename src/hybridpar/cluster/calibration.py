@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -140,7 +141,7 @@ class Calibration(_Model):
     # P -> how much longer a synchronous step of P ranks computes than one process alone (the slowest
     # rank's CPU time per lockstep iteration over one process's; hybridpar.profile.rank_skew); empty in
     # older files: no such stretch then
-    rank_skew: dict[int, float] = {}
+    rank_skew: dict[int, Annotated[float, Field(ge=1)]] = {}  # >= 1: more ranks never compute faster
 
     def skew(self, ranks: int) -> float:
         """rank_skew at `ranks` (1.0 for one rank), else at the measured rank count nearest to it."""

@@ -4,8 +4,8 @@ The op table is timed in one process alone. A training step of P ranks ends at t
 every rank (the gradient allreduce; under a channel/filter split every layer's exchange), so it moves
 at the pace of the slowest rank. On this 2-vCPU VM two ranks running the same loop at the same moment
 took 8.8 and 17.0 ms per step (`benchmarks/probe_skew.py`, 2026-12-01), and the validation's sample
-rows came out ~11% under the measured steps while one process alone was predicted within a few
-percent. Not a time share: each rank had its own core.
+rows came out ~11% under the measured steps run after run, while one process alone showed no one-way
+bias. Not a time share: each rank had its own core.
 
 Measured as CPU time of each rank's thread (time.thread_time: waiting for a core, which the time share
 prices, does not count), in lockstep: P worker processes run a reference iteration (a convolution and
@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import statistics
 from collections.abc import Sequence
+
+from hybridpar.errors import UserError
 
 
 def _iteration():
@@ -78,18 +81,24 @@ def measure_rank_skew(ranks: Sequence[int], *, cycles: int = 3, iters: int = 15,
     q = ctx.Queue()
     env = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
+    procs = [ctx.Process(target=_worker, args=(r, phases, iters, start, barriers, q), daemon=True)
+             for r in range(width)]
     try:
-        procs = [ctx.Process(target=_worker, args=(r, phases, iters, start, barriers, q), daemon=True)
-                 for r in range(width)]
         for pr in procs:
             pr.start()
         got: dict[int, dict[int, list[float]]] = {}
         for _ in range(sum(phases)):
-            k, rank, cpu = q.get(timeout=timeout_s)
+            try:
+                k, rank, cpu = q.get(timeout=timeout_s)
+            except queue.Empty:
+                raise UserError(f"the rank-skew measurement did not finish in {timeout_s:.0f} s") from None
             got.setdefault(k, {})[rank] = cpu
         for pr in procs:
             pr.join(timeout=30)
     finally:
+        for pr in procs:  # a worker stuck at a barrier (another one died) is not left behind
+            if pr.is_alive():
+                pr.terminate()
         if env is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
