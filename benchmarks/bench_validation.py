@@ -2,7 +2,10 @@
 
 1. `hybridpar profile` calibrates `localhost` (op times at the split shapes, gloo collectives and p2p,
    the MP executor's work per node) into a private calibration file ($HYBRIDPAR_CALIBRATION points
-   every process at it); `--rounds` times, keeping per op the median round (see `profile`).
+   every process at it); `--rounds` times, keeping per op the median round (see `merge_rounds`).
+   The rounds are interleaved with the measurements (round k, then repeat k of every run) so that the
+   op table and the runs sample the same stretches of this VM's drift; `--no-interleave` profiles
+   every round first.
 2. Layouts of every family run for real with `hybridpar train ... --json` (the measured step time is
    the lower quartile of the steps after warm-up; the median of `--repeats` runs), on six models:
    small_resnet and small_cnn
@@ -21,6 +24,7 @@ family), the Spearman rank correlation, whether the planner's choice measured fa
 whether the bytes the runtime logged equal the model's bytes per collective kind, and the load average.
 
     python benchmarks/bench_validation.py [--quick] [--steps N] [--repeats 3] [--rounds 3] [--keep median]
+                                          [--no-interleave]
 
 Every run is measured `--repeats` times in round-robin and its figure is the median; the errors of
 each repeat alone are printed too (what a single run per layout would have said).
@@ -129,9 +133,22 @@ def run(args: list[str], timeout_s: float = 600) -> dict:
     return json.loads(proc.stdout)
 
 
-def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: int = 3, ranks: str = "2,4",
-            splits_of: dict[str, str] | None = None, keep: str = "median") -> float:
-    """`hybridpar profile` `rounds` times into separate files (each round once per model), then:
+def profile_round(k: int, models: set[str], batch_of: dict[str, int], target: Path, ranks: str = "2,4",
+                  splits_of: dict[str, str] | None = None) -> tuple[dict, list[list[dict]]]:
+    """One `hybridpar profile` round (once per model) into its own file: (the calibration, the collective
+    fits of each call)."""
+    path = target.with_name(f"{target.stem}.round{k}.json")
+    coll_runs = []
+    for m in sorted(models):
+        splits = (splits_of or {}).get(m, "1,2,4")
+        run(["profile", "--out", str(path), "--model", m, "--batch", str(batch_of[m]), "--splits", splits,
+             "--ranks", ranks, "--repeats", "7", "--json"], timeout_s=900)
+        coll_runs.append(json.loads(path.read_text()).get("collectives", []))
+    return json.loads(path.read_text()), coll_runs
+
+
+def merge_rounds(files: list[dict], coll_runs: list[list[dict]], target: Path, keep: str = "median") -> None:
+    """The calibration of several profile rounds, written to `target`:
     - per op, keep the round at the median of the op's total time (`keep="median"`, the default), or
       the fastest (`keep="fastest"`). Why the median: this VM's speed drifts over tens of seconds
       (an LSTM fwd+bwd measured 5.9-9.8 ms of CPU time in six fresh processes a few seconds apart,
@@ -143,17 +160,7 @@ def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: in
       the later rank, which is part of what a step pays, and it varied +-30% from one launch to the
       next; the fastest of four measurements under-predicted every layout (median error 18% in one
       validation run, against 11-13% with the mean)."""
-    t0 = time.perf_counter()
-    files, coll_runs = [], []
-    for k in range(rounds):
-        path = target.with_name(f"{target.stem}.round{k}.json")
-        for m in sorted(models):
-            splits = (splits_of or {}).get(m, "1,2,4")
-            run(["profile", "--out", str(path), "--model", m, "--batch", str(batch_of[m]), "--splits", splits,
-                 "--ranks", ranks, "--repeats", "7", "--json"], timeout_s=900)
-            coll_runs.append(json.loads(path.read_text()).get("collectives", []))
-        files.append(json.loads(path.read_text()))
-    best = files[0]
+    best = json.loads(json.dumps(files[0]))
     pick = (lambda xs, key: sorted(xs, key=key)[(len(xs) - 1) // 2]) if keep == "median" else \
         (lambda xs, key: min(xs, key=key))
     for key in {k for f in files for k in f["ops"]}:
@@ -173,6 +180,18 @@ def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: in
                                                    float)
     best["collectives"] = _mean_fits(coll_runs)
     target.write_text(json.dumps(best, indent=2))
+
+
+def profile(models: set[str], batch_of: dict[str, int], target: Path, rounds: int = 3, ranks: str = "2,4",
+            splits_of: dict[str, str] | None = None, keep: str = "median") -> float:
+    """`hybridpar profile` `rounds` times into separate files, merged into `target` (merge_rounds)."""
+    t0 = time.perf_counter()
+    files, coll_runs = [], []
+    for k in range(rounds):
+        f, c = profile_round(k, models, batch_of, target, ranks, splits_of)
+        files.append(f)
+        coll_runs += c
+    merge_rounds(files, coll_runs, target, keep)
     return time.perf_counter() - t0
 
 
@@ -256,31 +275,37 @@ def _evaluate(plan_file: str, stretch: float | None) -> dict:
     return {"predicted": pred.model_dump()}
 
 
-def predict_mp(model: str, batch: int, dp: int, plan_file: Path) -> dict:
-    """The placer's placement of one replica (mp=2, at batch / dp samples) on localhost, its predicted
-    step (hybrid_step_time for dp > 1: the MP step on 2 x dp ranks plus the exposed gradient allreduce
-    among replicas), and the plan that `train --plan` runs, written to plan_file."""
+def place_mp(model: str, batch: int, dp: int, plan_file: Path) -> dict:
+    """The placer's placement of one replica (mp=2, at batch / dp samples) on localhost and the plan that
+    `train --plan` runs, written to plan_file (the placer's speedup and devices used beside it)."""
     from hybridpar.graph.models import load_model
     from hybridpar.plans import Plan, parse_strategy
     from hybridpar.search.placer import place_model
-    from hybridpar.search.placer.hybrid_step import hybrid_step_time
     from hybridpar.search.placer.module_placement import placement_from_outcome
 
-    per = batch // dp
-    out = place_model(model, "localhost", 2, batch=per, time_limit_s=10, optimizer="sgd")  # train's default
+    out = place_model(model, "localhost", 2, batch=batch // dp, time_limit_s=10, optimizer="sgd")  # train's default
     placement = placement_from_outcome(out, load_model(model).module)
     strategy = "mp=2" if dp == 1 else f"mp=2,sample={dp}"
     Plan(model=out.plan.model, world_size=2 * dp, batch=batch, dp=dp, mp=2, placement=placement,
          default_layout=parse_strategy(strategy, 2 * dp).layout, strategy=strategy,
          notes=out.plan.notes).save(plan_file)
-    bd = out.result.breakdown
+    return {"strategy": strategy, "speedup": out.speedup, "devices_used": len(set(out.result.assignment))}
+
+
+def predict_mp(model: str, batch: int, dp: int, plan_file: str) -> dict:
+    """The predicted step of the plan file's placement under the calibration now: the placer's price of
+    it for dp 1; hybrid_step_time for dp > 1 (the MP step on 2 x dp ranks plus the exposed gradient
+    allreduce among replicas)."""
+    from hybridpar.plans import load_plan
+    from hybridpar.search.placer.hybrid_step import hybrid_step_time, price_placement
+
+    per, placement = batch // dp, load_plan(plan_file).placement
+    res = price_placement(model, "localhost", 2, per, placement, world=2 * dp, optimizer="sgd")
+    bd = res.breakdown
     if dp == 1:
-        step, comm = out.result.step_time_s, bd.comm_s
-    else:
-        h = hybrid_step_time(model, "localhost", dp, 2, per, placement=placement, optimizer="sgd")
-        step, comm = h.step_time_s, bd.comm_s * h.mp_step_s / out.result.step_time_s + h.allreduce_s
-    return {"strategy": strategy, "predicted_s": step, "compute_s": bd.compute_s, "comm_s": comm,
-            "speedup": out.speedup, "devices_used": len(set(out.result.assignment))}
+        return {"predicted_s": res.step_time_s, "compute_s": bd.compute_s, "comm_s": bd.comm_s}
+    h = hybrid_step_time(model, "localhost", dp, 2, per, placement=placement, optimizer="sgd")
+    return {"predicted_s": h.step_time_s, "compute_s": bd.compute_s, "comm_s": bd.comm_s + h.allreduce_s}
 
 
 def _short(model: str) -> str:
@@ -312,10 +337,17 @@ def main() -> None:
                     help="per op, which profile round to keep (fastest: the choice before 2026-12-01)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="measure every run this many times, round-robin; a run's figure is their median")
+    ap.add_argument("--no-interleave", action="store_true",
+                    help="profile every round first, then measure every repeat (the order before 2026-12-01 "
+                         "12:00 UTC); default: profile round k, then repeat k of every run, in turn")
+    ap.add_argument("--report-from", help=argparse.SUPPRESS)  # internal: predict and report in a fresh process
     ap.add_argument("--two-rank-groups", action="store_true",
                     help="per-layer layouts on 2 ranks only (every family and model still covered; the 4-rank "
                          "channel/filter groups take most of the time on a loaded machine)")
     args = ap.parse_args()
+    if args.report_from:
+        report(json.loads(Path(args.report_from).read_text()))
+        return
     groups = [(m, r, b, s[:2]) for m, r, b, s in GROUPS[:2]] if args.quick else GROUPS
     if args.two_rank_groups:
         groups = [g for g in groups if g[1] == 2]
@@ -325,16 +357,34 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     t0 = time.perf_counter()
     load_start = os.getloadavg()
-    prof_s = 0.0
+    target = Path(os.environ["HYBRIDPAR_CALIBRATION"])
+    batch_of = {g[0]: g[2] for g in groups} | {m: b for m, b, _ in mp_groups}
+    mp_models = {m for m, _, _ in mp_groups}
+    # the per-layer models at 1/2 and 1/4 of samples, channels, filters; the MP models whole and at
+    # half the batch (a replica's share in mp x sample=2)
+    splits = {m: ("1,2" if m in mp_models else "1,2,4") for m in batch_of}
+    # Interleaved (the default): profile round k, then repeat k of every run, so that the op table and
+    # the runs it predicts sample the same stretches of this VM's drift (a profile taken in a fast
+    # half-hour under-predicted every family of the runs after it: 2026-12-01 07:39 UTC, results-history);
+    # the layouts (the planner's choice, the placer's placement) are chosen on round 0's calibration,
+    # and every prediction is made at the end on the merged rounds, in a fresh process.
+    interleave = not args.no_profile and not args.no_interleave
+    prof_s, files, coll_runs = 0.0, [], []
+
+    def profile_next() -> None:
+        nonlocal prof_s
+        k = len(files)
+        print(f"profiling localhost, round {k + 1}/{args.rounds} ...", file=sys.stderr)
+        t = time.perf_counter()
+        f, c = profile_round(k, set(batch_of), batch_of, target, splits_of=splits)
+        files.append(f)
+        coll_runs.extend(c)
+        merge_rounds(files, coll_runs, target, args.keep)
+        prof_s += time.perf_counter() - t
+
     if not args.no_profile:
-        print("profiling localhost ...", file=sys.stderr)
-        batch_of = {g[0]: g[2] for g in groups} | {m: b for m, b, _ in mp_groups}
-        mp_models = {m for m, _, _ in mp_groups}
-        # the per-layer models at 1/2 and 1/4 of samples, channels, filters; the MP models whole and at
-        # half the batch (a replica's share in mp x sample=2)
-        splits = {m: ("1,2" if m in mp_models else "1,2,4") for m in batch_of}
-        prof_s = profile(set(batch_of), batch_of, Path(os.environ["HYBRIDPAR_CALIBRATION"]), rounds=args.rounds,
-                         splits_of=splits, keep=args.keep)
+        for _ in range(1 if interleave else args.rounds):
+            profile_next()
     # Every run to measure, with what predicts it; the runs are then measured `--repeats` times in
     # round-robin (all runs once, then all again), so a slow minute of this VM hits one repeat of
     # many runs rather than every repeat of one; a run's figure is the median of its repeats.
@@ -350,19 +400,37 @@ def main() -> None:
                          "plan_args": plan_args, "plan_file": plan_file, "mp": None})
     for model, batch, dp in mp_groups:
         plan_file = tmp / f"mp-{_short(model)}-{dp}.json"
-        pred = predict_mp(model, batch, dp, plan_file)
+        placed = place_mp(model, batch, dp, plan_file)
         jobs.append({"model": model, "ranks": 2 * dp, "batch": batch,
-                     "label": pred["strategy"] + " (placer's placement)",
+                     "label": placed["strategy"] + " (placer's placement)",
                      "train_args": ["--plan", str(plan_file)], "plan_args": None, "plan_file": str(plan_file),
-                     "mp": pred, "dp": dp})
+                     "mp": placed, "dp": dp})
     got: list[list[tuple]] = [[] for _ in jobs]
     for rep in range(args.repeats):
+        if interleave and 0 < rep < args.rounds:
+            profile_next()
         for job, out in zip(jobs, got):
             # the load from other jobs changes by the minute: measure the stretch right before the run
             stretch = compute_stretch(job["ranks"]) if args.measure_stretch and job["mp"] is None else None
             print(f"  [{rep + 1}/{args.repeats}] {job['model']} x{job['ranks']} batch {job['batch']}: {job['label']}"
                   + (f" (compute stretch {stretch:.2f})" if stretch else ""), file=sys.stderr)
             out.append((*measure(job["model"], job["ranks"], job["batch"], args.steps, job["train_args"]), stretch))
+    while interleave and len(files) < args.rounds:  # more rounds than repeats asked for
+        profile_next()
+    state = {"args": vars(args), "groups": groups, "jobs": jobs, "got": got, "load_start": load_start,
+             "prof_s": prof_s, "t0_wall": time.time() - (time.perf_counter() - t0), "interleave": interleave}
+    state_file = tmp / "state.json"
+    state_file.write_text(json.dumps(state))
+    # a fresh process predicts: the calibration is cached per process, and round 0's is stale now
+    subprocess.run([sys.executable, str(HERE), "--report-from", str(state_file)], env=os.environ.copy(), check=True)
+
+
+def report(state: dict) -> None:
+    """Predict every run under the calibration now and print the comparison (and write
+    $HYBRIDPAR_BENCH_OUT)."""
+    args = argparse.Namespace(**state["args"])
+    groups = [tuple(g) for g in state["groups"]]
+    jobs, got, load_start, prof_s = state["jobs"], state["got"], state["load_start"], state["prof_s"]
     rows = []
     for job, runs_ in zip(jobs, got):
         model, ranks, batch, label = job["model"], job["ranks"], job["batch"], job["label"]
@@ -371,7 +439,7 @@ def main() -> None:
         logged = runs_[0][2]
         run_fields = {"measured_runs_s": [r[0] for r in runs_]}
         if job["mp"] is not None:
-            pred = job["mp"]
+            pred = {**job["mp"], **predict_mp(model, batch, job["dp"], job["plan_file"])}
             rows.append({"model": model, "ranks": ranks, "batch": batch, "layout": pred["strategy"],
                          "family": "mp" if job["dp"] == 1 else "hybrid mp x sample", "is_plan": False,
                          "predicted_s": pred["predicted_s"], "measured_s": measured, "compute_stretch": None,
@@ -442,7 +510,8 @@ def main() -> None:
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "repeats": args.repeats, "per_repeat": per_repeat, "profile_rounds": args.rounds,
                "profile_keep": args.keep,
-               "profile_s": prof_s, "wall_s": time.perf_counter() - t0, "rows": rows}
+               "profile_s": prof_s, "profile_interleaved": state["interleave"],
+               "wall_s": time.time() - state["t0_wall"], "rows": rows}
     console.print(f"layouts: {len(strat_rows)} on {summary['models']} models; median |error| "
                   f"{summary['median_rel_error'] * 100:.1f}% (target <= 10%), worst "
                   f"{summary['worst_rel_error'] * 100:.1f}% (target <= 25%); Spearman {rho:.2f} (target >= 0.9); "
@@ -451,7 +520,8 @@ def main() -> None:
                   + f"; planner's choice fastest: {choice_fastest}; load avg {load_start[0]:.1f} at the start, "
                   f"{summary['load_avg_end'][0]:.1f} at the end")
     console.print(f"medians of {args.repeats} round-robin repeats per run (profile: {args.rounds} rounds, "
-                  f"{args.keep} kept per op); each repeat alone: " + "; ".join(
+                  f"{args.keep} kept per op, " + ("interleaved with the repeats" if state["interleave"] else
+                                                  "all before the runs") + "); each repeat alone: " + "; ".join(
                       f"median {r['median_rel_error'] * 100:.1f}% worst {r['worst_rel_error'] * 100:.1f}% "
                       f"Spearman {r['spearman']:.2f}" for r in per_repeat))
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")

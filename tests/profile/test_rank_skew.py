@@ -58,11 +58,16 @@ def test_localhost_compute_stretches_at_p_ranks_not_alone(tmp_path, monkeypatch)
     for name, path in (("plain", plain), ("skewed", skewed)):
         monkeypatch.setenv("HYBRIDPAR_CALIBRATION", path)
         pred[name] = plan_model(model, "localhost", 2, 8, strategy="sample=2").prediction.compute_s
-        out = place_model(model, "localhost", 2, batch=8, solver="single")
+        out = place_model(model, "localhost", 2, batch=8, solver="greedy")
         pred[f"{name}_single"], pred[f"{name}_mp"] = out.single_step_s, out.result.breakdown.compute_s
+        pred[f"{name}_single_baseline"] = out.baselines["single"]
+        pred[f"{name}_single_solver"] = place_model(model, "localhost", 2, batch=8, solver="single").result.step_time_s
     assert pred["skewed"] == pytest.approx(1.5 * pred["plain"])
     assert pred["skewed_single"] == pytest.approx(pred["plain_single"])
     assert pred["skewed_mp"] == pytest.approx(1.5 * pred["plain_mp"])  # the MP step's compute, on 2 ranks
+    # everything on device 0 computes alone: the other rank only waits, no core shared, no slower rank
+    assert pred["skewed_single_baseline"] == pytest.approx(pred["plain_single_baseline"])
+    assert pred["skewed_single_solver"] == pytest.approx(pred["plain_single_baseline"])
 
 
 def test_a_calibration_with_a_skew_below_one_is_refused(tmp_path):

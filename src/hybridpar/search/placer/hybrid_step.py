@@ -67,6 +67,15 @@ def hybrid_step_time(model, cluster: str | Cluster, dp: int, mp: int, batch_per_
     return _with_allreduce(result, full, dp, mp, batch_per_worker, bucket_bytes)
 
 
+def price_placement(model, cluster: str | Cluster, mp: int, batch: int, placement: Mapping[str, int], *,
+                    world: int | None = None, optimizer: str = "momentum") -> PlacementResult:
+    """The placer's price of a given placement (module or fine node name -> device, e.g. a Plan's) of one
+    M-device replica at `batch` samples, without searching. `world`: ranks running at once (D x M;
+    default M), which sets the time share where ranks share cores."""
+    full = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, world or mp)
+    return _mp_result(model, full, mp, batch, "given", 0.0, None, placement, optimizer)
+
+
 @lru_cache(maxsize=256)
 def _cached_mp_result(model: str, cluster: str, world: int, mp: int, batch: int, solver: str, time_limit_s: float,
                       coarsen: int | None, optimizer: str) -> PlacementResult:

@@ -137,6 +137,17 @@ class PlacementProblem:
     def serial_time_s(self, device: int = 0) -> float:
         return sum(t.fwd_s[device] + t.bwd_s[device] for t in self.tasks)
 
+    def one_rank_busy(self) -> PlacementProblem:
+        """The problem as a placement that computes on one device alone sees it: compute not stretched
+        by `time_share` (the other ranks only wait, so no core is shared and there is no slower rank
+        to wait for). What the `single` baseline of a group is priced on."""
+        k = self.time_share
+        if k == 1.0:
+            return self
+        tasks = tuple(dataclasses.replace(t, fwd_s=tuple(x / k for x in t.fwd_s), bwd_s=tuple(x / k for x in t.bwd_s),
+                                          overhead_s=t.overhead_s / k) for t in self.tasks)
+        return dataclasses.replace(self, tasks=tasks, update_call_s=self.update_call_s / k, time_share=1.0)
+
     @property
     def devices_interchangeable(self) -> bool:
         """True when any permutation of devices maps the problem to itself (lets the ILP pin task 0)."""
