@@ -126,3 +126,26 @@ def test_cli_place_takes_the_optimizer(fitted, capsys):
     assert any(n.startswith("optimizer step (sgd) + zero_grad: 200 us per device") and "(measured)" in n for n in notes)
     assert main(["place", "--model", "lstm2", "--devices", "2", "--optimizer", "rmsprop"]) == 2
     assert "'--optimizer': 'rmsprop' is not one of" in capsys.readouterr().err
+
+
+def test_cli_plan_takes_the_runs_optimizer(fitted, capsys):
+    """`plan` takes train's --optimizer/--momentum/--weight-decay: the same prediction as plan_model given
+    them, a momentum buffer in memory and momentum's update in the step; bad values exit 2."""
+    import json
+
+    from hybridpar.cli.main import main
+
+    got = {}
+    for name, flags in (("sgd", []), ("momentum", ["--momentum", "0.9"]), ("adamw", ["--optimizer", "adamw"])):
+        rc = main(["plan", "--model", "lstm2", "--cluster", "localhost", "--gpus", "2", "--batch", "8",
+                   "--strategy", "sample=2", "--json", *flags])
+        assert rc in (0, None)
+        got[name] = json.loads(capsys.readouterr().out)["predicted"]
+    api = plan_model("lstm2", "localhost", 2, 8, strategy="sample=2", optimizer="sgd", momentum=0.9).prediction
+    assert got["momentum"]["step_time_s"] == pytest.approx(api.step_time_s)
+    assert got["momentum"]["memory_bytes_per_device"] == api.memory_bytes[0]
+    assert got["sgd"]["memory_bytes_per_device"] < got["momentum"]["memory_bytes_per_device"] \
+        < got["adamw"]["memory_bytes_per_device"]  # 0, 1 and 2 state copies of the weights
+    assert got["sgd"]["step_time_s"] != pytest.approx(got["momentum"]["step_time_s"])  # another update fit
+    assert main(["plan", "--model", "lstm2", "--gpus", "2", "--momentum", "-1"]) == 2
+    assert "--momentum and --weight-decay must be >= 0" in capsys.readouterr().err

@@ -167,6 +167,12 @@ def register(app: click.Group) -> None:
     @click.option("--time-share", type=POSITIVE_FLOAT, default=None,
                   help="measured slowdown of each rank's compute with all ranks running (default: the "
                        "cluster's; on localhost ranks/cores)")
+    @click.option("--optimizer", type=click.Choice(["sgd", "adamw", "lars"]), default="sgd", show_default=True,
+                  help="what the run steps with, as `hybridpar train --optimizer` takes it: its state in each "
+                       "device's memory and its update in the step")
+    @click.option("--momentum", type=float, default=0.0, show_default=True,
+                  help="as `train --momentum` (SGD keeps a momentum buffer when > 0)")
+    @click.option("--weight-decay", type=float, default=0.0, show_default=True, help="as `train --weight-decay`")
     @click.option("--dry-run/--no-dry-run", "dry", default=None,
                   help="run the planned layout on meta tensors first (hybridpar.runtime.dry_run): refuse ops it "
                        "cannot serve, and price DTensor's redistributions between layers (default: on for "
@@ -175,11 +181,13 @@ def register(app: click.Group) -> None:
     @click.option("--out", "out", default=None, type=click.Path(dir_okay=False), help="write the Plan JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample,
-                 time_share, dry, out, json_) -> None:
+                 time_share, optimizer, momentum, weight_decay, dry, out, json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
         from hybridpar.search.layers.planner import plan_model
 
         limit = parse_bytes(memory_limit)
+        if not (momentum >= 0 and weight_decay >= 0):  # NaN too
+            raise UserError(f"--momentum and --weight-decay must be >= 0, got {momentum} and {weight_decay}")
         shape = None
         if input_shape:  # graph.models imports torch: only a file model's shape needs it (zoo graphs are cached)
             from hybridpar.graph.models import parse_shape
@@ -191,7 +199,8 @@ def register(app: click.Group) -> None:
         try:
             res = plan_model(model, cluster, gpus, batch, memory_limit=limit, strategy=strategy, dtype=dtype,
                              input_shape=shape, grad_sync=grad_sync, free_sample=free_sample,
-                             time_share=time_share, runnable_only=dry is not False,
+                             time_share=time_share, runnable_only=dry is not False, optimizer=optimizer,
+                             momentum=momentum, weight_decay=weight_decay,
                              progress=None if status is None else (lambda msg: status.update(msg)))
             if dry if dry is not None else ":" in str(model):
                 if status is not None:
