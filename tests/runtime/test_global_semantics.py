@@ -47,3 +47,12 @@ def test_hugging_face_vision_models():
     """Hugging Face transformers ResNet (its embedder checks the input's channel count) and ConvNeXt
     (channels-first LayerNorm written with means over dim 1), random init, offline."""
     _check(spawn(W.run_hf, 4, ["resnet", "convnext"], STRATEGIES))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+def test_hugging_face_token_models():
+    """Hugging Face GPT-2 and BERT classifiers on integer token ids (random init, offline): plain
+    tensors the model builds (a causal mask, `torch.arange` indices for the last token's logits) meet
+    channel-split activations, and DTensor, which refuses such a mix, treats them as replicated."""
+    _check(spawn(W.run_hf, 4, ["gpt2", "bert"], STRATEGIES))

@@ -59,23 +59,66 @@ def default_loss(out, y):
     return F.cross_entropy(out, y)
 
 
+# The meta run cannot follow a forward that reads tensor values in Python (HF GPT-2's masks check
+# `(mask == 0).all()`): meta tensors have none. Such a model is run again with values, on CPU copies,
+# when it is small enough for that to take seconds; a larger one is refused with the reason.
+_DATA_DEPENDENT = ("cannot be called on meta tensors", "Cannot copy out of meta tensor", "_local_scalar_dense",
+                   "data-dependent", "data dependent")
+VALUES_RUN_MAX_PARAMS = 50_000_000
+
+
+class _NeedsValues(Exception):
+    """The meta run met a forward that reads tensor values; args: the refusal's text."""
+
+
 def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size: int,
-            loss_fn=default_loss, train: bool = True, inputs: str = "sample_shard") -> DryRun:
+            loss_fn=default_loss, train: bool = True, inputs: str = "sample_shard", values=None) -> DryRun:
     """Run `module` (not modified: a meta copy is used) under `spec` (strategy string, LayerLayout or
     Plan) on `world_size` fake ranks. `example_inputs`: a tensor or tuple, the global batch.
     `targets`: labels for `loss_fn`; without them the backward starts from the sum of the outputs.
     It runs as the last rank first (the one holding torch.chunk's short or empty pieces, where an op
     that cannot take an empty input fails on that rank alone), then as rank 0, whose record it returns.
     `inputs`: "sample_shard" (as `hybridpar train` runs: each sample group its own rows, a per-group
-    mean loss) or "global" (the API's default: the whole batch in, whole outputs on every rank)."""
-    args = (module, spec, example_inputs, targets, world_size)
-    if world_size > 1:
-        _one_rank(*args, world_size - 1, loss_fn, train, inputs)
-    return _one_rank(*args, 0, loss_fn, train, inputs)
+    mean loss) or "global" (the API's default: the whole batch in, whole outputs on every rank).
+    `values`: for a forward that reads tensor values, which meta tensors cannot follow, a function
+    giving (inputs, targets) with values (the same shapes); the run is then repeated on CPU copies of
+    the module and those tensors (fake collectives: a value after one is not the real run's). Without
+    it, inputs that have values are used as they are."""
+    def both(mod, batch, tgt, real: bool) -> DryRun:
+        args = (mod, spec, batch, tgt, world_size)
+        if world_size > 1:
+            _one_rank(*args, world_size - 1, loss_fn, train, inputs, real)
+        return _one_rank(*args, 0, loss_fn, train, inputs, real)
+
+    try:
+        return both(module, example_inputs, targets, False)
+    except _NeedsValues as need:
+        reason = str(need)
+        real = _values_run(module, example_inputs, targets, values)
+        if isinstance(real, str):
+            raise UserError(f"{reason}; {real}") from None
+        return both(module, *real, True)
+
+
+def _values_run(module: nn.Module, example_inputs, targets, values):
+    """(inputs, targets) to repeat the dry run with, or why it cannot be."""
+    from torch.utils._pytree import tree_flatten
+
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(t.device.type != "cpu" for t in tensors):
+        return "the check runs such a model with values only when its weights are on the CPU"
+    n = sum(p.numel() for p in module.parameters())
+    if n > VALUES_RUN_MAX_PARAMS:
+        return (f"the check runs such a model with values only up to {VALUES_RUN_MAX_PARAMS:,} parameters "
+                f"(this one has {n:,}); use a sample-only layout for this model")
+    batch, tgt = values() if values is not None else (example_inputs, targets)
+    if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tree_flatten((batch, tgt))[0]):
+        return "there are no example inputs with values to run it on"
+    return batch, tgt
 
 
 def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int, loss_fn, train: bool,
-              inputs: str) -> DryRun:
+              inputs: str, real: bool = False) -> DryRun:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -86,7 +129,8 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (run it before launching ranks)")
     batch = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    model = copy.deepcopy(module).to("meta")
+    model = copy.deepcopy(module) if real else _meta_copy(module)
+    place = (lambda tree: tree) if real else _meta
     model.train(train)
     _clear_dtensor_caches()
     hook = sys.excepthook  # init_process_group wraps it with a "[rank<r>]:" prefix: not this process's rank
@@ -103,10 +147,10 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
         log.mark_step()
         with recording(log) as rec:
             try:
-                out = model(*_meta(batch))
+                out = model(*place(batch))
                 outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
                 if targets is not None:
-                    loss = loss_fn(outs[0], _meta(targets))
+                    loss = loss_fn(outs[0], place(targets))
                 else:
                     loss = sum(o.float().sum() for o in outs if o.is_floating_point())
                 loss.backward()
@@ -117,7 +161,12 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
             except UserError:
                 raise
             except Exception as err:  # noqa: BLE001 - every failure becomes one line naming op and module
-                raise UserError(_refusal(err, module_path(rec.tracker.parents), spec)) from None
+                where = module_path(rec.tracker.parents)
+                if not real and any(k in str(err) for k in _DATA_DEPENDENT):
+                    raise _NeedsValues(f"{_strategy_text(spec)}: the forward of module '{where}' reads tensor "
+                                       f"values ({' '.join(str(err).split())[:120]}), which a check on meta "
+                                       "tensors cannot follow") from None
+                raise UserError(_refusal(err, where, spec)) from None
         records = [{**r, "module": module_path({r["module"]})} for r in rec.records]
         ours = log.step_bytes_by_kind()
         for r in records:  # the recorder logged DTensor's collectives too: keep ours (and priced ones) apart
@@ -197,15 +246,20 @@ def check(module: nn.Module, spec, example_inputs, targets=None, *, world_size: 
         if not live:
             raise UserError("check: give world_size (there is no process group to take it from)")
         world_size = dist.get_world_size()
-    batch = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    if inputs == "sample_shard":  # the dry run takes the global batch and splits it as the ranks do
-        s = grid_shape(as_layouts(spec, world_size))[0]
-        batch = tuple(t.new_empty((t.shape[0] * s, *t.shape[1:]), device="meta")
-                      if isinstance(t, torch.Tensor) and t.dim() else t for t in batch)
-        if targets is not None and isinstance(targets, torch.Tensor) and targets.dim():
-            targets = targets.new_empty((targets.shape[0] * s, *targets.shape[1:]), device="meta")
-    args = (_meta_copy(module), spec, _meta(batch), _meta(targets))
-    kwargs = {"world_size": world_size, "loss_fn": loss_fn, "train": module.training, "inputs": inputs}
+    given = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    s = grid_shape(as_layouts(spec, world_size))[0] if inputs == "sample_shard" else 1
+
+    def whole(t, device=None):  # the dry run takes the global batch and splits it as the ranks do
+        if not (isinstance(t, torch.Tensor) and t.dim()) or s == 1:
+            return t.to("meta") if device == "meta" and isinstance(t, torch.Tensor) else t
+        if device == "meta":
+            return t.new_empty((t.shape[0] * s, *t.shape[1:]), device="meta")
+        return torch.cat([t] * s)
+
+    batch, meta_targets = tuple(whole(t, "meta") for t in given), whole(targets, "meta")
+    args = (module, spec, batch, meta_targets)
+    kwargs = {"world_size": world_size, "loss_fn": loss_fn, "train": module.training, "inputs": inputs,
+              "values": lambda: (tuple(whole(t) for t in given), whole(targets))}
     if not live:
         return dry_run(*args, **kwargs)
     return _in_child(dry_run, args, kwargs)
@@ -224,7 +278,8 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 def _in_child(fn, args, kwargs):
     """fn(*args, **kwargs) in a forked child that forgets this process's process groups (it builds
     its own fake world; nothing it registers reaches this process); its result or its UserError
-    comes back through a pipe. The child touches no device: its tensors are on the meta device."""
+    comes back through a pipe. The child touches no device: its tensors are on the meta device (or
+    CPU copies, for a forward that reads values: see dry_run)."""
     import os
     import pickle
 

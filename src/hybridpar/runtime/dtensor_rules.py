@@ -11,6 +11,14 @@ computes what it computes in one process.
 - Ops with no sharding strategy at all (e.g. `avg_pool3d_backward`, which LocalResponseNorm's
   backward needs): run them on whole (replicated) inputs, through `register_sharding`. Every such op
   is listed by the dry run (hybridpar.runtime.dry_run) so that the planner can price it.
+- Plain tensors meeting DTensors (an index tensor from `torch.arange`, a mask or position table a
+  model builds from the shapes it reads, HF GPT-2's `logits[arange(batch), last_token]`): DTensor
+  refuses such a mix ("got mixed torch.Tensor and DTensor"). Under our global semantics every rank
+  holds the same plain tensor (inputs are the global batch, shapes read are global), so it is
+  replicated, and we turn on DTensor's implicit replication (the flag behind
+  `torch.distributed.tensor.experimental.implicit_replication`). The flag is thread-local: set in
+  the thread that builds the model and, from the output's backward, in the thread autograd runs the
+  backward in (a device thread on CUDA), since autograd saves the plain tensor and mixes it again.
 """
 
 from __future__ import annotations
@@ -94,6 +102,13 @@ def serve_replicated(ops) -> None:
         _installed.add(op)
 
 
+def replicate_plain_tensors() -> None:
+    """This thread's DTensor ops treat plain tensors as replicated (see the module's doc)."""
+    if not torch._C._get_dtensor_allow_implicit_replication():
+        torch._C._set_dtensor_allow_implicit_replication(True)
+
+
 def install(extra_ops=()) -> None:
+    replicate_plain_tensors()
     install_conv_rule()
     serve_replicated((*REPLICATED_OPS, *extra_ops))

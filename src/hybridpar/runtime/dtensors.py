@@ -239,6 +239,9 @@ class _GatherWhole(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d):
+        from hybridpar.runtime.dtensor_rules import replicate_plain_tensors
+
+        replicate_plain_tensors()  # the backward's thread (a device thread on CUDA) mixes them too
         grid = ctx.grid
         if grid.sample > 1 and ctx.samples:
             d = d.narrow(0, piece_offsets(ctx.n, grid.sample)[grid.s], piece_sizes(ctx.n, grid.sample)[grid.s])
