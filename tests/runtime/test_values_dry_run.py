@@ -58,3 +58,16 @@ def test_train_channel_split_equals_one_process(tmp_path, capsys):
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
     assert loss1[0] != loss1[-1]  # it trained
+
+
+def test_model_parallel_needs_an_fx_graph_refused_before_the_placer(capsys, monkeypatch):
+    """The MP runtime runs the torch.fx graph; a forward that branches on values has none: one line,
+    exit 2, before the placer runs or a rank starts (it crashed in the placer with a traceback)."""
+    import hybridpar.search.placer as placer_api
+
+    def no_placer(*_a, **_k):
+        raise AssertionError("the placer ran")
+    monkeypatch.setattr(placer_api, "place_model", no_placer)
+    code = main(["train", "--model", MODEL, "--strategy", "mp=2", "--nproc", "2", "--batch", "8", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "torch.fx-traceable" in err, err

@@ -121,6 +121,10 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
             raise
         loaded = with_inputs = _load_whole(model, shape)  # a forward that reads values: check it for real
         spec, act_bytes = _dry_run(loaded)
+    if the_plan.mp > 1:  # the MP runtime runs the torch.fx graph: an untraceable model is one line here
+        from hybridpar.runtime.mp.partition import trace
+
+        trace(loaded.module)
     if the_plan.mp > 1 and the_plan.placement is None:
         if place is None:
             raise UserError("plan: a model-parallel plan needs its placement before launch (write one with "
