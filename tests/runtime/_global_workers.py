@@ -76,7 +76,9 @@ def hf_model(kind: str):
 
         torch.manual_seed(0)
         if kind in ("gpt2", "bert"):
-            return _hf_text(tf, kind)
+            from .hf_token_models import build as token_model
+
+            return token_model(kind)
         if kind == "resnet":
             cfg = tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10)
             net = tf.ResNetForImageClassification(cfg)
@@ -96,33 +98,6 @@ def hf_model(kind: str):
         y = torch.randint(0, 10, (4,))
         return Logits(), x, y
     return build
-
-
-def _hf_text(tf, kind: str):
-    """A token model: GPT-2 (causal mask built from the shapes it reads, the last token's logits picked
-    with `logits[arange(batch), last_non_pad]`) or BERT (attention over a padding mask), classifying."""
-    if kind == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4, num_labels=10,
-                            pad_token_id=0, bos_token_id=1, eos_token_id=1, attn_implementation="eager",
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        net = tf.GPT2ForSequenceClassification(cfg)
-    else:
-        cfg = tf.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=64, max_position_embeddings=16, num_labels=10,
-                            attn_implementation="eager", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        net = tf.BertForSequenceClassification(cfg)
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def forward(self, ids):
-            return self.net(input_ids=ids).logits
-
-    ids = torch.randint(2, 96, (4, 12))
-    ids[1, 9:] = 0  # a padded row: GPT-2 classifies its last non-pad token
-    return Logits(), ids, torch.randint(0, 10, (4,))
 
 
 def run_user_models(names: list[str], strategies: list[str], optimizer: str, loss: str) -> dict:

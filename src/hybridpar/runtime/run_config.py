@@ -121,10 +121,12 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
             raise
         loaded = with_inputs = _load_whole(model, shape)  # a forward that reads values: check it for real
         spec, act_bytes = _dry_run(loaded)
-    if the_plan.mp > 1:  # the MP runtime runs the torch.fx graph: an untraceable model is one line here
+    if the_plan.mp > 1:  # the graph the MP runtime runs (fx, else export): an untraceable model is one line here
+        from hybridpar.runtime.mp.engine import micro_batch_inputs
         from hybridpar.runtime.mp.partition import trace
 
-        trace(loaded.module)
+        trace(loaded.module, micro_batch_inputs(loaded.example_inputs, the_plan.model_copy(update={"batch": batch}),
+                                                micro_batches))
     if the_plan.mp > 1 and the_plan.placement is None:
         if place is None:
             raise UserError("plan: a model-parallel plan needs its placement before launch (write one with "
@@ -132,8 +134,10 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
         from hybridpar.cost.update import optimizer_kind
 
         # priced with the update this run makes (its state in memory, its time in the step)
-        the_plan = place(the_plan, loaded.module, optimizer=optimizer_kind(optimizer, momentum))
-    _check_layout(loaded.module, the_plan, batch, micro_batches, precision, tuple(loaded.example_inputs))
+        the_plan = place(the_plan, loaded.module, optimizer=optimizer_kind(optimizer, momentum),
+                         example_inputs=micro_batch_inputs(loaded.example_inputs,
+                                                           the_plan.model_copy(update={"batch": batch}), micro_batches))
+    _check_layout(loaded.module, the_plan, batch, micro_batches, precision, tuple(loaded.example_inputs), bn_stats)
     n, data_bytes = _data_size(data, shape, spec, synthetic_size, seed, with_inputs)
     sample_bytes = math.prod(shape) * (8 if spec.vocab is not None else 4)
     if n < batch:
@@ -449,7 +453,8 @@ def _shape_text(loaded) -> str:
     return ",".join(map(str, first.shape[1:])) if torch.is_tensor(first) else "?"
 
 
-def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision: str = "fp32", examples=()) -> None:
+def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision: str = "fp32", examples=(),
+                  bn_stats: str = "global") -> None:
     if plan.mp == 1:
         from hybridpar.runtime.parallel_model import as_layouts, check_parallelizable
 
@@ -462,7 +467,8 @@ def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision:
         return
     from hybridpar.runtime.mp import check_mp_plan
 
-    check_mp_plan(module, plan, batch)  # bad placement: one line here, not a rank traceback
+    # bad placement, an untraceable model: one line here, not a rank traceback
+    check_mp_plan(module, plan, batch, examples or None, micro_batches, bn_stats)
     if micro_batches > batch // plan.dp:
         raise UserError(f"micro_batches {micro_batches} exceeds the {batch // plan.dp} samples per replica",
                         param="micro_batches")

@@ -163,8 +163,14 @@ def build_engine(cfg: TrainConfig, device, resume_from=None):
         loaded = build_module(cfg)
         resumed = ckpt.load_checkpoint(info, loaded.module) if (info := resume_from) else None
         spec = data_spec(loaded)
+        extra = {}
+        if cfg.plan.mp > 1:  # one forward's inputs, for a model that runs on torch.export's graph
+            from hybridpar.runtime.mp.engine import micro_batch_inputs
+
+            at = cfg.plan.model_copy(update={"batch": cfg.batch})
+            extra["example_inputs"] = micro_batch_inputs(loaded.example_inputs, at, cfg.micro_batches)
         engine = make_engine(to_precision(loaded.module.to(device), cfg.precision), cfg.plan,
-                             bn_stats=cfg.bn_stats, micro_batches=cfg.micro_batches)
+                             bn_stats=cfg.bn_stats, micro_batches=cfg.micro_batches, **extra)
         return loaded, spec, engine, resumed
     mat = Materializer(build, record, cfg.seed, torch.device(device))
     # fp64: the meta model's dtypes first; the pieces are then made in float64 and get the build's

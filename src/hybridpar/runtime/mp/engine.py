@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.errors import UserError
+from hybridpar.graph.runnable import is_exported
 from hybridpar.plans import Plan
 from hybridpar.runtime.finite import finite_here
 from hybridpar.runtime.mp.comm import CommLog
@@ -51,12 +52,14 @@ class MPEngine:
     pre-posted receives, as NCCL needs; gloo gets non-blocking, pre-posted, lazy receives.
     bn_stats="global" (default) computes batch-norm statistics over the global batch (all replicas),
     "local" over each replica's samples. overlap_grad_sync: allreduce gradient buckets across
-    replicas during backward (else after it), in buckets of about grad_bucket_bytes."""
+    replicas during backward (else after it), in buckets of about grad_bucket_bytes.
+    example_inputs: one forward's inputs (a micro-batch of a replica: `micro_batch_inputs`), for a
+    model torch.fx cannot trace, which then runs on torch.export's graph at their shapes."""
 
     def __init__(self, module: nn.Module, plan: Plan, *, micro_batches: int = 1,
                  device: torch.device | None = None, ordered_p2p: bool | None = None,
                  bn_stats: str = "global", overlap_grad_sync: bool = True,
-                 grad_bucket_bytes: int = BUCKET_BYTES):
+                 grad_bucket_bytes: int = BUCKET_BYTES, example_inputs: tuple | None = None):
         if not dist.is_initialized():
             raise RuntimeError("MPEngine needs torch.distributed initialised (launch.init())")
         if dist.get_world_size() != plan.world_size:
@@ -75,9 +78,20 @@ class MPEngine:
         self.step_grads_finite: bool | None = None  # every rank's gradients finite, agreed in the last step
         ordered = dist.get_backend() != "gloo" if ordered_p2p is None else ordered_p2p
         module.train()  # trace the training graph (a forward may branch on self.training)
+        # the loss in the weights' precision (the same on every rank: the whole module decides): an fp64
+        # run reports, and is checked on, float64 losses
+        wide = any(p.dtype == torch.float64 for p in module.parameters())
+        self._loss_dtype = torch.float64 if wide else torch.float32
         self.placement = resolve_placement(plan, module)
-        self.partition: Partition = partition_module(module, self.placement, plan.mp, lazy_recv=not ordered)
-        self._meta = meta_copy(module).train()
+        self.partition: Partition = partition_module(
+            module, self.placement, plan.mp, lazy_recv=not ordered,
+            example_inputs=None if example_inputs is None else _like_weights(tuple(example_inputs), module))
+        self.exported = is_exported(self.partition.gm)
+        if self.exported:
+            _check_exported(module, plan, bn_stats)
+        # an exported graph reads its lifted constants from itself: copy it, not the module
+        self._meta = meta_copy(self.partition.gm if self.exported else module).train()
+        self._kinds_root = module if self.exported else self.partition.gm
         self._group = dp_group(self.layout)
         # same decision on every rank (it gates a check in local_batch)
         self._sync_bn = self._group is not None and bn_stats == "global" and has_batch_norm(module)
@@ -113,6 +127,23 @@ class MPEngine:
                     elif t.device.type != "meta":
                         store[name] = (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
                                        if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+        # The graph's get_attr targets are its own references (copied from `module` when traced):
+        # point them at what `module` holds now, or the freed weights would stay alive through them.
+        gm = self.partition.gm
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                prefix, _, field = str(node.target).rpartition(".")
+                try:
+                    now = module.get_submodule(prefix) if prefix else module
+                    value = getattr(now, field)
+                    holder = gm.get_submodule(prefix) if prefix else gm
+                except AttributeError:
+                    continue  # a constant torch.export lifted: the graph's own
+                if isinstance(value, torch.Tensor) and getattr(holder, field, None) is not value:
+                    if field in holder._parameters or field in holder._buffers:
+                        (holder._parameters if field in holder._parameters else holder._buffers)[field] = value
+                    else:
+                        setattr(holder, field, value)
 
     def _crossings(self, inputs: tuple) -> tuple[dict, int]:
         key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
@@ -143,11 +174,12 @@ class MPEngine:
         """Forward, loss (summed cross-entropy / global target count), backward, gradient
         allreduce across replicas. Returns the global-batch mean loss on every rank."""
         self.comm_log.mark_step()
-        self.partition.gm.train()
+        # nn.Module's own train(): torch.export's module refuses train(); its graph is the training one
+        nn.Module.train(self.partition.gm)
         count = self._global_count or y.numel() * self.layout.dp
         mbs = min(self.micro_batches, len(x))
         xs, ys = torch.tensor_split(x, mbs), torch.tensor_split(y, mbs)
-        loss_local = torch.zeros((), device=self.device)
+        loss_local = torch.zeros((), device=self.device, dtype=self._loss_dtype)
         roots = []
         msg_base = 0
         for xm, ym in zip(xs, ys):
@@ -199,12 +231,45 @@ class MPEngine:
                  (nn.modules.batchnorm._BatchNorm, "norm"))
         mine = {id(p) for p in self._params}
         out: dict[str, int] = {}
-        for m in self.partition.gm.modules():
+        for m in self._kinds_root.modules():
             kind = next((k for t, k in kinds if isinstance(m, t)), "other")
             b = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if id(p) in mine)
             if b:
                 out[kind] = out.get(kind, 0) + b
         return out
+
+
+def micro_batch_inputs(example_inputs: tuple, plan: Plan, micro_batches: int = 1) -> tuple:
+    """The example inputs at the batch one forward of a replica takes (what torch.export specialises
+    an exported graph to)."""
+    from hybridpar.graph.models import rebatch
+
+    return rebatch(tuple(example_inputs), max(1, plan.batch // plan.dp // max(1, micro_batches)))
+
+
+def _like_weights(inputs: tuple, module: nn.Module) -> tuple:
+    """Floating inputs in the weights' dtype (fp64 runs cast each batch so; export must trace it so)."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if dtype is None:
+        return inputs
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+
+
+def _check_exported(module: nn.Module, plan: Plan, bn_stats: str) -> None:
+    """What an exported graph cannot run as the fx one does: its batch norm is ATen ops, which the
+    global statistics' module swap does not reach, and its shapes are fixed to one micro-batch."""
+    from hybridpar.runtime.mp.norm import has_batch_norm
+
+    if plan.dp > 1 and bn_stats == "global" and has_batch_norm(module):
+        raise UserError("model parallelism on torch.export's graph (the model is not torch.fx-traceable) cannot "
+                        "compute batch-norm statistics over the global batch; use bn_stats='local' or dp=1")
+
+
+def check_exported_batch(plan: Plan, batch: int, micro_batches: int) -> None:
+    if batch % (plan.dp * micro_batches):
+        raise UserError(f"global batch {batch} must divide evenly over dp={plan.dp} x {micro_batches} micro-batch(es): "
+                        "the model runs on torch.export's graph (it is not torch.fx-traceable), whose shapes are "
+                        "fixed to one micro-batch")
 
 
 def _check_layouts(plan: Plan) -> None:
@@ -214,9 +279,11 @@ def _check_layouts(plan: Plan) -> None:
                             "group; model parallelism runs with sample (data) parallelism only")
 
 
-def check_mp_plan(module: nn.Module, plan: Plan, batch: int) -> None:
+def check_mp_plan(module: nn.Module, plan: Plan, batch: int, example_inputs: tuple | None = None,
+                  micro_batches: int = 1, bn_stats: str = "global") -> None:
     """Validate an MP plan against the model before any rank starts (UserError on a problem): the
-    model traces, the placement names its modules, weights sit on one device, the batch splits."""
+    model traces (torch.fx, else torch.export at `example_inputs`' shapes), the placement names its
+    modules, weights sit on one device, the batch splits."""
     _check_layouts(plan)
     if batch < plan.dp:
         raise UserError(f"global batch {batch} smaller than dp={plan.dp}")
@@ -225,4 +292,9 @@ def check_mp_plan(module: nn.Module, plan: Plan, batch: int) -> None:
     if plan.dp > 1 and batch % plan.dp and has_batch_norm(module):
         raise UserError(f"global batch {batch} must divide evenly over dp={plan.dp} replicas for global "
                         "batch-norm statistics")
-    partition_module(module, plan.placement, plan.mp)
+    examples = None if example_inputs is None else micro_batch_inputs(
+        example_inputs, plan.model_copy(update={"batch": batch}), micro_batches)
+    part = partition_module(module, plan.placement, plan.mp, example_inputs=examples)
+    if is_exported(part.gm):
+        _check_exported(module, plan, bn_stats)
+        check_exported_batch(plan, batch, micro_batches)

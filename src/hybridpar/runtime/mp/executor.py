@@ -10,6 +10,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from hybridpar.graph.runnable import is_exported
 from hybridpar.runtime.mp.p2p import Link, Recv, Send, new_token
 from hybridpar.runtime.mp.partition import Partition
 
@@ -41,10 +42,12 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 def meta_values(part: Partition, meta_module: nn.Module, inputs: tuple) -> dict[str, object]:
-    """Every fx node's value for inputs shaped like `inputs`, computed on the meta device."""
+    """Every fx node's value for inputs shaped like `inputs`, computed on the meta device.
+    `meta_module`: meta_copy of the module (of the GraphModule itself for an exported graph, whose
+    constants live on it)."""
     gm = fx.GraphModule(meta_module, part.gm.graph)
     gm.train(part.gm.training)
-    interp = fx.Interpreter(gm, garbage_collect_values=False)
+    interp = _LocalInterpreter(gm, torch.device("meta"), exported=is_exported(part.gm))
     interp.run(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs])
     return {n.name: v for n, v in interp.env.items()}
 
@@ -66,17 +69,34 @@ def message_count(cross: dict[int, Crossing]) -> int:
 
 
 class _LocalInterpreter(fx.Interpreter):
-    """fx.Interpreter whose environment we fill ourselves (received values, inputs)."""
+    """fx.Interpreter whose environment we fill ourselves (received values, inputs). On a graph from
+    torch.export (hybridpar.graph.runnable) the devices the export saw are this rank's: a `device=`
+    argument (arange, zeros, ...) and the constants it lifted are put on `device`."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, device: torch.device | None = None, *, exported: bool = False):
         super().__init__(gm, garbage_collect_values=False)
+        self.device, self.exported = device, exported
+
+    def call_function(self, target, args, kwargs):
+        if self.exported and self.device is not None:  # `aten.to.device(x, cpu, ...)` too: positional
+            args = tuple(self.device if isinstance(a, torch.device) else a for a in args)
+            if kwargs.get("device") is not None:
+                kwargs = {**kwargs, "device": self.device}
+        return super().call_function(target, args, kwargs)
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if (self.exported and self.device is not None and isinstance(value, torch.Tensor)
+                and not isinstance(value, nn.Parameter) and value.device != self.device):
+            value = value.to(self.device)  # a lifted constant (a parameter is where its owner put it)
+        return value
 
 
 def run_forward(part: Partition, device: int, link: Link, inputs: tuple, cross: dict[int, Crossing],
                 msg_base: int, torch_device: torch.device) -> tuple[object | None, torch.Tensor]:
     """Forward of one (micro-)batch on this device. Returns (the model output if this device
     computes it else None, the last token of this rank's p2p chain)."""
-    interp = _LocalInterpreter(part.gm)
+    interp = _LocalInterpreter(part.gm, torch_device, exported=is_exported(part.gm))
     env = interp.env
     nodes = part.nodes
     token = new_token(torch_device)

@@ -101,12 +101,12 @@ class Partition:
         return [n for n, d in self.device_of.items() if d == device]
 
 
-def trace(module: nn.Module) -> fx.GraphModule:
-    try:
-        return fx.symbolic_trace(module)
-    except Exception as err:  # noqa: BLE001 - fx raises many types on untraceable code
-        raise UserError(f"model parallelism needs a torch.fx-traceable model: {type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''}") from None
+def trace(module: nn.Module, example_inputs: tuple | None = None) -> fx.GraphModule:
+    """torch.fx's graph, else (given example inputs at the batch the graph will run) torch.export's
+    (hybridpar.graph.runnable)."""
+    from hybridpar.graph.runnable import runnable_graph
+
+    return runnable_graph(module, example_inputs)
 
 
 def _lookup(placement: Mapping[str, int], module_name: str | None) -> int | None:
@@ -217,8 +217,9 @@ def _output_node(gm: fx.GraphModule) -> fx.Node:
 
 
 def partition_module(module: nn.Module, placement: Mapping[str, int] | None, mp: int, *,
-                     lazy_recv: bool = True) -> Partition:
-    """Trace `module` and split it over `mp` devices following `placement`.
+                     lazy_recv: bool = True, example_inputs: tuple | None = None) -> Partition:
+    """Trace `module` and split it over `mp` devices following `placement`. `example_inputs`, at the
+    batch each forward will take, let a model torch.fx cannot trace run on torch.export's graph.
 
     lazy_recv: receive each activation just before its first local use (more overlap; needs
     non-blocking sends, as gloo's). False receives it at the producer's position, so that every
@@ -230,7 +231,7 @@ def partition_module(module: nn.Module, placement: Mapping[str, int] | None, mp:
     if bad:
         k, v = next(iter(bad.items()))
         raise UserError(f"placement[{k!r}] = {v!r} outside devices 0..{mp - 1}")
-    gm = trace(module)
+    gm = trace(module, example_inputs)
     known = {n.name for n in gm.graph.nodes} | {name for name, _ in module.named_modules()}
     unknown = sorted(k for k in placement if k not in known)
     if unknown:

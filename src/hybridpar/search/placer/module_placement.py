@@ -3,15 +3,18 @@ functional nodes (a branch concat, a residual add) by their fx node name."""
 
 from __future__ import annotations
 
-from torch import fx, nn
+from torch import nn
 
 
-def placement_from_outcome(outcome, module: nn.Module) -> dict[str, int]:
-    """The placer's plan names modules only; functional nodes are added by their fx node name from the
-    placed graph's members, so that they run where the placer scheduled them rather than next to
-    their first input."""
+def placement_from_outcome(outcome, module: nn.Module, example_inputs: tuple | None = None) -> dict[str, int]:
+    """The placer's plan names modules only; functional nodes are added by their node name in the graph
+    the MP runtime runs (torch.fx's, else torch.export's at `example_inputs`: hybridpar.graph.runnable)
+    from the placed graph's members, so that they run where the placer scheduled them rather than next
+    to their first input."""
+    from hybridpar.graph.runnable import runnable_graph
+
     placement = dict(outcome.plan.placement or {})
-    fx_nodes = {n.name for n in fx.symbolic_trace(module).graph.nodes}
+    fx_nodes = {n.name for n in runnable_graph(module, example_inputs).graph.nodes}
     for node, dev in zip(outcome.graph.nodes, outcome.result.assignment):
         for member in node.attr("members") or (node.name,):
             if member in fx_nodes:
