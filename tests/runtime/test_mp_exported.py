@@ -57,3 +57,31 @@ def test_gpt2_model_parallel_and_hybrid_train_like_one_process(tmp_path, capsys)
                                        msg=lambda m, k=k, s=strategy: f"{s} {k}: {m}")
         assert res["steps"][-1]["comm_bytes"].get("send", 0) > 0, res["steps"][-1]["comm_bytes"]  # activations crossed
     assert loss1[0] != loss1[-1]  # it trained
+
+
+def test_take_over_frees_what_other_devices_own_in_the_exported_graph():
+    """The exported graph holds its own references to the weights (ep.module()): after the engine
+    takes the module over, every one another device owns is on meta there too, so it is freed."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybridpar.plans import Plan
+    from hybridpar.runtime.mp.engine import MPEngine, micro_batch_inputs
+
+    from .hf_token_models import gpt2
+
+    model, examples = gpt2()
+    plan = Plan(model="gpt2", world_size=2, batch=8, dp=1, mp=2, default_layout={"sample": 1},
+                placement={"net.transformer.h.1": 1, "net.transformer.ln_f": 1, "net.score": 1})
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        engine = MPEngine(model, plan, example_inputs=micro_batch_inputs(examples, plan))
+        assert engine.exported
+        held = dict(engine.partition.gm.named_parameters())
+        owner = engine.partition.owner_of_key
+        assert {owner[k] for k in held} == {0, 1}
+        for k, p in held.items():
+            assert (p.device.type == "meta") == (owner[k] != 0), k
+        assert engine.param_bytes() == sum(p.numel() * 4 for k, p in held.items() if owner[k] == 0)
+    finally:
+        dist.destroy_process_group()
