@@ -5,13 +5,12 @@ trains it equal to one process (issue 13: the MP runtime executes what the place
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from hybridpar.cli.main import main
+from .fp64_runs import train_fp64
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
 GPT2 = f"{Path(__file__).with_name('hf_token_models.py')}:gpt2"
@@ -37,13 +36,7 @@ def test_exported_partition_runs_on_meta_and_crosses_devices():
 
 
 def _train(tmp_path, capsys, strategy: str, n: str):
-    out = tmp_path / f"{strategy}.pt"
-    code = main(["train", "--model", GPT2, "--strategy", strategy, "--nproc", n, "--batch", "8", "--steps", "3",
-                 "--no-shuffle", "--precision", "fp64", "--save", str(out), "--json"])
-    cap = capsys.readouterr()
-    assert code == 0, cap.err
-    res = json.loads(cap.out)
-    return torch.load(out, weights_only=True), [s["loss"] for s in res["steps"]], res
+    return train_fp64(tmp_path, capsys, GPT2, strategy, n)
 
 
 @pytest.mark.slow

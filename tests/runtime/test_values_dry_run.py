@@ -4,7 +4,6 @@ CPU copies, and the run equals one process (issue: global semantics; HF GPT-2 do
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from hybridpar.cli.main import main
 from hybridpar.errors import UserError
 from hybridpar.runtime import dry_run as dr
 
+from .fp64_runs import train_fp64
 from .value_models import example_ids, last_token
 
 MODEL = f"{Path(__file__).with_name('value_models.py')}:last_token"
@@ -42,12 +42,8 @@ def test_weights_on_meta_are_refused_with_the_reason():
 
 
 def _train(tmp_path, capsys, strategy: str, n: str):
-    out = tmp_path / f"{n}.pt"
-    code = main(["train", "--model", MODEL, "--strategy", strategy, "--nproc", n, "--batch", "8", "--steps", "3",
-                 "--no-shuffle", "--precision", "fp64", "--save", str(out), "--json"])
-    cap = capsys.readouterr()
-    assert code == 0, cap.err
-    return torch.load(out, weights_only=True), [s["loss"] for s in json.loads(cap.out)["steps"]]
+    weights, losses, _ = train_fp64(tmp_path, capsys, MODEL, strategy, n)
+    return weights, losses
 
 
 @pytest.mark.slow
