@@ -81,9 +81,9 @@ def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size
     `inputs`: "sample_shard" (as `hybridpar train` runs: each sample group its own rows, a per-group
     mean loss) or "global" (the API's default: the whole batch in, whole outputs on every rank).
     `values`: for a forward that reads tensor values, which meta tensors cannot follow, a function
-    giving (inputs, targets) with values (the same shapes); the run is then repeated on CPU copies of
-    the module and those tensors (fake collectives: a value after one is not the real run's). Without
-    it, inputs that have values are used as they are."""
+    giving (module with its weights, inputs, targets), the same shapes with values; the run is then
+    repeated on CPU copies of them (fake collectives: a value after one is not the real run's).
+    Without it, `module` and the inputs are used as they are, if they have values."""
     def both(mod, batch, tgt, real: bool) -> DryRun:
         args = (mod, spec, batch, tgt, world_size)
         if world_size > 1:
@@ -97,13 +97,14 @@ def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size
         real = _values_run(module, example_inputs, targets, values)
         if isinstance(real, str):
             raise UserError(f"{reason}; {real}") from None
-        return both(module, *real, True)
+        return both(*real, True)
 
 
 def _values_run(module: nn.Module, example_inputs, targets, values):
-    """(inputs, targets) to repeat the dry run with, or why it cannot be."""
+    """(module, inputs, targets) to repeat the dry run with, or why it cannot be."""
     from torch.utils._pytree import tree_flatten
 
+    module, batch, tgt = values() if values is not None else (module, example_inputs, targets)
     tensors = [*module.parameters(), *module.buffers()]
     if any(t.device.type != "cpu" for t in tensors):
         return "the check runs such a model with values only when its weights are on the CPU"
@@ -111,10 +112,9 @@ def _values_run(module: nn.Module, example_inputs, targets, values):
     if n > VALUES_RUN_MAX_PARAMS:
         return (f"the check runs such a model with values only up to {VALUES_RUN_MAX_PARAMS:,} parameters "
                 f"(this one has {n:,}); use a sample-only layout for this model")
-    batch, tgt = values() if values is not None else (example_inputs, targets)
     if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tree_flatten((batch, tgt))[0]):
-        return "there are no example inputs with values to run it on"
-    return batch, tgt
+        return "there are no example inputs with values on the CPU to run it on"
+    return module, batch, tgt
 
 
 def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int, loss_fn, train: bool,
@@ -257,9 +257,10 @@ def check(module: nn.Module, spec, example_inputs, targets=None, *, world_size: 
         return torch.cat([t] * s)
 
     batch, meta_targets = tuple(whole(t, "meta") for t in given), whole(targets, "meta")
-    args = (module, spec, batch, meta_targets)
+    # the meta copy is made here, before any fork: a forked child must not touch a CUDA tensor
+    args = (_meta_copy(module), spec, batch, meta_targets)
     kwargs = {"world_size": world_size, "loss_fn": loss_fn, "train": module.training, "inputs": inputs,
-              "values": lambda: (tuple(whole(t) for t in given), whole(targets))}
+              "values": lambda: (module, tuple(whole(t) for t in given), whole(targets))}
     if not live:
         return dry_run(*args, **kwargs)
     return _in_child(dry_run, args, kwargs)

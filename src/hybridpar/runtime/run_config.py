@@ -407,7 +407,7 @@ def _layout_dry_run(module, plan: Plan, batch: int, examples) -> None:
     inputs = tuple(torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device="meta") for t in tensors)
 
     def values():  # a forward that reads values (HF GPT-2's masks): the examples' rows, repeated to the batch
-        return tuple(t[torch.arange(batch) % t.shape[0]] for t in tensors), None
+        return module, tuple(t[torch.arange(batch) % t.shape[0]] for t in tensors), None
     dry_run(module, plan, inputs, world_size=plan.world_size, values=values)
 
 
