@@ -58,7 +58,8 @@ def hybrid_step_time(model, cluster: str | Cluster, dp: int, mp: int, batch_per_
     if dp * mp > full.num_devices:
         raise UserError(f"{dp}x{mp} = {dp * mp} devices, cluster {full.name!r} has {full.num_devices}")
     # each replica's MP group is priced on the whole D x M cluster: where ranks share cores (localhost),
-    # all D x M ranks compute at once, so its compute stretches by (D x M) / cores, not M / cores
+    # all D x M ranks compete for them; then re-timed with the share its busy ranks actually see
+    # (_busy_share: an MP rank idles in its receives, so fewer than D x M compute at once)
     if placement is not None or not isinstance(model, str) or not isinstance(cluster, str):
         result = _mp_result(model, full, mp, batch_per_worker, solver, time_limit_s, coarsen, placement, optimizer)
     else:
