@@ -80,9 +80,10 @@ def _busy_share(result: PlacementResult, model, cluster: Cluster, mp: int, batch
     busy. Here a busy rank of device d is stretched by its expected share of a core: E[max(1, n/cores)]
     over n, the ranks computing with it, each other rank busy independently with its device's busy
     fraction in the schedule (D-1 more on device d, D on each other device); times the calibrated
-    slowest-rank pace. The same placement is re-timed with each device's stretch until the fractions
-    settle. Why: inception_mini's mp=2 x sample=2 on 2 cores (device 0 busy 92% of the step, device 1
-    23%) was priced 23-25% slower than its mp=2 and measured 0.94-1.01x of it
+    slowest-rank pace. The same placement is re-timed with each device's stretch, BUSY_SHARE_ROUNDS
+    times (each from the fractions of the round before; no convergence test). Why: inception_mini's
+    mp=2 x sample=2 on 2 cores (device 0 busy 92% of the step, device 1 23%) was priced 23-25% slower
+    than its mp=2 and measured 0.94-1.01x of it
     (benchmarks/bench_validation.py, 2026-12-01 07:39 and 21:36 UTC). Approximation: independence of
     the ranks' busy periods. Nothing changes where ranks have a device each (time share 1)."""
     from hybridpar.cluster.localhost import oversubscription, physical_cores
