@@ -141,7 +141,7 @@ def train_inputs(d: Path) -> list[tuple[str, list[str]]]:
 
 def run_train_input(name: str, argv: list[str], d: Path) -> Outcome:
     from hybridpar.cli.main import main
-    from hybridpar.runtime import launch
+    from hybridpar.train import launch
 
     before = set(d.rglob("*"))
     real, launch.spawn = launch.spawn, _tripwire
@@ -232,7 +232,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _complete(ck: Path) -> bool:
-    from hybridpar.runtime import checkpoint as ckpt
+    from hybridpar.train import checkpoint as ckpt
 
     info = ckpt.latest_checkpoint(ck)
     return info is not None and all(bool(torch.isfinite(t).all()) for t in ckpt.full_model_state(info).values())
@@ -253,7 +253,7 @@ def _finish(name: str, ck: Path, out: Path, ref: dict, how: str) -> Outcome:
 
 
 def _signal_launcher(ck: Path, sig: int, after_ckpt: int) -> str:
-    from hybridpar.runtime import checkpoint as ckpt
+    from hybridpar.train import checkpoint as ckpt
 
     proc = subprocess.Popen([str(BIN), *T, "--steps", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-every",
                              str(EVERY)], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -307,7 +307,7 @@ def _alive(pid: int) -> bool:
 
 
 def _corrupt(ck: Path, how: str) -> str:
-    from hybridpar.runtime import checkpoint as ckpt
+    from hybridpar.train import checkpoint as ckpt
 
     newest = ckpt.latest_checkpoint(ck).path
     shard = newest / "rank-00001.pt"

@@ -6,7 +6,7 @@ ranks), one layout at a time (never two trainings at once: the model is 3.2 GB o
 - runs `hybridpar train ... --metrics FILE` and samples, from outside, the resident set (VmRSS, and the
   kernel's high-water mark VmHWM) of the launcher and of every rank process every `--interval` seconds;
 - start-up peak: each rank's VmHWM when rank 0 has written its first step record (building its own
-  pieces of the model: hybridpar.runtime.materialize, its pieces plus about one whole layer);
+  pieces of the model: hybridpar.parallel.materialize, its pieces plus about one whole layer);
 - steady peak: each rank's peak after that first step record (steps 2..N: weights, gradients,
   optimizer state, activations, buffers of a training step): its VmHWM reset at that moment
   ("5" > /proc/PID/clear_refs) and read until it exits, and its largest sampled VmRSS, whichever is larger;
@@ -188,7 +188,7 @@ MARGIN = 1.2  # --margin: predicted peaks times this must fit in 90% of the avai
 
 def needed_bytes(p: dict, nproc: int) -> float:
     """What a run needs at once: the launcher (the model on meta only) and, per rank, its predicted
-    peak; start-up holds the rank's pieces plus about one whole layer (hybridpar.runtime.materialize),
+    peak; start-up holds the rank's pieces plus about one whole layer (hybridpar.parallel.materialize),
     below the steady peak; MARGIN to spare for the prediction's error."""
     return LAUNCHER_BYTES + nproc * MARGIN * p["memory_bytes"]
 

@@ -45,9 +45,9 @@ from bench_validation import BRANCHY, TWO_TOWER  # noqa: E402
 from bench_validation import profile as profile_rounds  # noqa: E402
 
 from hybridpar.graph.models import load_model  # noqa: E402
+from hybridpar.parallel.pipeline import MPEngine, loss_sum  # noqa: E402
 from hybridpar.plans import Plan  # noqa: E402
-from hybridpar.runtime.launch import spawn  # noqa: E402
-from hybridpar.runtime.mp import MPEngine, loss_sum  # noqa: E402
+from hybridpar.train.launch import spawn  # noqa: E402
 
 MODELS = {"branchy": BRANCHY, "inception_mini": "inception_mini", "two_tower_lstm": TWO_TOWER, "lstm2": "lstm2"}
 BATCH, WARMUP = 32, 2

@@ -16,7 +16,7 @@ shared machine hits both alike; medians are reported. Only ratios mean anything,
 followed by nothing, by gloo's allreduce of 32 floats, or by hybridpar's one-round allreduce of them;
 also 9 global batch-norm layers' worth: the runtime's cost floor for global statistics).
 `--one-round-ab`: per layout, in one world, the engine with gloo's own collectives against the
-runtime's one-round exchanges (hybridpar.runtime.collectives._one_round switched off and on), steps
+runtime's one-round exchanges (hybridpar.parallel.comm.collectives._one_round switched off and on), steps
 interleaved with DDP's; medians.
 """
 
@@ -61,7 +61,7 @@ def _time_steps(step, steps: int) -> float:
 def _ours(model, strategy, x, y, bn_stats):
     import torch
 
-    from hybridpar.runtime.engine import ChannelFilterEngine
+    from hybridpar.train.engine import ChannelFilterEngine
 
     eng = ChannelFilterEngine(copy.deepcopy(model), strategy, bn_stats=bn_stats)
     if hasattr(eng, "warm_up"):
@@ -121,9 +121,9 @@ def collectives_trial(args) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from hybridpar.runtime.collectives import all_reduce_
-    from hybridpar.runtime.comm_log import CommLog
-    from hybridpar.runtime.grid import Group
+    from hybridpar.parallel.comm.collectives import all_reduce_
+    from hybridpar.parallel.comm.log import CommLog
+    from hybridpar.parallel.mesh import Group
 
     torch.manual_seed(0)
     x, w = torch.randn(8, 16, 32, 32), torch.randn(16, 16, 3, 3)
@@ -153,7 +153,7 @@ def one_round_trial(args) -> dict:
     """Median ms per step of DDP and, per layout, our engine with and without one-round exchanges."""
     import torch
 
-    import hybridpar.runtime.collectives as coll
+    import hybridpar.parallel.comm.collectives as coll
     from hybridpar.graph.zoo.small import small_resnet
 
     torch.manual_seed(0)
@@ -187,7 +187,7 @@ def one_round_trial(args) -> dict:
 
 
 def worker_main(args) -> None:
-    from hybridpar.runtime.launch import spawn
+    from hybridpar.train.launch import spawn
 
     fn = collectives_trial if args.layout == "collectives" else \
         one_round_trial if ";" in args.layout else world_trial

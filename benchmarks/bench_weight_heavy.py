@@ -62,7 +62,7 @@ def world_trial(plan_path: str, steps: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hybridpar.plans import load_plan
-    from hybridpar.runtime.engine import ChannelFilterEngine
+    from hybridpar.train.engine import ChannelFilterEngine
 
     torch.manual_seed(0)
     model = weight_heavy()
@@ -124,7 +124,7 @@ def main() -> None:
     pred_ours, pred_ddp = res["predicted"]["step_time_s"], res["data_parallel"]["step_time_s"]
     sys.path.insert(0, str(ROOT / "src"))
     os.environ.update(env)
-    from hybridpar.runtime.launch import spawn
+    from hybridpar.train.launch import spawn
 
     trials = []
     for t in range(args.trials):

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hybridpar.runtime.launch import spawn
+from hybridpar.train.launch import spawn
 
 SLICES = (8, 32, 128, 256)  # 128x128 matmuls per compute slice
 

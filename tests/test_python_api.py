@@ -1,5 +1,5 @@
 """DESIGN.md's Python API: hybridpar.graph.trace, hybridpar.plan(...), hybridpar.place(...),
-hybridpar.runtime.parallelize."""
+hybridpar.parallel.parallelize."""
 
 import hybridpar
 from hybridpar.plans import Plan, parse_strategy
@@ -25,7 +25,7 @@ def test_place_and_trace():
 
 
 def test_parallelize_is_exported():
-    from hybridpar.runtime import parallelize
+    from hybridpar.parallel import parallelize
 
     assert callable(parallelize)
 
@@ -34,12 +34,12 @@ def test_api_names_are_plain_functions():
     import inspect
 
     import hybridpar.graph.tracing
+    import hybridpar.parallel.api  # nor the runtime's module the function
     import hybridpar.plans  # importing the Plan package must not shadow the function
-    import hybridpar.runtime.parallel_model  # nor the runtime's module the function
 
     assert inspect.isfunction(hybridpar.plan) and inspect.isfunction(hybridpar.place)
     assert inspect.isfunction(hybridpar.parallelize) and inspect.isfunction(hybridpar.full_state_dict)
-    assert inspect.isfunction(hybridpar.runtime.parallelize) and inspect.isfunction(hybridpar.graph.trace)
+    assert inspect.isfunction(hybridpar.parallel.parallelize) and inspect.isfunction(hybridpar.graph.trace)
     from pathlib import Path
 
     assert not (Path(hybridpar.__file__).parent / "_callable.py").exists()

@@ -1,50 +1,36 @@
 """hybridpar: plan and run hybrid-parallel deep-learning training.
 
-Pipeline: model -> graph -> cost -> search -> Plan -> runtime.
+Pipeline: model -> graph -> cost -> search -> Plan -> parallel (apply it) -> train (run a job).
 `plan` and `place` are plain functions; they import the search (torch, solvers) only when called, so
 `import hybridpar` stays cheap. The Plan data type is `hybridpar.plans.Plan`.
 """
 
 from __future__ import annotations
 
-import sys
-
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "check", "full_state_dict", "no_sync", "parallelize", "place", "plan"]
+__all__ = ["__version__", "check", "full_state_dict", "no_sync", "parallelize", "place", "plan", "project"]
 
 
-def _model_arg(model, example_inputs):
-    """A zoo name / file spec / Graph as is; an nn.Module with its example inputs as (module, inputs)."""
-    if example_inputs is None:
-        torch = sys.modules.get("torch")  # a module exists only if torch is loaded: never import it here
-        if torch is not None and isinstance(model, torch.nn.Module):
-            from hybridpar.errors import UserError
+def plan(model, cluster="localhost", gpus: int = 1, batch: int = 32, **options):
+    """Per-layer decomposition plan: see :func:`hybridpar.api.plan`."""
+    from hybridpar.api import plan as _plan
 
-            raise UserError("an nn.Module needs example_inputs (a tensor or a tuple of tensors)")
-        return model
-    return (model, example_inputs)
+    return _plan(model, cluster, gpus, batch, **options)
 
 
-def plan(model, cluster="localhost", gpus: int = 1, batch: int = 32, *, example_inputs=None, **options):
-    """Per-layer decomposition plan of `model` on `gpus` devices of `cluster` at global batch `batch`.
+def place(model, cluster="localhost", gpus: int = 2, **options):
+    """DLPlacer device placement of one model-parallel group: see :func:`hybridpar.api.place`."""
+    from hybridpar.api import place as _place
 
-    `model`: a zoo name, `path/to/file.py:factory`, a traced Graph, or an `nn.Module` with
-    `example_inputs`. `cluster`: a preset name, a cluster file, or a `Cluster`. `options` are those
-    of :func:`hybridpar.search.layers.planner.plan_model` (strategy, memory_limit, dtype, ...)."""
-    from hybridpar.search.layers.planner import plan_model
-
-    return plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, **options)
+    return _place(model, cluster, gpus, **options)
 
 
-def place(model, cluster="dgx1-v100", devices: int = 2, *, example_inputs=None, **options):
-    """DLPlacer device placement of `model` over `devices` devices of `cluster`.
+def project(model, cluster="localhost", gpus=tuple(2**i for i in range(13)), config=None, **options):
+    """End-to-end time-to-target projection: see :func:`hybridpar.api.project`."""
+    from hybridpar.api import project as _project
 
-    `model` and `cluster` as for :func:`plan`; `options` are those of
-    :func:`hybridpar.search.placer.place_model` (solver, time_limit_s, batch, ...)."""
-    from hybridpar.search.placer import place_model
-
-    return place_model(_model_arg(model, example_inputs), cluster, devices, **options)
+    return _project(model, cluster, gpus, config, **options)
 
 
 def parallelize(module, plan_or_strategy, **options):
@@ -53,10 +39,10 @@ def parallelize(module, plan_or_strategy, **options):
     batch and gets the whole outputs; any loss, any torch.optim optimizer. In place; returns it.
     Options: inputs="global"|"sample_shard", bn_stats="global"|"local", check_inputs=<example batch>
     (first refuse an op the layout cannot serve, before any collective: see :func:`check`)
-    (see hybridpar.runtime.parallel_model.parallelize)."""
+    (see hybridpar.parallel.api.parallelize)."""
     import os
 
-    from hybridpar.runtime.parallel_model import parallelize as _parallelize
+    from hybridpar.parallel.api import parallelize as _parallelize
 
     if isinstance(plan_or_strategy, (str, os.PathLike)) and str(plan_or_strategy).endswith(".json"):
         from hybridpar.plans import load_plan
@@ -75,7 +61,7 @@ def check(module, plan_or_strategy, example_inputs, targets=None, *, world_size=
     them the backward starts from the outputs' sum). Same as parallelize(..., check_inputs=x)."""
     import os
 
-    from hybridpar.runtime.dry_run import check as _check
+    from hybridpar.parallel.check import check as _check
 
     if isinstance(plan_or_strategy, (str, os.PathLike)) and str(plan_or_strategy).endswith(".json"):
         from hybridpar.plans import load_plan
@@ -86,13 +72,13 @@ def check(module, plan_or_strategy, example_inputs, targets=None, *, world_size=
 
 def full_state_dict(module):
     """The undistributed state_dict of a parallelized module, on every rank (collective)."""
-    from hybridpar.runtime.parallel_model import full_state_dict as _full
+    from hybridpar.parallel.api import full_state_dict as _full
 
     return _full(module)
 
 
 def no_sync(module):
     """Context manager: backward passes inside accumulate gradients without synchronising them."""
-    from hybridpar.runtime.parallel_model import no_sync as _no_sync
+    from hybridpar.parallel.api import no_sync as _no_sync
 
     return _no_sync(module)

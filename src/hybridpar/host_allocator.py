@@ -10,7 +10,7 @@ faults per step depending on the process's history, so the same step's time move
 between processes (the op table's profile, each rank of a run). PyTorch's CPU tuning guide
 recommends an allocator that keeps memory (jemalloc/tcmalloc via LD_PRELOAD); neither ships with
 pip, so we set glibc's own knobs (mallopt) the same way, once per process: in every rank
-(hybridpar.runtime.launch) and in every process that times ops for the cost model
+(hybridpar.train.launch) and in every process that times ops for the cost model
 (hybridpar.profile), so that both see the same allocator.
 
 The cost: a process keeps its peak heap until it exits (as the CUDA caching allocator does).

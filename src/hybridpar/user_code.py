@@ -2,7 +2,7 @@
 
 A user's file can raise anything on import, call sys.exit, or name a function it does not have; each is
 a UserError (exit 2, one line) that names the file, never a traceback or the file's own exit status.
-Used for model factories (hybridpar.graph.models) and data set factories (hybridpar.runtime.data_files)."""
+Used for model factories (hybridpar.graph.models) and data set factories (hybridpar.train.data.files)."""
 
 from __future__ import annotations
 

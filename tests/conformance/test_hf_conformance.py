@@ -76,7 +76,7 @@ def test_train_equals_one_process_and_gradient_bytes_as_predicted(families, tmp_
     from train_checks import check_train
 
     fams = [_family(families, name) for name in TRAIN_SUBSET]
-    got = check_train(fams, tmp_path, layouts=TRAIN_SUBSET, fp64=False)  # fp64: tests/runtime/test_fp64_precision.py
+    got = check_train(fams, tmp_path, layouts=TRAIN_SUBSET, fp64=False)  # fp64: tests/parallel/test_fp64_precision.py
     bad = {(f, c): (r.status, r.detail) for f, per in got.items() for c, r in per.items()
            if r.status == "failed" or (c in ("sample=2", "grad_bytes") and r.status != "exact")}
     assert not bad, bad

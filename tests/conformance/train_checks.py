@@ -3,9 +3,9 @@ benchmarks/bench_conformance.py: `hybridpar train` per family and layout against
 
 Each run goes the way `hybridpar train --model hf_families.py:<family>_train --strategy S --data
 data.pt --batch 4 --steps 2 --lr 0.01 --no-shuffle --init-from init.pt --save out.pt --json` goes:
-`hybridpar.runtime.run_config.run_config` validates it in this process (for channel/filter layouts
+`hybridpar.train.config.run_config` validates it in this process (for channel/filter layouts
 that is the meta-tensor dry run on a fake world, the "refused before any rank starts" of the CLI:
-its UserError is the one line `train` prints with exit 2), then `hybridpar.runtime.train_loop.run_rank`
+its UserError is the one line `train` prints with exit 2), then `hybridpar.train.trainer.run_rank`
 trains on every rank, the per-rank body of `train`. The only difference from the CLI is that many
 runs share one spawned world (`launch.spawn` of `run_worlds`), so the ranks import `transformers`
 once rather than once per run (one CLI run costs ~50 s here, mostly imports).
@@ -89,7 +89,7 @@ def reference(fam: hf_families.Family, inp: Inputs, dtype: torch.dtype = torch.f
 def prepare(inp: Inputs, strategy: str, ranks: int, save: str):
     """`train`'s checks before any rank starts: a TrainConfig, or the refusal Result (its one line)."""
     from hybridpar.errors import UserError
-    from hybridpar.runtime.run_config import run_config
+    from hybridpar.train.config import run_config
 
     try:
         setup = run_config(model=train_spec(inp.family), input_shape=inp.shape, strategy=strategy, nproc=ranks,
@@ -109,7 +109,7 @@ def run_worlds(jobs: list[tuple[str, object]], progress: str | None = None) -> l
     finishes, so that a world that dies still tells which jobs ran."""
     import torch.distributed as dist
 
-    from hybridpar.runtime.train_loop import run_rank
+    from hybridpar.train.trainer import run_rank
 
     records = []
     for key, cfg in jobs:
@@ -138,7 +138,7 @@ def run_worlds(jobs: list[tuple[str, object]], progress: str | None = None) -> l
 def run_jobs(jobs: list[tuple[str, object]], ranks: int, workdir: Path) -> dict[str, dict]:
     """All jobs on one spawned world of `ranks`; if the world dies, the job it died in is failed and
     the rest run on a fresh world."""
-    from hybridpar.runtime.launch import spawn
+    from hybridpar.train.launch import spawn
 
     done: dict[str, dict] = {}
     todo = list(jobs)

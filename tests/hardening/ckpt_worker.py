@@ -8,8 +8,8 @@ import os
 import torch
 
 from hybridpar.plans import Plan, parse_strategy
-from hybridpar.runtime import checkpoint as ckpt
-from hybridpar.runtime import faults
+from hybridpar.train import checkpoint as ckpt
+from hybridpar.train import faults
 
 # Test-only crash points inside save_checkpoint, to prove a kill at any moment is safe.
 CRASH_ENV = "HYBRIDPAR_TEST_CRASH"
@@ -25,8 +25,8 @@ def train(root: str, strategy: str, world: int, steps: int, every: int, resume: 
     import torch.distributed as dist
 
     from hybridpar.graph.models import load_model
-    from hybridpar.runtime.data import batch_indices, load_dataset
-    from hybridpar.runtime.engine import make_engine
+    from hybridpar.train.data.loader import batch_indices, load_dataset
+    from hybridpar.train.engine import make_engine
 
     plan = plan_for(strategy, world)
     torch.manual_seed(0)

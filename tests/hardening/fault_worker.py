@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridpar.runtime.faults import set_default_timeout
+from hybridpar.train.faults import set_default_timeout
 
 
 def stuck_peer(rank: int, world: int, port: int, out_dir: str) -> None:

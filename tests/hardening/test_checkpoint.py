@@ -10,8 +10,8 @@ import torch
 from torch.multiprocessing import ProcessExitedException
 
 from hybridpar.errors import UserError
-from hybridpar.runtime import checkpoint as ckpt
-from hybridpar.runtime.launch import spawn
+from hybridpar.train import checkpoint as ckpt
+from hybridpar.train.launch import spawn
 
 from .ckpt_worker import CRASH_ENV, train
 

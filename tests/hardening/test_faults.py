@@ -77,7 +77,7 @@ def test_stuck_peer_times_out_in_a_subgroup(tmp_path, monkeypatch):
     """A peer that is alive but never joins: the collective fails after HYBRIDPAR_COLLECTIVE_TIMEOUT_S."""
     import torch.multiprocessing as mp
 
-    from hybridpar.runtime.launch import free_port
+    from hybridpar.train.launch import free_port
 
     from .fault_worker import stuck_peer
 

@@ -270,8 +270,8 @@ def test_train_foreign_checkpoints(no_spawn):
     """A checkpoint directory holding another run's checkpoint (any identity key changed): exit 2."""
     import hashlib
 
-    from hybridpar.runtime.checkpoint import run_id
-    from hybridpar.runtime.run_config import run_config
+    from hybridpar.train.checkpoint import run_id
+    from hybridpar.train.config import run_config
 
     base = run_config(model="small_cnn", strategy="sample=2", batch=8, steps=1).config.identity
     seen: Counter = Counter()

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hybridpar.cli.main import main
-from hybridpar.runtime import checkpoint as ckpt
-from hybridpar.runtime import run_config as rc_mod
+from hybridpar.train import checkpoint as ckpt
+from hybridpar.train import config as rc_mod
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,7 +79,7 @@ def test_another_runs_checkpoints_are_refused_then_overwritten_only_when_asked(c
 
 def test_two_runs_cannot_share_a_directory(tmp_path, capsys):
     holder = subprocess.Popen([sys.executable, "-c",
-                               "import sys, time; from hybridpar.runtime.checkpoint import lock_directory; "
+                               "import sys, time; from hybridpar.train.checkpoint import lock_directory; "
                                f"lock_directory({str(tmp_path / 'ck')!r}); print('locked', flush=True); "
                                "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
@@ -269,7 +269,7 @@ def test_saved_weights_follow_the_umask(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_disk_full_during_a_checkpoint_is_one_error_and_leaves_no_tmp(tmp_path):
-    from hybridpar.runtime.launch import spawn
+    from hybridpar.train.launch import spawn
 
     from .ckpt_worker import CRASH_ENV, train
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybridpar.cluster import load_cluster
 from hybridpar.cluster.calibration import Calibration, load_calibration, save_calibration
-from hybridpar.runtime.metrics import peak_flops
+from hybridpar.train.metrics import peak_flops
 
 
 def test_bf16_peak_is_measured_and_used(tmp_path, monkeypatch):

@@ -41,7 +41,7 @@ def factory():
 
 @pytest.mark.parametrize("strategy", ["sample=2,filter=2", "sample=2,channel=2"])
 def test_planned_bytes_equal_the_runtimes(strategy):
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     res = plan_model(factory(), "localhost", gpus=4, batch=8, strategy=strategy)

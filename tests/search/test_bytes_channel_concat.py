@@ -1,6 +1,6 @@
 """A concatenation along channels of channel-split activations: the runtime moves the parts of each
 rank's piece that other ranks hold in one all-to-all in the sample group, forward and backward
-(runtime/layers/concat.py; cost.layout_comm.channel_concat). The planner priced joins without any
+(parallel/styles/concat.py; cost.layout_comm.channel_concat). The planner priced joins without any
 communication: the zoo-less models below sent all-to-all bytes that `hybridpar plan` never showed
 (HF hgnet_v2, 4 ranks, sample=2,filter=2, batch 4: 282,624 bytes)."""
 
@@ -35,7 +35,7 @@ def factory():
 def test_planned_bytes_equal_the_runtimes(strategy, moves):
     """channel=4: the 6-channel branch has an empty fourth piece, so its conv's output is gathered
     whole (runtime.dtensors.settle) and DTensor, not the all-to-all, runs the concatenation."""
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     gpus = 2 if strategy == "channel=2" else 4

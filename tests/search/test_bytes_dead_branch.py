@@ -28,7 +28,7 @@ class DeadBranch(nn.Module):
 
 @pytest.mark.parametrize("strategy", ["sample=2,filter=2", "sample=4"])
 def test_planned_bytes_equal_the_runtimes(strategy):
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     x = torch.randn(8, 16)
@@ -73,7 +73,7 @@ class WithUnreadParameter(nn.Module):
 def test_an_unread_parameter(strategy):
     """Under a channel/filter layout it is a replicated DTensor with no gradient: nothing sent (was
     priced with the linear's shard: HF dinov2 tiny 768 bytes); sample-only: zeros summed, as priced."""
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     x = torch.randn(8, 16)

@@ -62,7 +62,7 @@ GATHERED = {"mean_linear": [4 * 16 * 4], "batchnorm": [PIECE], "two_convs": [PIE
 
 
 def _planned_and_sent(make, strategy: str, batch: int = 8):
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     res = plan_model(make(), "localhost", gpus=4, batch=batch, strategy=strategy)
@@ -92,7 +92,7 @@ def test_plan_strategy_adds_no_priced_gather_again(tmp_path, monkeypatch, capsys
     """`hybridpar plan --strategy` adds the dry run's DTensor moves the plan does not price: none
     here (before: the gather of the mean's gradient, as a note and in the bytes)."""
     from hybridpar.cli.main import main
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
 
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "consumers.py"

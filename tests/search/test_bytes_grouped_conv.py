@@ -1,6 +1,6 @@
 """Grouped/depthwise convolutions (groups > 1) under a channel/filter layout: the runtime leaves
-them whole (runtime/layers/styles.py: only an exact nn.Conv2d with groups == 1 and zeros padding is
-distributed; DTensor runs the rest replicated over channel_filter, hybridpar.runtime.dtensor_rules),
+them whole (parallel/styles/table.py: only an exact nn.Conv2d with groups == 1 and zeros padding is
+distributed; DTensor runs the rest replicated over channel_filter, hybridpar.parallel.dtensor.rules),
 so the planner prices them whole: no channel/filter collectives, whole compute and memory, their
 gradient replicated and summed over the sample groups. Before, a plan of any channel/filter layout
 for a model with one was refused ("grouped/depthwise layer: sample split only") although the
@@ -40,7 +40,7 @@ def factory():
 def test_the_shared_rule():
     from hybridpar.cost.layout_comm import splits_by_layout
     from hybridpar.graph import trace
-    from hybridpar.runtime.layers.styles import splits_as_conv
+    from hybridpar.parallel.styles.table import splits_as_conv
 
     model, inputs = factory()
     convs = {n.module: splits_by_layout(n) for n in trace(model, inputs).nodes if n.op == "conv2d"}
@@ -50,7 +50,7 @@ def test_the_shared_rule():
 
 @pytest.mark.parametrize("strategy", ["sample=2,filter=2", "channel=2,filter=2"])
 def test_planned_bytes_equal_the_runtimes(strategy):
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     res = plan_model(factory(), "localhost", gpus=4, batch=8, strategy=strategy)
@@ -77,7 +77,7 @@ def test_the_gathers_around_a_whole_conv_are_logged():
     output's gradient on channel_filter inside our convolution handler (dtensor_rules), where the
     recorder of DTensor's collectives was off the mode stack: `hybridpar train --json` and the plan's
     dry run left them out (sample=2,filter=2: 20,640 allgather bytes logged, 102,560 sent)."""
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
 
     model, inputs = factory()
     run = dry_run(model, "sample=2,filter=2", inputs, world_size=4)
@@ -123,7 +123,7 @@ def test_the_planner_prices_the_input_gathers():
     meet split ones (cost.layout_comm.whole_grad_gather): dw's at its output (a residual add), grp's
     after the mean (the head's input). Plan = every byte one rank of `hybridpar train` logs (102,560
     allgather bytes here)."""
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     res = plan_model(factory(), "localhost", gpus=4, batch=8, strategy="sample=2,filter=2")
@@ -164,7 +164,7 @@ def test_a_depthwise_conv_on_a_linears_tokens():
     output among the conv's inputs, for the shape it read: whole after the LayerNorm); the settle
     rule reads a linear's features, not its dim 1 (HF segformer and pvt_v2 tiny: 4,096 and 180,224
     allgather bytes the plan left out)."""
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     x = torch.randn(8, 3, 8, 8)

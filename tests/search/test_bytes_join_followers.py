@@ -30,7 +30,7 @@ def factory():
 
 @pytest.mark.parametrize("strategy", ["sample=2,filter=2", "sample=4"])
 def test_planned_bytes_equal_the_runtimes(strategy):
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     res = plan_model(factory(), "localhost", gpus=4, batch=8, strategy=strategy)
@@ -55,7 +55,7 @@ class InputNorm(nn.Module):
 def test_a_batch_norm_before_the_first_layer(strategy):
     """Its statistics' allreduce forward (no input gradient, so none backward) was not priced:
     sample=4 1,068 planned vs 1,148 sent, sample=2,filter=2 540 vs 596."""
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     x = torch.randn(8, 3, 8, 8)

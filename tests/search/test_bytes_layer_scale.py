@@ -29,7 +29,7 @@ class Scaled(nn.Module):
 
 @pytest.mark.parametrize("strategy", ["sample=2,filter=2", "sample=2,channel=2", "sample=4"])
 def test_planned_bytes_equal_the_runtimes(strategy):
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
     from hybridpar.search.layers.planner import plan_model
 
     x = torch.randn(8, 3, 4, 4)

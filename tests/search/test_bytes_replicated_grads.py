@@ -18,7 +18,7 @@ def factory():
 
 def _sent(strategy: str, world: int) -> dict[str, int]:
     """Bytes per kind rank 0 logs in one step (sample_shard inputs, as `hybridpar train` runs)."""
-    from hybridpar.runtime.dry_run import dry_run
+    from hybridpar.parallel.check import dry_run
 
     model, inputs = factory()
     return dry_run(model, strategy, inputs, world_size=world).our_bytes

@@ -25,7 +25,7 @@ class _AttnModel(nn.Module):
 
 
 def test_every_parameterised_module_is_placed_and_runtime_leaves_stay_whole():
-    from hybridpar.runtime.mp.partition import partition_module
+    from hybridpar.parallel.pipeline.partition import partition_module
 
     torch.manual_seed(0)
     model = _AttnModel()

@@ -92,7 +92,7 @@ def test_free_sample_space_is_searched_with_redistribution():
 @pytest.mark.parametrize("strategy", ["sample=4", "sample=2,channel=2", "sample=2,filter=2", "channel=2,filter=2",
                                       "channel=4"])
 def test_predicted_bytes_equal_the_runtimes_analytic_bytes(strategy):
-    """Per kind, the bytes the prediction prices are those hybridpar.runtime issues (layout_comm, its twin)."""
+    """Per kind, the bytes the prediction prices are those hybridpar.parallel issues (layout_comm, its twin)."""
     from hybridpar.cost.layout_comm import bytes_by_kind, model_collectives
     from hybridpar.plans import parse_strategy
     from hybridpar.search.layers.planner import _scaled, _traced

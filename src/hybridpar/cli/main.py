@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 def _exit(code: int, argv: list[str] | None) -> int:
     # As a console script we exit; called from Python (tests) we return the code.
     if argv is None:
-        launch = sys.modules.get("hybridpar.runtime.launch")  # imported only by commands that train
+        launch = sys.modules.get("hybridpar.train.launch")  # imported only by commands that train
         if launch is not None and launch.joined_launcher():
             # A torchrun rank leaves without the interpreter's teardown, as spawned ranks do (launch.py):
             # gloo's C++ objects can abort there ("terminate called without an active exception", seen

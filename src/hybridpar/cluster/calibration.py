@@ -64,7 +64,7 @@ class GlooFit(_AffineFit):
 
 class CollectiveFit(_AffineFit):
     """The fit of one collective kind in groups of `group_size` ranks (all world_size / group_size
-    groups at once). n in the runtime's byte convention (hybridpar.runtime.comm_log)."""
+    groups at once). n in the runtime's byte convention (hybridpar.parallel.comm.log)."""
 
     kind: str
     group_size: int = Field(ge=2)
@@ -218,3 +218,14 @@ def save_calibration(cal: Calibration, path: str | os.PathLike | None = None) ->
     """Write atomically (hybridpar.files.atomic_write); returns the path written."""
     p = Path(path).expanduser() if path is not None else default_calibration_path()
     return atomic_write(p, cal.model_dump_json(indent=2))
+
+
+def resolve_calibration(calibration: Calibration | str | os.PathLike | None, *,
+                        default: bool) -> Calibration | None:
+    """`calibration` itself when it is one, else the file it names (None: the default file, read only
+    when `default`, e.g. for CPU devices, whose times the default file measured)."""
+    if isinstance(calibration, Calibration):
+        return calibration
+    if calibration is not None or default:
+        return load_calibration(calibration)
+    return None

@@ -738,7 +738,7 @@ def collective_time_fn(kind: str, groups: Sequence[Sequence[int]], cluster: Clus
 
 
 def _ring_collective(n: float, ranks: Sequence[int], cluster: Cluster, kind: str) -> float:
-    return concurrent_collective_time(kind, n, [ranks], cluster)  # type: ignore[arg-type]
+    return concurrent_collective_time(kind, n, [ranks], cluster)
 
 
 def broadcast_time(bytes_: float, ranks: Sequence[int], cluster: Cluster,
@@ -791,7 +791,7 @@ def collective_time(kind: str, bytes_: float, group: Sequence[int], cluster: Clu
     if kind == "allreduce":
         return allreduce_time(bytes_, group, cluster)
     if kind in ("reduce_scatter", "allgather"):
-        return concurrent_collective_time(kind, bytes_, [group], cluster)  # type: ignore[arg-type]
+        return concurrent_collective_time(kind, bytes_, [group], cluster)
     if kind == "broadcast":
         return broadcast_time(bytes_, group, cluster)
     if kind == "alltoall":

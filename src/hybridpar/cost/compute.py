@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.cluster.calibration import Calibration, OpRecord, load_calibration, op_key
+from hybridpar.cluster.calibration import Calibration, OpRecord, op_key, resolve_calibration
 from hybridpar.cluster.model import Cluster, DeviceSpec
 from hybridpar.graph.types import DTYPE_BYTES, Node
 
@@ -333,16 +333,15 @@ def _lookup(cal: Calibration, op: str, loc: LocalShapes) -> _Hit | None:
     n1, n2 = sorted(sorted(same, key=lambda b: (abs(b - n), b))[:2])
     t1, t2 = _times(same[n1]), _times(same[n2])
 
-    def at(a: float | None, b: float | None) -> float | None:
-        if a is None or b is None:
-            return None
+    def at(a: float, b: float) -> float:
         slope = (b - a) / (n2 - n1)
         fixed = a - slope * n1
         if slope < 0 or fixed < 0:  # noise across the two records: in proportion to the nearer one
             return a * n / n1 if abs(n - n1) <= abs(n - n2) else b * n / n2
         return fixed + slope * n
 
-    return _Hit(at(t1[0], t2[0]), at(t1[1], t2[1]), at(t1[2], t2[2]), derived=True)
+    w1, w2 = t1[2], t2[2]
+    return _Hit(at(t1[0], t2[0]), at(t1[1], t2[1]), None if w1 is None or w2 is None else at(w1, w2), derived=True)
 
 
 def variant_name(op: str, channel: int, filter_: int, input_grad: bool = True) -> str:
@@ -354,9 +353,7 @@ def variant_name(op: str, channel: int, filter_: int, input_grad: bool = True) -
 def runtime_overhead_for(device: DeviceSpec, calibration: Calibration | str | os.PathLike | None = None):
     """The calibration's RuntimeOverhead when it was measured on this device (`calibration` None: the
     default file, for CPU devices), else None: GPU presets are priced without it."""
-    cal = calibration if isinstance(calibration, Calibration) else None
-    if cal is None and (calibration is not None or device.kind == "cpu"):
-        cal = load_calibration(calibration)
+    cal = resolve_calibration(calibration, default=device.kind == "cpu")
     return cal.runtime_overhead if cal is not None and cal.device_name == device.name else None
 
 
@@ -372,9 +369,7 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
     plain op (e.g. "batchnorm_global": batch norm with statistics over several sample groups);
     without a measurement of the variant, the plain op's is used."""
     dev = device.device if isinstance(device, Cluster) else device
-    cal = calibration if isinstance(calibration, Calibration) else None
-    if cal is None and (calibration is not None or dev.kind == "cpu"):
-        cal = load_calibration(calibration)
+    cal = resolve_calibration(calibration, default=dev.kind == "cpu")
     cpu = cpu_curve(cal) if cal is not None and cal.device_name == dev.name else None
     if cal is not None and cal.device_name == dev.name and dtype == "fp32" and node.op not in _FREE:
         loc = local_shapes(node, sample_frac, channel_frac, filter_frac)

@@ -1,6 +1,6 @@
 """The collectives one training step issues under a layout, per layer: kind, group size and bytes.
 
-This is the analytic twin of hybridpar.runtime (measured CommLog bytes equal these, per kind; a test
+This is the analytic twin of hybridpar.parallel (measured CommLog bytes equal these, per kind; a test
 checks it). Pure Python on a hybridpar Graph: no torch.distributed. Byte convention as in
 hybridpar.cost.collectives: allreduce = the buffer, allgather = the gathered result,
 reduce_scatter = the input. Price a list with the collective time functions, e.g.
@@ -41,6 +41,7 @@ from hybridpar.layout import (
     moved_elements,
     received_channels,
 )
+from hybridpar.layout.runs import BUCKET_BYTES, DISTRIBUTED_CLASSES, runs_distributed  # noqa: F401 (re-exported)
 from hybridpar.plans.schema import LayerLayout, Plan
 from hybridpar.plans.strategy import parse_strategy
 
@@ -54,23 +55,6 @@ class CommOp:
     bytes_: int
     group: str  # "filter" | "channel" | "sample" (the G ranks of a sample group) | "replica"
     phase: str = "fwd"  # "fwd" | "bwd" | "grad" | "loss"
-
-
-# the classes hybridpar.runtime replaces by distributed layers (runtime/layers/styles.py PARALLEL_STYLES:
-# exact types; a subclass such as nn.MultiheadAttention's NonDynamicallyQuantizableLinear keeps its own
-# forward and stays replicated, as does a functional F.linear/F.conv2d)
-DISTRIBUTED_CLASSES = {"conv2d": "torch.nn.modules.conv.Conv2d", "linear": "torch.nn.modules.linear.Linear"}
-
-
-def runs_distributed(op: str, module_class: str | None, groups: int = 1, padding_mode: str = "zeros") -> bool:
-    """The runtime's rule for a conv/linear (runtime/layers/styles.py asks it of modules, the cost
-    model of traced nodes): an exact nn.Conv2d with groups == 1 and zeros padding, or an exact
-    nn.Linear, runs as a distributed layer; anything else (grouped/depthwise convs, another padding
-    mode, subclasses, functional calls) runs whole on every rank, its parameters replicated.
-    `module_class` None: a node built by hand, taken as the plain layer it names."""
-    if op not in DISTRIBUTED_CLASSES or (module_class is not None and module_class != DISTRIBUTED_CLASSES[op]):
-        return False
-    return op != "conv2d" or (groups == 1 and padding_mode == "zeros")
 
 
 def splits_by_layout(node: Node) -> bool:
@@ -167,7 +151,7 @@ def whole_conv_gathers(node: Node, layout: LayerLayout, *, input_split: bool = T
                        dtype_bytes: int = FP32) -> list[CommOp]:
     """A conv the runtime leaves whole (`splits_by_layout` False) under G = P_C*P_F > 1 runs on its
     sample group's whole input: DTensor gathers the channel-split input on channel_filter inside
-    hybridpar.runtime.dtensor_rules' convolution handler forward, and again backward for the weight
+    hybridpar.parallel.dtensor.rules' convolution handler forward, and again backward for the weight
     gradient (an allgather of the sample group's input, G ranks, each time). None when the input
     arrives whole (`input_split` False: the model's input, a layer left whole, a tensor with an
     empty channel piece). Its output gradient's gather, where the output meets a split one, is
@@ -187,7 +171,7 @@ def whole_grad_gather(meets: tuple[int, ...], layout: LayerLayout, *, dtype_byte
     channel_filter there, and DTensor gathers it (one allgather over the G ranks of a sample group,
     backward) at the shape `meets` (global batch first) of the whole tensor where it met:
       - a split layer (conv/linear/batch norm) takes its channel piece of the whole input (a free
-        slice in hybridpar.runtime.dtensors.to_local): the slice's backward gathers that input
+        slice in hybridpar.parallel.dtensor.boundary.to_local): the slice's backward gathers that input
         (a whole conv -> batch norm: the conv's output; -> mean -> linear: the [N, C] mean);
       - an elementwise join with a split operand (a residual add) slices the whole operand inside
         DTensor's op; the split gradient reaches the whole conv, whose backward handler gathers it
@@ -233,7 +217,8 @@ def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, 
     w_name = next((k for k, _ in node.param_shapes if k.endswith("weight")), None)
     b_name = next((k for k, _ in node.param_shapes if k.endswith("bias")), None)
     shapes = dict(node.param_shapes)
-    w_shape, bias_shape = shapes.get(w_name), shapes.get(b_name)
+    w_shape = shapes.get(w_name) if w_name is not None else None
+    bias_shape = shapes.get(b_name) if b_name is not None else None
     # parameters besides the weight and bias that the tracer gave this node (a free parameter no op
     # reads goes to its module's first node): whole on every rank; under channel/filter layouts they
     # are replicated DTensors that get no gradient, so no allreduce (runtime.grad_buckets.GradSync),
@@ -270,7 +255,7 @@ def _batchnorm(node: Node, lay: LayerLayout, position: int, input_grad: bool, bn
         return []
     cg = _piece(node.in_shapes[0][1], G, position % G)
     ops = []
-    if bn_stats == "global":  # (count, count*mean, M2, count*mean^2) in float64: runtime/layers/norm.py
+    if bn_stats == "global":  # (count, count*mean, M2, count*mean^2) in float64: parallel/styles/norm.py
         ops.append(CommOp("allreduce", S, (3 * cg + 1) * 8, "replica", "fwd"))
         if input_grad:
             ops.append(CommOp("allreduce", S, 2 * cg * b, "replica", "bwd"))
@@ -290,7 +275,7 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
                       whole_outputs: bool = False) -> list[tuple[str, CommOp]]:
     """(node name, op) for every collective of one training step of `graph` (global batch =
     graph input batch) on `rank` (default: `position`, a rank of sample group 0), as
-    hybridpar.runtime issues them. Layers keep the default layout's grid position rank % G; a conv
+    hybridpar.parallel issues them. Layers keep the default layout's grid position rank % G; a conv
     with another (S, G) uses rank % G' and pays the redistributions in and out."""
     default = spec.default_layout if isinstance(spec, Plan) else spec
     S, G = default.sample, default.channel * default.filter
@@ -333,7 +318,7 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
 
 def channel_concat(node: Node, S: int, G: int, g: int, input_grad: bool, b: int) -> list[CommOp]:
     """torch.cat along channels of channel-split inputs: an all-to-all in the sample group moving the
-    parts of the concatenation's piece that other ranks hold (hybridpar.runtime.layers.concat)."""
+    parts of the concatenation's piece that other ranks hold (hybridpar.parallel.styles.concat)."""
     ins = node.in_shapes
     if len(ins) < 2 or len(node.out_shape) < 2 or sum(s[1] for s in ins) != node.out_shape[1] \
             or any(s[2:] != node.out_shape[2:] for s in ins):
@@ -367,10 +352,7 @@ def bytes_by_kind(ops) -> dict[str, int]:
     return dict(sorted(totals.items()))
 
 
-# -- gradient buckets (hybridpar.runtime.grad_buckets.GradSync's rule, priced by the planner) ------
-
-BUCKET_BYTES = 4 << 20  # small buckets overlap more on CPU; DDP's 25 MiB suits fast GPU links
-
+# -- gradient buckets (hybridpar.parallel.comm.grad_sync.GradSync's rule, priced by the planner) ------
 
 def grad_ready_bytes(node: Node, layout: LayerLayout, *, position: int = 0, in_pieces: list[int] | None = None,
                      dtype_bytes: int = FP32) -> list[int]:

@@ -29,7 +29,7 @@ the figure `hybridpar plan` states per device and `hybridpar train` compares its
   max-pools' int64 indices, and,
   under stationary-y/-w, the input gathered over the filter group, which DistConvFunction saves for
   the weight gradient;
-- communication buckets (hybridpar.runtime.grad_buckets): under sample > 1 every synchronised
+- communication buckets (hybridpar.parallel.comm.grad_sync): under sample > 1 every synchronised
   gradient is copied into a flat bucket that stays alive until backward ends (in flight), so the
   buckets together are one more copy of the synchronised gradients;
 - the largest transient (one at a time): a distributed conv's forward partial outputs for all its
@@ -165,7 +165,7 @@ def _recurrent_numel(node: Node) -> float:
     d = 2 if a.get("bidirectional") else 1
     cell = a.get("cell", "lstm")
     onednn = cell == "lstm" and not proj
-    n = (layers - 1) * b * t * d * (proj or h)
+    n: float = (layers - 1) * b * t * d * (proj or h)
     for layer in range(layers):
         width = int(a.get("input_size") or h) if layer == 0 else d * (proj or h)
         if onednn:
@@ -584,16 +584,14 @@ def memory_report(measured_by_rank: Sequence[int | float | None], predicted: Ran
     "warning"}; `warning` is a sentence when some rank's peak exceeds the prediction by more than
     `tolerance` (else None). Ranks that measured nothing (None) are listed without a ratio."""
     total = predicted.total_bytes if isinstance(predicted, RankMemory) else float(predicted)
-    ranks = []
-    for r, peak in enumerate(measured_by_rank):
-        ratio = float(peak) / total if peak is not None and total > 0 else None
-        ranks.append({"rank": r, "peak_bytes": None if peak is None else int(peak), "ratio": ratio})
-    ratios = [x["ratio"] for x in ranks if x["ratio"] is not None]
-    worst = max(ratios, default=None)
+    peaks = [None if peak is None else int(peak) for peak in measured_by_rank]
+    ratios = [float(peak) / total if peak is not None and total > 0 else None for peak in measured_by_rank]
+    ranks = [{"rank": r, "peak_bytes": peak, "ratio": ratio} for r, (peak, ratio) in enumerate(zip(peaks, ratios))]
+    worst = max((x for x in ratios if x is not None), default=None)
     warning = None
     if worst is not None and worst > 1 + tolerance:
-        over = [x["rank"] for x in ranks if x["ratio"] is not None and x["ratio"] > 1 + tolerance]
-        peak = max(x["peak_bytes"] for x in ranks if x["rank"] in over)
+        over = [r for r, ratio in enumerate(ratios) if ratio is not None and ratio > 1 + tolerance]
+        peak = max(peaks[r] or 0 for r in over)
         warning = (f"rank{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} peaked at "
                    f"{peak / 2**30:.2f} GiB, {worst - 1:.0%} over the plan's {total / 2**30:.2f} GiB per rank "
                    f"(tolerance {tolerance:.0%})")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hybridpar.cluster.calibration import Calibration, load_calibration
+from hybridpar.cluster.calibration import Calibration, resolve_calibration
 from hybridpar.cluster.model import Cluster, DeviceSpec
 
 # bytes read + written per parameter element, in units of the element size: SGD reads the weight and
@@ -70,9 +70,7 @@ def step_work(device: DeviceSpec | Cluster, optimizer: str = "sgd", *, dtype: st
     from hybridpar.graph.types import DTYPE_BYTES
 
     dev = device.device if isinstance(device, Cluster) else device
-    cal = calibration if isinstance(calibration, Calibration) else None
-    if cal is None and (calibration is not None or dev.kind == "cpu"):
-        cal = load_calibration(calibration)
+    cal = resolve_calibration(calibration, default=dev.kind == "cpu")
     if cal is not None and cal.device_name == dev.name and cal.loss is not None:
         fit = cal.update.get(optimizer) or cal.update.get(_MEASURED_AS.get(optimizer, ""))
         if fit is not None:

@@ -125,7 +125,7 @@ def rebatch(inputs: tuple, batch: int | None, input_shape: tuple[int, ...] | Non
 
 
 def _fresh_like(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    # Floating and boolean inputs run the same ops on meta as on CPU (runtime/materialize.py records a
+    # Floating and boolean inputs run the same ops on meta as on CPU (parallel/materialize.py records a
     # factory on meta and replays it, this included, on CPU); integers need the example's values.
     g = torch.Generator().manual_seed(0)
     if x.dtype == torch.bool:

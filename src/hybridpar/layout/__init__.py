@@ -13,7 +13,7 @@ is cut into pieces, and which ranks form each communication group.
   so that a rank's local piece is exactly the DTensor shard of the same placement.
 
 A new split kind is a new mesh dimension name here, plus its cost rule (hybridpar.cost.layout_comm)
-and its runtime rule (hybridpar.runtime.layers), side by side.
+and its runtime rule (hybridpar.parallel.styles), side by side.
 """
 
 from hybridpar.layout.groups import (

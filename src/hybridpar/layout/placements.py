@@ -1,7 +1,7 @@
 """Placements over named mesh dimensions, in DTensor's words, without torch.
 
 The planner and the cost model reason with these; the runtime turns them into
-torch.distributed.tensor placements one to one (hybridpar.runtime.mesh.to_dtensor_placements)."""
+torch.distributed.tensor placements one to one (hybridpar.parallel.mesh.to_dtensor_placements)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -12,7 +12,7 @@ from hybridpar.files import atomic_write
 from hybridpar.jsonfile import read_json
 from hybridpar.layout import LayerLayout  # the one layout vocabulary; re-exported here
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 
 
 class _Frozen(BaseModel):

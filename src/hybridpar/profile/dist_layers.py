@@ -6,10 +6,10 @@ calls, buffers allocated each step. On small models on this CPU that was ~2x the
 (small_cnn `channel=2`: 31 ms of work outside collectives against 17 ms of ops; issue 13). So
 `hybridpar profile --splits k` also times the layer itself: each conv/linear of the model, at each
 layout with channel x filter > 1 among the factorisations of k (sample s: its local batch B/s), run
-through `hybridpar.runtime.parallelize` on PyTorch's fake process group
+through `hybridpar.parallel.parallelize` on PyTorch's fake process group
 (`torch.testing._internal.distributed.fake_pg`, the backend torchtitan's memory estimator uses;
 collectives are no-ops) of channel x filter ranks. The time spent inside the collective functions
-(hybridpar.runtime.collectives: packing copies, buffers, Python) is taken out, because the gloo fits
+(hybridpar.parallel.comm.collectives: packing copies, buffers, Python) is taken out, because the gloo fits
 time those functions already. CPU time of the thread, as every op record (profile.timing).
 
 Records are keyed like the op table's, with the op named `conv2d@c{C}f{F}` (`/nodx`: the model's first
@@ -94,11 +94,11 @@ def _run(path: str) -> None:
     from torch import nn
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import hybridpar.runtime.layers.conv as conv_mod
+    import hybridpar.parallel.styles.conv as conv_mod
+    from hybridpar.parallel.api import parallelize
+    from hybridpar.parallel.dtensor.boundary import boundary_placements
     from hybridpar.profile.ops import OpSpec
     from hybridpar.profile.timing import summarize
-    from hybridpar.runtime.dtensors import boundary_placements
-    from hybridpar.runtime.parallel_model import parallelize
 
     with open(path) as fh:
         task = json.load(fh)
@@ -161,7 +161,7 @@ def _run(path: str) -> None:
 
 
 def _input(base, grad: bool, meshes, places, shape):
-    from hybridpar.runtime.dtensors import from_local
+    from hybridpar.parallel.dtensor.boundary import from_local
 
     return from_local(base.detach().requires_grad_(grad), meshes, places, shape)
 

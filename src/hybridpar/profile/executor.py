@@ -1,6 +1,6 @@
 """The model-parallel executor's own cost per graph node, measured on this machine.
 
-The MP runtime (hybridpar.runtime.mp) runs each rank's share of the model node by node through a
+The MP runtime (hybridpar.parallel.pipeline) runs each rank's share of the model node by node through a
 torch.fx interpreter and threads a token through its transfers; eager PyTorch calls the module
 directly. On a CPU that difference is Python work per node that the op table does not hold (a few
 tens of microseconds per node, against ops of a few microseconds in small models). Measured as CPU
@@ -32,10 +32,10 @@ class _Chain(nn.Module):
 
 def mp_node_overhead_s(layers: int = 48, width: int = 8, *, warmup: int = 3, repeats: int = 15) -> float:
     """Seconds of CPU time the MP executor adds per fx node to a training step (forward + backward)."""
-    from hybridpar.runtime.comm_log import CommLog
-    from hybridpar.runtime.mp.executor import run_forward
-    from hybridpar.runtime.mp.p2p import Link
-    from hybridpar.runtime.mp.partition import partition_module
+    from hybridpar.parallel.comm.log import CommLog
+    from hybridpar.parallel.pipeline.executor import run_forward
+    from hybridpar.parallel.pipeline.p2p import Link
+    from hybridpar.parallel.pipeline.partition import partition_module
 
     torch.manual_seed(0)
     eager = _Chain(layers, width)

@@ -53,7 +53,7 @@ def _tiny_training(world: int) -> int:
     import torch
 
     from hybridpar.graph.models import load_model
-    from hybridpar.runtime.parallel_model import parallelize
+    from hybridpar.parallel.api import parallelize
 
     torch.manual_seed(0)
     loaded = load_model(TINY_MODEL, batch=2 * world)
@@ -74,8 +74,8 @@ def _worker(world: int, rank: int, port: int, out: Path, tiny_model: bool = True
     import torch
     import torch.distributed as dist
 
-    import hybridpar.runtime.train_loop  # noqa: F401 - what a training rank imports
-    from hybridpar.runtime import parallel_model  # noqa: F401
+    import hybridpar.train.trainer  # noqa: F401 - what a training rank imports
+    from hybridpar.parallel import api as parallel_model  # noqa: F401
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)

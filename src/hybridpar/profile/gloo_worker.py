@@ -7,11 +7,11 @@ waiting in it, measured about a third of that on this machine (2 ranks, 4 KiB: 0
 1.2-1.7 ms between compute), and the validation against real training runs under-predicted every
 layout by that much per collective.
 
-Every kind is timed through the runtime's own functions (hybridpar.runtime.collectives), copies and
+Every kind is timed through the runtime's own functions (hybridpar.parallel.comm.collectives), copies and
 padding included, in groups of each requested size: the world split into consecutive blocks, all
 blocks running at once, as a layer's channel or replica groups do. Measured per kind because gloo's
 kinds differ far more than a ring model says (at 4 ranks its list-based reduce-scatter took 3x an
-allreduce of the same buffer). Sizes follow hybridpar.runtime.comm_log's byte convention (allreduce:
+allreduce of the same buffer). Sizes follow hybridpar.parallel.comm.log's byte convention (allreduce:
 the buffer; allgather: the gathered result; reduce_scatter: the input; alltoall: what a rank sends to
 the others; p2p: the tensor one rank sends to its pair, timed as the MP runtime sends activations, in
 pairs of ranks only). The per-repeat sample is the maximum over ranks (the collective is done when the last
@@ -42,7 +42,7 @@ def _groups(world: int, size: int, rank: int):
     """Consecutive blocks of `size` ranks; every rank creates every group (torch requires it)."""
     import torch.distributed as dist
 
-    from hybridpar.runtime.grid import Group
+    from hybridpar.parallel.mesh import Group
 
     mine = None
     for start in range(0, world, size):
@@ -57,8 +57,8 @@ def _collective(kind: str, nbytes: int, group):
     """A closure issuing one `kind` of `nbytes` (CommLog convention) on `group`, as the runtime does."""
     import torch
 
-    from hybridpar.runtime.collectives import all_gather_dim, all_reduce_, all_to_all_flat, reduce_scatter_dim
-    from hybridpar.runtime.comm_log import CommLog
+    from hybridpar.parallel.comm.collectives import all_gather_dim, all_reduce_, all_to_all_flat, reduce_scatter_dim
+    from hybridpar.parallel.comm.log import CommLog
 
     g = group.size
     log = CommLog()
@@ -84,7 +84,7 @@ def _collective(kind: str, nbytes: int, group):
 
 
 def _p2p(nbytes: int, group):
-    """One activation transfer as the MP runtime makes it (hybridpar.runtime.mp.p2p.Link): the lower
+    """One activation transfer as the MP runtime makes it (hybridpar.parallel.pipeline.p2p.Link): the lower
     rank of the pair copies the tensor and sends it non-blocking, the other waits for its pre-posted
     receive. The sender waits for its send too, so that repeats do not pile up in flight."""
     import torch

@@ -168,9 +168,9 @@ def _forward(spec: OpSpec, x: torch.Tensor, w: torch.Tensor | None, b: torch.Ten
 
 def _global_bn(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
     """The runtime's global-statistics batch norm on a one-rank group: its local work, no collective."""
-    from hybridpar.runtime.comm_log import CommLog
-    from hybridpar.runtime.grid import Group
-    from hybridpar.runtime.layers.norm import GlobalBatchNormFunction, NormComm
+    from hybridpar.parallel.comm.log import CommLog
+    from hybridpar.parallel.mesh import Group
+    from hybridpar.parallel.styles.norm import GlobalBatchNormFunction, NormComm
 
     comm = NormComm(Group((0,), None, 0), CommLog(), "profile")
     return GlobalBatchNormFunction.apply(x, w, b, 1e-5, comm, x.shape[0] * math.prod(x.shape[2:]))[0]

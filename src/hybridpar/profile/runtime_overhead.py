@@ -80,10 +80,10 @@ def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from hybridpar.graph.tracing import trace
-    from hybridpar.runtime.collectives import all_gather_dim, all_reduce_, reduce_scatter_dim
-    from hybridpar.runtime.comm_log import CommLog
-    from hybridpar.runtime.engine import ChannelFilterEngine, task_loss
-    from hybridpar.runtime.grid import Group
+    from hybridpar.parallel.comm.collectives import all_gather_dim, all_reduce_, reduce_scatter_dim
+    from hybridpar.parallel.comm.log import CommLog
+    from hybridpar.parallel.mesh import Group
+    from hybridpar.train.engine import ChannelFilterEngine, task_loss
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

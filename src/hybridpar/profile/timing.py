@@ -17,7 +17,7 @@ from hybridpar.cluster.calibration import Measurement
 from hybridpar.host_allocator import keep_freed_memory
 
 # Every process that times work for the cost model imports this module before it times anything:
-# it times under the allocator settings the runtime's ranks train under (hybridpar.runtime.launch),
+# it times under the allocator settings the runtime's ranks train under (hybridpar.train.launch),
 # else an op's time holds page faults (first touches of fresh memory) that a rank does not pay.
 keep_freed_memory()
 

@@ -49,8 +49,8 @@ def _show(v) -> str:
 
 def _kind(ds) -> str:
     """What holds the samples, in words."""
-    from hybridpar.runtime.data import Dataset
-    from hybridpar.runtime.data_files import Checked, ImageFolder, NpyArrays
+    from hybridpar.train.data.files import Checked, ImageFolder, NpyArrays
+    from hybridpar.train.data.loader import Dataset
 
     if isinstance(ds, Checked):
         return f"{type(ds.inner).__name__} from a factory, read per item"
@@ -73,7 +73,7 @@ def _parse_part(text: str | None) -> tuple[int, int] | None:
 def describe(spec: str, *, model: str | None, input_shape: str | None, batch: int, steps: int,
              workers: int | None, part: tuple[int, int] | None, seed: int, shuffle: bool) -> dict:
     from hybridpar.graph.models import parse_shape
-    from hybridpar.runtime.data import batches, data_spec, default_workers, open_dataset, part_rows
+    from hybridpar.train.data.loader import batches, data_spec, default_workers, open_dataset, part_rows
 
     if batch < 1 or steps < 1:
         raise UserError(f"--batch and --steps must be >= 1, got {batch} and {steps}")

@@ -91,62 +91,6 @@ def _print(res, gpus: int) -> None:
             console.print(f"note: {n}")
 
 
-def with_redistributions(res, model: str, shape, cluster):
-    """The plan's prediction plus what the dry run finds DTensor redistributing between our layers
-    (a softmax or mean over channels, a reshape of an unevenly split tensor ...): bytes per kind, and
-    their time, priced on consecutive ranks of the cluster (the sample group's), not overlapped."""
-    import dataclasses
-
-    from hybridpar.cluster import Cluster, load_cluster
-    from hybridpar.cost import collectives as cc
-    from hybridpar.graph.models import load_model
-    from hybridpar.runtime.dry_run import dry_run
-
-    plan = res.plan
-    if plan.mp > 1 or plan.default_layout.g_size == 1:
-        return res  # sample-only or model-parallel: no DTensor between layers
-    loaded = load_model(model, batch=plan.batch, input_shape=shape, device="meta")  # shapes only: no weights
-    run = dry_run(loaded.module, plan, tuple(loaded.example_inputs), world_size=plan.world_size)
-    cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=plan.world_size)
-    price = {"allgather": cc.allgather_time, "reduce_scatter": cc.reduce_scatter_time,
-             "allreduce": cc.allreduce_time, "alltoall": cc.alltoall_time}
-    records = [r for r in run.dtensor if r["group_size"] > 1 and not r.get("priced")]  # priced: in the plan
-    records = _not_in_plan(records, res)
-    extra_s = sum(price.get(r["kind"], cc.allgather_time)(r["bytes"], tuple(range(r["group_size"])), cl)
-                  for r in records)
-    if not records:
-        return res
-    pr = res.prediction
-    comm = dict(pr.comm_bytes)
-    for r in records:
-        comm[r["kind"]] = comm.get(r["kind"], 0) + r["bytes"]
-    mods = sorted({r["module"] for r in records})
-    note = (f"dry run: DTensor redistributes between layers in {', '.join(mods[:4])}"
-            f"{' ...' if len(mods) > 4 else ''}: {len(records)} collective(s), {sum(r['bytes'] for r in records):,} "
-            f"bytes per step, +{extra_s * 1e3:.3f} ms (priced on consecutive ranks, not overlapped)")
-    pr = pr.model_copy(update={"comm_bytes": comm, "step_time_s": pr.step_time_s + extra_s,
-                               "comm_s": pr.comm_s + extra_s, "exposed_comm_s": pr.exposed_comm_s + extra_s})
-    plan = plan.model_copy(update={"predicted": pr, "notes": [*plan.notes, note]})
-    return dataclasses.replace(res, plan=plan, prediction=pr)
-
-
-def _not_in_plan(records: list[dict], res) -> list[dict]:
-    """The dry run's records less DTensor's moves the plan prices itself (LayerCost.dtensor_moves: a
-    whole tensor's gradient gather, which the runtime does not mark), matched by kind, group size and
-    bytes: a match adds the same bytes and time either way."""
-    from collections import Counter
-
-    priced = Counter(m for row in res.layers for m in row.cost.dtensor_moves)
-    out = []
-    for r in records:
-        key = (r["kind"], r["group_size"], r["bytes"])
-        if priced[key] > 0:
-            priced[key] -= 1
-        else:
-            out.append(r)
-    return out
-
-
 def register(app: click.Group) -> None:
     @app.command("plan")
     @click.option("--model", required=True, help="zoo name or path/to/file.py:factory")
@@ -174,7 +118,7 @@ def register(app: click.Group) -> None:
                   help="as `train --momentum` (SGD keeps a momentum buffer when > 0)")
     @click.option("--weight-decay", type=float, default=0.0, show_default=True, help="as `train --weight-decay`")
     @click.option("--dry-run/--no-dry-run", "dry", default=None,
-                  help="run the planned layout on meta tensors first (hybridpar.runtime.dry_run): refuse ops it "
+                  help="run the planned layout on meta tensors first (hybridpar.parallel.check): refuse ops it "
                        "cannot serve, and price DTensor's redistributions between layers (default: on for "
                        "file models, whose code between layers may mix channels; off for the zoo); "
                        "--no-dry-run also prices layouts the runtime cannot run (a what-if)")
@@ -183,7 +127,7 @@ def register(app: click.Group) -> None:
     def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample,
                  time_share, optimizer, momentum, weight_decay, dry, out, json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
-        from hybridpar.search.layers.planner import plan_model
+        from hybridpar.api import plan
 
         limit = parse_bytes(memory_limit)
         if not (momentum >= 0 and weight_decay >= 0):  # NaN too
@@ -197,15 +141,10 @@ def register(app: click.Group) -> None:
         if status is not None:
             status.start()
         try:
-            res = plan_model(model, cluster, gpus, batch, memory_limit=limit, strategy=strategy, dtype=dtype,
-                             input_shape=shape, grad_sync=grad_sync, free_sample=free_sample,
-                             time_share=time_share, runnable_only=dry is not False, optimizer=optimizer,
-                             momentum=momentum, weight_decay=weight_decay,
-                             progress=None if status is None else (lambda msg: status.update(msg)))
-            if dry if dry is not None else ":" in str(model):
-                if status is not None:
-                    status.update("dry run of the layout on meta tensors")
-                res = with_redistributions(res, model, shape, cluster)
+            res = plan(model, cluster, gpus, batch, memory_limit=limit, strategy=strategy, dtype=dtype,
+                       input_shape=shape, grad_sync=grad_sync, free_sample=free_sample, time_share=time_share,
+                       dry_run=dry, optimizer=optimizer, momentum=momentum, weight_decay=weight_decay,
+                       progress=None if status is None else (lambda msg: status.update(msg)))
         finally:
             if status is not None:
                 status.stop()

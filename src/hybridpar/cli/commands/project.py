@@ -3,8 +3,6 @@ channel/filter layouts (Pal et al. 2019 projection); `--budget G` adds the joint
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
 
 from hybridpar.cli.options import POSITIVE_FLOAT, cluster_option, gpus_list_option
@@ -48,52 +46,21 @@ def register(app: click.Group) -> None:
                     time_chunks: bool, cf_max_gpus: int, dtype: str, budget: int | None, batch_options: str,
                     plot: str | None, no_cache: bool, json_: bool) -> None:
         """Project time to target and speedup over one GPU for every strategy and GPU count."""
-        from dataclasses import replace
+        from hybridpar.api import ProjectConfig, project
 
-        from hybridpar.convergence.builtin import builtin_curve, load_curve
-        from hybridpar.search.placer import SOLVERS
-        from hybridpar.search.projection import band_sensitivity, default_batch_per_gpu, project
-        from hybridpar.search.projection.costs import CostModelBackend
-
+        cfg = ProjectConfig(mp_degrees=tuple(parse_int_list(mp_text, "--mp")), batch_per_gpu=batch_per_gpu,
+                            curve_path=curve_path, samples_per_epoch=samples_per_epoch, placer=placer,
+                            placer_time_limit_s=placer_time_limit, time_chunks=time_chunks, cf_max_gpus=cf_max_gpus,
+                            dtype=dtype, budget=budget, batch_options=tuple(parse_int_list(batch_options,
+                                                                                             "--batch-options")),
+                            use_disk_cache=not no_cache)
         counts = parse_int_list(gpus, "--gpus")
-        mps = parse_int_list(mp_text, "--mp")
-        if placer not in SOLVERS:
-            raise UserError(f"--placer {placer!r}: choose one of {', '.join(SOLVERS)}")
-        if placer_time_limit <= 0:
-            raise UserError("--placer-time-limit must be > 0")
-        if samples_per_epoch is not None and samples_per_epoch < 1:
-            raise UserError("--samples-per-epoch must be >= 1")
-        b = batch_per_gpu if batch_per_gpu is not None else default_batch_per_gpu(model)
-        if b < 1:
-            raise UserError(f"--batch-per-gpu must be >= 1, got {b}")
-        if budget is not None and budget < 1:
-            raise UserError(f"--budget must be >= 1 GPU, got {budget}")
-        options = parse_int_list(batch_options, "--batch-options")
-        curve = load_curve(curve_path, model) if curve_path else builtin_curve(model)
-        if samples_per_epoch:
-            curve = replace(curve, samples_per_epoch=float(samples_per_epoch))
-        costs = CostModelBackend(model, cluster, dtype=dtype, placer_solver=placer,
-                                 placer_time_limit_s=placer_time_limit, cf_max_gpus=cf_max_gpus,
-                                 use_disk_cache=not no_cache, time_chunks=time_chunks)
-        kw: dict[str, Any] = {"model": model, "cluster": cluster, "mp_degrees": mps}
-        from hybridpar.search.budget import check_projection
-
-        check_projection(counts, mps)  # before the progress line: a refusal is one line
         with _progress(json_ or not err_console.is_terminal) as step:
-            proj = project(costs, curve, counts, b, progress=step, **kw)
-            sens = band_sensitivity(costs, curve, counts, b, **kw)
-            joint = None
-            if budget is not None:
-                from hybridpar.search.projection.joint import choose
-
-                joint = choose(costs, curve, budget, batch_options=options, mp_degrees=mps, progress=step)
-        proj = replace(proj, notes=(*proj.notes, *costs.notes))
+            result = project(model, cluster, counts, cfg, progress=step)
+        proj, sens, joint = result.projection, result.sensitivity, result.joint
         if plot:
             _plot(proj, plot)
-        out = proj.to_dict()
-        out["time_chunks"] = time_chunks  # True: DPxMP priced with the wavefront what-if, not as the runtime runs
-        out["sensitivity"] = sens
-        out["joint"] = joint.to_dict() if joint else None
+        out = result.to_dict()
         if json_:
             print_json(out)
             return

@@ -86,9 +86,9 @@ def register(app: click.Group) -> None:
 
         Exit status: 0 done (or nothing left to do), 1 a rank failed, 2 bad input (nothing started),
         3 a step's loss or gradients were NaN/Inf (nothing saved; the last good checkpoint is intact)."""
-        from hybridpar.cli.placement import with_placement
-        from hybridpar.runtime import launch
-        from hybridpar.runtime.run_config import claim_checkpoint_dir, run_config
+        from hybridpar.api import with_placement
+        from hybridpar.train import launch
+        from hybridpar.train.config import claim_checkpoint_dir, run_config
 
         if config:
             options = _with_config(config, options)
@@ -125,7 +125,7 @@ def register(app: click.Group) -> None:
 
 def _where_traces_went(cfg) -> None:
     """One stderr line each for the TensorBoard log and the profiler trace this run wrote."""
-    from hybridpar.runtime.train_loop import profile_trace_path
+    from hybridpar.train.trainer import profile_trace_path
 
     lines = [f"TensorBoard events in {cfg.tensorboard}"] if cfg.tensorboard else []
     trace = profile_trace_path(cfg)
@@ -185,7 +185,7 @@ def _finite(obj):
 def _run(setup, json_: bool, log_every: int):
     """This rank's TrainResult (rank 0's when spawning), with a progress bar on a terminal or plain
     progress lines every `log_every` steps when stderr is not one (piped, batch jobs, torchrun logs)."""
-    from hybridpar.runtime.train_loop import TrainingFailed, train
+    from hybridpar.train.trainer import TrainingFailed, train
 
     cfg = setup.config
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -225,7 +225,7 @@ class _Progress:
             self.bar.update(self.task, advance=1, loss=f"{info['loss']:.4f}", rate=f"{info['samples_per_s']:.1f}",
                             gns="-" if gns is None else f"{gns:.3g}")
         elif self.enabled and self.every and ((info["step"] + 1) % self.every == 0 or info["step"] + 1 == self.total):
-            from hybridpar.runtime.metrics import progress_line
+            from hybridpar.train.metrics import progress_line
 
             print(progress_line(info, self.total), file=sys.stderr, flush=True)
 

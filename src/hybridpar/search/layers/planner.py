@@ -412,7 +412,7 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
                  whole_out: bool = False) -> list[CommOp]:
     """Per-step collectives outside the layers, as `hybridpar train` issues them: each sample group's
     outputs gathered over its channel pieces (when G > 1), the loss (each group's mean) allreduced
-    over the sample groups for reporting (hybridpar.runtime.engine), and the finiteness check's flags
+    over the sample groups for reporting (hybridpar.train.engine), and the finiteness check's flags
     where ranks hold different gradients (phase "check": priced, not counted in the step's bytes)."""
     last = opts[-1].dist(choice[-1])
     out_node = opts[-1].vertex.out_node
@@ -428,7 +428,7 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
     sample_only = all(vo.dist(k).channel == 1 and vo.dist(k).sample == ctx.ranks for vo, k in zip(opts, choice))
     if ctx.ranks > 1 and not sample_only:
         # the train loop's finiteness check: where ranks hold different gradients, one small allreduce
-        # of its own before each update (hybridpar.runtime.train_loop._nonfinite_step); not step traffic
+        # of its own before each update (hybridpar.train.trainer._nonfinite_step); not step traffic
         world = LayerLayout(sample=ctx.ranks)
         ops.append(CommOp.placed("allreduce", "check", 2 * 8, shard_groups(world), "world", world))
     return ops
@@ -451,7 +451,7 @@ def _output_whole(lg: LayerGraph) -> bool:
 
 def _rides_in_bucket(op: CommOp, buckets) -> bool:
     """The loss allreduce goes inside a gradient bucket over the same ranks launched during backward
-    (hybridpar.runtime.grad_buckets.GradSync.carry): its bytes are sent, its latency is not paid."""
+    (hybridpar.parallel.comm.grad_sync.GradSync.carry): its bytes are sent, its latency is not paid."""
     return op.phase == "loss" and any(
         i is not None and shard_groups(key) == op.groups for key, _, i in buckets)
 
@@ -469,7 +469,7 @@ class StepBreakdown:
 
 def grad_bucket_schedule(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
                          bucket_bytes: int = BUCKET_BYTES) -> list[tuple[LayerLayout, int, int | None]]:
-    """The runtime's gradient buckets for this choice (hybridpar.runtime.grad_buckets.GradSync, rule
+    """The runtime's gradient buckets for this choice (hybridpar.parallel.comm.grad_sync.GradSync, rule
     in hybridpar.cost.layout_comm.bucket_schedule): (shard-group key, bytes, i) per launch in launch
     order, i = the backward-order index of the vertex whose backward readies the bucket (len(opts):
     the end of backward; None: replicated DTensor parameters, which GradSync sums after backward).
@@ -578,7 +578,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
                            grad_sync: str = "flat") -> tuple[Prediction, StepBreakdown]:
     """Step time: forward in order, backward in reverse, then the weight-gradient allreduce.
 
-    grad_sync="buckets": as hybridpar.runtime does it (`grad_bucket_schedule`): 4 MiB buckets per
+    grad_sync="buckets": as hybridpar.parallel does it (`grad_bucket_schedule`): 4 MiB buckets per
     shard group in backward order, each allreduce queued on one communication stream when its bucket
     fills, overlapping the rest of backward. "flat": one allreduce of all local gradients per shard
     group after backward (no overlap). "overlap": each layer's allreduce is queued on one
@@ -613,7 +613,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     if grad_sync == "overlap":
         grad = sum(c.grad_sync_s for c in costs)
         step = max(t, comm_free)
-    elif grad_sync == "buckets":  # as hybridpar.runtime.grad_buckets runs it
+    elif grad_sync == "buckets":  # as hybridpar.parallel.comm.grad_sync runs it
         grad, step = 0.0, t
         for key, b, i in buckets:
             dt = ctx.comm_time(grad_allreduce(b, key))
@@ -912,7 +912,7 @@ def planned_grad_buckets(model, strategy: str, *, gpus: int, batch: int, cluster
                          bucket_bytes: int = BUCKET_BYTES) -> list[tuple[int, int, int]]:
     """(sample groups, ranks per sample group, bytes) of each gradient bucket the prediction of
     uniform `strategy` prices, in launch order (`grad_bucket_schedule`), to set beside what
-    hybridpar.runtime.grad_buckets.GradSync launches (GradSync.buckets)."""
+    hybridpar.parallel.comm.grad_sync.GradSync launches (GradSync.buckets)."""
     s = _setup(model, cluster, gpus, batch, None, "fp32", tuple(input_shape) if input_shape else None, None)
     opts, choice, _, _ = _evaluate_uniform(s, parse_strategy(strategy, gpus).layout, "buckets")
     return [(k.sample, k.channel * k.filter, b) for k, b, _ in grad_bucket_schedule(s.lg, opts, choice, s.ctx,

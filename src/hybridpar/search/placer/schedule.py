@@ -9,7 +9,7 @@ For a fixed assignment (task -> device) a step is a set of operations:
 A device runs one operation at a time; a link carries one transfer at a time.
 The ILP (ilp.py) encodes exactly these rules; `list_schedule` and `replay` evaluate them in floats.
 
-The MP runtime (hybridpar.runtime.mp) runs one order only, `program_schedule`: every rank runs its
+The MP runtime (hybridpar.parallel.pipeline) runs one order only, `program_schedule`: every rank runs its
 forward nodes in the traced program's order and blocks on a receive until the value arrives (it does
 not run a later node meanwhile), then autograd runs its backward in reverse creation order (CPU
 autograd's ready queue takes the highest sequence number first, and the highest one left is always

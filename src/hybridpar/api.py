@@ -1,0 +1,219 @@
+"""The workflows Python and the command line share: plan, place, project, and a placement for a run.
+
+Each CLI command parses its flags, makes one call here and prints the result, so `hybridpar plan ...`
+and `hybridpar.plan(...)` predict the same thing (the dry run's re-pricing included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hybridpar.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from hybridpar.plans import Plan
+    from hybridpar.search.layers.planner import PlanResult
+    from hybridpar.search.placer.api import PlaceOutcome
+
+DEFAULT_CLUSTER = "localhost"  # one default everywhere: this machine, measured by `hybridpar profile`
+PLACER_TIME_LIMIT_S = 10.0  # a run's placement: the ILP is warm-started from the best heuristic
+
+
+def _model_arg(model, example_inputs):
+    """A zoo name / file spec / Graph as is; an nn.Module with its example inputs as (module, inputs)."""
+    if example_inputs is None:
+        import sys
+
+        torch = sys.modules.get("torch")  # a module exists only if torch is loaded: never import it here
+        if torch is not None and isinstance(model, torch.nn.Module):
+            raise UserError("an nn.Module needs example_inputs (a tensor or a tuple of tensors)")
+        return model
+    return (model, example_inputs)
+
+
+def plan(model, cluster=DEFAULT_CLUSTER, gpus: int = 1, batch: int = 32, *, example_inputs=None,
+         input_shape: Sequence[int] | None = None, dry_run: bool | None = None,
+         progress: Callable[[str], None] | None = None, **options) -> PlanResult:
+    """Per-layer decomposition plan of `model` on `gpus` devices of `cluster` at global batch `batch`.
+
+    `model`: a zoo name, `path/to/file.py:factory`, a traced Graph, or an `nn.Module` with
+    `example_inputs`. `cluster`: a preset name, a cluster file, or a `Cluster`. `options` are those of
+    :func:`hybridpar.search.layers.planner.plan_model` (strategy, memory_limit, dtype, optimizer, ...).
+    `dry_run`: run the planned layout on meta tensors first and price what DTensor redistributes
+    between our layers (default: on for file models, whose code between layers may mix channels; off
+    for the zoo); False also prices layouts the runtime cannot run (a what-if)."""
+    from hybridpar.search.layers.planner import plan_model
+
+    res = plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, input_shape=input_shape,
+                     runnable_only=dry_run is not False, progress=progress, **options)
+    if dry_run if dry_run is not None else (isinstance(model, str) and ":" in model):
+        if progress is not None:
+            progress("dry run of the layout on meta tensors")
+        res = with_redistributions(res, model, input_shape, cluster)
+    return res
+
+
+def with_redistributions(res: PlanResult, model: str, shape, cluster) -> PlanResult:
+    """The plan's prediction plus what the dry run finds DTensor redistributing between our layers
+    (a softmax or mean over channels, a reshape of an unevenly split tensor ...): bytes per kind, and
+    their time, priced on consecutive ranks of the cluster (the sample group's), not overlapped."""
+    from hybridpar.cluster import Cluster, load_cluster
+    from hybridpar.cost import collectives as cc
+    from hybridpar.graph.models import load_model
+    from hybridpar.parallel.check import dry_run
+
+    plan_ = res.plan
+    if plan_.mp > 1 or plan_.default_layout.g_size == 1:
+        return res  # sample-only or model-parallel: no DTensor between layers
+    loaded = load_model(model, batch=plan_.batch, input_shape=shape, device="meta")  # shapes only: no weights
+    run = dry_run(loaded.module, plan_, tuple(loaded.example_inputs), world_size=plan_.world_size)
+    cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=plan_.world_size)
+    price = {"allgather": cc.allgather_time, "reduce_scatter": cc.reduce_scatter_time,
+             "allreduce": cc.allreduce_time, "alltoall": cc.alltoall_time}
+    records = [r for r in run.dtensor if r["group_size"] > 1 and not r.get("priced")]  # priced: in the plan
+    records = _not_in_plan(records, res)
+    if not records:
+        return res
+    extra_s = sum(price.get(r["kind"], cc.allgather_time)(r["bytes"], tuple(range(r["group_size"])), cl)
+                  for r in records)
+    pr = res.prediction
+    comm = dict(pr.comm_bytes)
+    for r in records:
+        comm[r["kind"]] = comm.get(r["kind"], 0) + r["bytes"]
+    mods = sorted({r["module"] for r in records})
+    note = (f"dry run: DTensor redistributes between layers in {', '.join(mods[:4])}"
+            f"{' ...' if len(mods) > 4 else ''}: {len(records)} collective(s), {sum(r['bytes'] for r in records):,} "
+            f"bytes per step, +{extra_s * 1e3:.3f} ms (priced on consecutive ranks, not overlapped)")
+    pr = pr.model_copy(update={"comm_bytes": comm, "step_time_s": pr.step_time_s + extra_s,
+                               "comm_s": pr.comm_s + extra_s, "exposed_comm_s": pr.exposed_comm_s + extra_s})
+    plan_ = plan_.model_copy(update={"predicted": pr, "notes": [*plan_.notes, note]})
+    return dataclasses.replace(res, plan=plan_, prediction=pr)
+
+
+def _not_in_plan(records: list[dict], res: PlanResult) -> list[dict]:
+    """The dry run's records less DTensor's moves the plan prices itself (LayerCost.dtensor_moves: a
+    whole tensor's gradient gather, which the runtime does not mark), matched by kind, group size and
+    bytes: a match adds the same bytes and time either way."""
+    priced = Counter(m for row in res.layers for m in row.cost.dtensor_moves)
+    out = []
+    for r in records:
+        key = (r["kind"], r["group_size"], r["bytes"])
+        if priced[key] > 0:
+            priced[key] -= 1
+        else:
+            out.append(r)
+    return out
+
+
+def place(model, cluster=DEFAULT_CLUSTER, gpus: int = 2, *, example_inputs=None, **options) -> PlaceOutcome:
+    """DLPlacer device placement of `model` over `gpus` devices of `cluster` (one model-parallel group).
+
+    `model` and `cluster` as for :func:`plan`; `options` are those of
+    :func:`hybridpar.search.placer.place_model` (solver, time_limit_s, batch, optimizer, ...).
+    `devices=` is the old name of `gpus` and still accepted."""
+    from hybridpar.search.placer import place_model
+
+    if "devices" in options:
+        gpus = options.pop("devices")
+    return place_model(_model_arg(model, example_inputs), cluster, gpus, **options)
+
+
+def with_placement(plan_: Plan, module: nn.Module, *, time_limit_s: float = PLACER_TIME_LIMIT_S,
+                   optimizer: str = "sgd", example_inputs: tuple | None = None) -> Plan:
+    """`plan_` with its placement filled in before any rank starts (unchanged when it has one, or when
+    mp == 1): DLPlacer's for the plan's model, cluster and per-replica batch. The ranks never search.
+    `optimizer`: the run's, in the cost model's names (hybridpar.cost.update.optimizer_kind);
+    `example_inputs`: at one forward's batch, for a model the runtime runs on torch.export's graph."""
+    if plan_.placement is not None or plan_.mp == 1:
+        return plan_
+    from hybridpar.search.placer import place_model
+    from hybridpar.search.placer.module_placement import placement_from_outcome
+
+    shape = tuple(plan_.input_shape) if plan_.input_shape else None
+    outcome = place_model(plan_.model, plan_.cluster, plan_.mp, batch=max(1, plan_.batch // plan_.dp),
+                          input_shape=shape, time_limit_s=time_limit_s, optimizer=optimizer)
+    return plan_.model_copy(update={"placement": placement_from_outcome(outcome, module, example_inputs)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectConfig:
+    """What `project` sweeps and how it prices each point (the CLI's flags, one field each)."""
+
+    mp_degrees: tuple[int, ...] = (2, 4, 8)
+    batch_per_gpu: int | None = None  # default: per model (docs/convergence.md)
+    curve_path: str | None = None  # a measured curve (measure-convergence --out); default: built in
+    samples_per_epoch: int | None = None
+    placer: str = "ilp"
+    placer_time_limit_s: float = 3.0
+    time_chunks: bool = False  # what-if: DPxMP priced with the recurrent time-chunk wavefront
+    cf_max_gpus: int = 32
+    dtype: str = "fp32"
+    budget: int | None = None  # also choose batch/DP/MP jointly for this many GPUs
+    batch_options: tuple[int, ...] = (16, 32, 64, 128, 256)
+    use_disk_cache: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectResult:
+    projection: Any  # hybridpar.search.projection.Projection
+    sensitivity: dict
+    joint: Any  # hybridpar.search.projection.joint.JointChoice | None
+    time_chunks: bool
+
+    def to_dict(self) -> dict:
+        out = self.projection.to_dict()
+        out["time_chunks"] = self.time_chunks  # True: DPxMP priced with the wavefront what-if
+        out["sensitivity"] = self.sensitivity
+        out["joint"] = self.joint.to_dict() if self.joint else None
+        return out
+
+
+def project(model: str, cluster=DEFAULT_CLUSTER, gpus: Sequence[int] = tuple(2**i for i in range(13)),
+            config: ProjectConfig | None = None, *, progress: Callable[[str], None] | None = None) -> ProjectResult:
+    """End-to-end time to target and speedup over one GPU for DP, hybrid DPxMP and channel/filter
+    layouts at each device count in `gpus` (Pal et al. 2019's projection), with the sensitivity to the
+    convergence curve's band and, with `config.budget`, the joint batch/DP/MP choice."""
+    from hybridpar.convergence.builtin import builtin_curve, load_curve
+    from hybridpar.search.budget import check_projection
+    from hybridpar.search.placer import SOLVERS
+    from hybridpar.search.projection import band_sensitivity, default_batch_per_gpu
+    from hybridpar.search.projection import project as _project
+    from hybridpar.search.projection.costs import CostModelBackend
+
+    cfg = config or ProjectConfig()
+    if cfg.placer not in SOLVERS:
+        raise UserError(f"--placer {cfg.placer!r}: choose one of {', '.join(SOLVERS)}")
+    if cfg.placer_time_limit_s <= 0:
+        raise UserError("--placer-time-limit must be > 0")
+    if cfg.samples_per_epoch is not None and cfg.samples_per_epoch < 1:
+        raise UserError("--samples-per-epoch must be >= 1")
+    b = cfg.batch_per_gpu if cfg.batch_per_gpu is not None else default_batch_per_gpu(model)
+    if b < 1:
+        raise UserError(f"--batch-per-gpu must be >= 1, got {b}")
+    if cfg.budget is not None and cfg.budget < 1:
+        raise UserError(f"--budget must be >= 1 GPU, got {cfg.budget}")
+    counts, mps = list(gpus), list(cfg.mp_degrees)
+    curve = load_curve(cfg.curve_path, model) if cfg.curve_path else builtin_curve(model)
+    if cfg.samples_per_epoch:
+        curve = dataclasses.replace(curve, samples_per_epoch=float(cfg.samples_per_epoch))
+    check_projection(counts, mps)  # before any pricing: a refusal is one line
+    costs = CostModelBackend(model, cluster, dtype=cfg.dtype, placer_solver=cfg.placer,
+                             placer_time_limit_s=cfg.placer_time_limit_s, cf_max_gpus=cfg.cf_max_gpus,
+                             use_disk_cache=cfg.use_disk_cache, time_chunks=cfg.time_chunks)
+    step = progress or (lambda _msg: None)
+    kw: dict[str, Any] = {"model": model, "cluster": cluster, "mp_degrees": mps}
+    proj = _project(costs, curve, counts, b, progress=step, **kw)
+    sens = band_sensitivity(costs, curve, counts, b, **kw)
+    joint = None
+    if cfg.budget is not None:
+        from hybridpar.search.projection.joint import choose
+
+        joint = choose(costs, curve, cfg.budget, batch_options=list(cfg.batch_options), mp_degrees=mps,
+                       progress=step)
+    proj = dataclasses.replace(proj, notes=(*proj.notes, *costs.notes))
+    return ProjectResult(proj, sens, joint, cfg.time_chunks)

@@ -1,0 +1,1 @@
+"""hybridpar.parallel.dtensor."""

@@ -1,0 +1,110 @@
+"""DTensor's own collectives (the redistributions its op rules insert between our layers) in the
+CommLog, beside our layers' collectives: a TorchDispatchMode sees every functional collective DTensor
+issues, with its group, and ModuleTracker names the module it ran in.
+
+Kinds as in hybridpar.cost.collectives (allgather = the gathered result, reduce_scatter = the input,
+allreduce = the buffer); tags start with "dtensor:" so they can be told from our layers' own."""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_KINDS = {
+    "all_gather_into_tensor": "allgather", "all_gather_into_tensor_coalesced": "allgather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "allreduce", "all_reduce_coalesced": "allreduce", "all_to_all_single": "alltoall",
+    "broadcast": "broadcast",
+}
+
+
+def _group_size(name: str) -> int:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_world_size(_resolve_process_group(name))
+
+
+class DTensorCommLog(TorchDispatchMode):
+    """Active around a forward and backward: each functional collective is recorded in `log` (and in
+    `records`: module path, kind, group size, bytes)."""
+
+    def __init__(self, log, tracker=None, priced: bool = False):
+        super().__init__()
+        self.log, self.tracker = log, tracker
+        self.records: list[dict] = []
+        self.priced = priced  # its records are moves the planner prices itself (hybridpar.parallel.check)
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "_c10d_functional":
+            kind = _KINDS.get(func._schema.name.split("::")[-1])
+            if kind is not None:
+                self._record(kind, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, kind: str, func, args, kwargs) -> None:
+        t = args[0]
+        t = t[0] if isinstance(t, (list, tuple)) else t
+        group = next((a for a in (*args[1:], *kwargs.values()) if isinstance(a, str)), None)
+        size = _group_size(group) if group is not None else 1
+        nbytes = prod(t.shape) * t.element_size()
+        if kind == "allgather":
+            nbytes *= size
+        module = ""
+        if self.tracker is not None and self.tracker.parents:
+            module = max(self.tracker.parents, key=len)
+        self.records.append({"module": module, "kind": kind, "group_size": size, "bytes": nbytes,
+                             **({"priced": True} if self.priced else {})})
+        if self.log is not None and size > 1:
+            self.log.record(kind, size, nbytes, f"dtensor:{module}")
+
+
+_ACTIVE: list[DTensorCommLog] = []  # the recorders entered, innermost last
+
+
+def watched(priced: bool = False):
+    """Context manager for the collectives of DTensor's custom op handlers (hybridpar.parallel.
+    dtensor_rules): they run inside a dispatch, where the active recorder is off the mode stack and
+    would not see them; a recorder of the same log and records watches them there (no-op if none).
+    `priced`: its records are marked as moves the planner prices itself."""
+    from contextlib import nullcontext
+
+    if not _ACTIVE:
+        return nullcontext()
+    outer = _ACTIVE[-1]
+    inner = DTensorCommLog(outer.log, outer.tracker, priced)
+    inner.records = outer.records
+    return inner
+
+
+def recording(log):
+    """Context manager: DTensor's collectives inside go to `log`, with module names."""
+    from contextlib import ExitStack, contextmanager
+
+    from torch.utils.module_tracker import ModuleTracker
+
+    @contextmanager
+    def ctx():
+        with ExitStack() as stack:
+            tracker = stack.enter_context(ModuleTracker())
+            mode = stack.enter_context(DTensorCommLog(log, tracker))
+            yield mode
+    return ctx()
+
+
+def is_dtensor_tag(tag: str) -> bool:
+    return tag.startswith("dtensor:")
+
+
+__all__ = ["DTensorCommLog", "is_dtensor_tag", "recording", "torch", "watched"]

@@ -1,0 +1,186 @@
+"""The training engine contract (`Engine`) and the channel/filter/sample engine.
+`make_engine(module, plan)` hands plans with mp > 1 to hybridpar.parallel.pipeline.engine.MPEngine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpar.errors import UserError
+from hybridpar.layout import piece_offsets, piece_sizes
+from hybridpar.parallel.api import parallelize
+from hybridpar.parallel.comm.collectives import all_reduce_
+from hybridpar.parallel.comm.log import CommLog
+from hybridpar.parallel.state import gather_full_state
+from hybridpar.plans import LayerLayout, Plan
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What `hybridpar train`'s loop drives (ChannelFilterEngine, MPEngine)."""
+
+    comm_log: CommLog
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def local_batch(self, x, y) -> tuple: ...
+
+    def warm_up(self, sample_shape: tuple[int, ...]) -> None: ...
+
+    def train_step(self, x, y) -> float: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+
+    def param_bytes(self) -> int: ...
+
+    def param_bytes_by_type(self) -> dict[str, int]: ...
+
+
+def local_slice(t: torch.Tensor, grid, split_channels: bool = True) -> torch.Tensor:
+    """This rank's part of a global [N, C, ...] tensor: samples of its sample group and, when
+    split_channels, its channel piece (dim 1 split into G pieces). For layer-level tests and tools
+    that work on local pieces; parallelized models take the global batch."""
+    n = t.shape[0] // grid.sample
+    part = t[grid.s * n:(grid.s + 1) * n]
+    if split_channels and grid.g_size > 1:
+        part = part.narrow(1, piece_offsets(t.shape[1], grid.g_size)[grid.g],
+                           piece_sizes(t.shape[1], grid.g_size)[grid.g])
+    return part.contiguous()
+
+
+def task_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the global batch; sequence outputs [N, T, V] against [N, T] flattened."""
+    if out.dim() > 2 and y.dim() == out.dim() - 1:
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return F.cross_entropy(out, y)
+
+
+class ChannelFilterEngine:
+    """`hybridpar train`'s loop body over the public API (hybridpar.parallel.api) in its
+    cheaper input form, as DDP runs: each sample group takes its own samples (`local_batch`), computes
+    the mean loss of its samples, and the gradients are averaged over sample groups during backward, so
+    no rank gathers the whole batch's outputs; the reported loss is the global batch's mean."""
+
+    pre_sync_scale = 1.0  # a rank's gradient before the sync is its sample group's mean (grad_noise)
+
+    def __init__(self, module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: str = "global",
+                 comm_log: CommLog | None = None, grid=None, extra_ops=(), materialize=None):
+        self.module = parallelize(module, plan, bn_stats=bn_stats, comm_log=comm_log, grid=grid,
+                                  extra_ops=extra_ops, inputs="sample_shard", materialize=materialize)
+        self.state = module.hybridpar
+        self.grid = self.state.grid
+        self.comm_log: CommLog = self.grid.comm_log
+        self._dtensor_records: list[dict] | None = None
+
+    def parameters(self):
+        return self.module.parameters()
+
+    @property
+    def grads_agree(self) -> bool:
+        """Whether every rank ends a step with the same loss and, for every gradient, the sum over all
+        ranks (sample-only layouts), so a NaN or Inf anywhere shows on every rank and the train loop's
+        finiteness check needs no collective of its own."""
+        import torch.distributed as dist
+
+        return (self.state.meshes is None and not self.state.param_grid
+                and self.grid.replica_group.size == dist.get_world_size())
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameters (its shards; replicated DTensors count their local copy)."""
+        return sum(_local(p).numel() * p.element_size() for p in self.module.parameters())
+
+    def param_bytes_by_type(self) -> dict[str, int]:
+        """This rank's parameter bytes per layer type (conv, linear, norm, other)."""
+        from hybridpar.parallel.styles.conv import DistConv2d, DistLinear
+        from hybridpar.parallel.styles.norm import DistBatchNorm
+
+        kinds = ((nn.Conv2d, DistConv2d), "conv"), ((nn.Linear, DistLinear), "linear"), \
+            ((nn.modules.batchnorm._BatchNorm, DistBatchNorm), "norm")
+        out: dict[str, int] = {}
+        for m in self.module.modules():
+            kind = next((k for types, k in kinds if isinstance(m, types)), "other")
+            b = sum(_local(p).numel() * p.element_size() for p in m.parameters(recurse=False))
+            if b:
+                out[kind] = out.get(kind, 0) + b
+        return out
+
+    def local_batch(self, x, y) -> tuple:
+        """This rank's sample group's rows of the global batch (x may be a tuple or dict of inputs)."""
+        from hybridpar.parallel.sample_io import split_samples
+
+        return split_samples(x, self.grid), split_samples(y, self.grid)
+
+    def warm_up(self, sample_shape: tuple[int, ...]) -> None:
+        """Nothing to exchange any more: global shapes are known to every rank."""
+
+    def forward(self, x) -> torch.Tensor:
+        """x: a tensor, a tuple of inputs, or a dict of keyword inputs (multi-input models)."""
+        if isinstance(x, dict):
+            return self.module(**x)
+        if isinstance(x, (tuple, list)):
+            return self.module(*x)
+        return self.module(x)
+
+    def train_step(self, x, y) -> float:
+        """Forward, cross-entropy (mean over this sample group's samples), backward (gradients averaged
+        over sample groups: the global batch's mean). Returns the global-batch mean loss (every rank)."""
+        self.comm_log.mark_step()
+        self.module.train()
+        gs, replicas = self.state.grad_sync, self.grid.replica_group
+        # this sample group's mean loss, averaged over the groups for reporting: sent with the
+        # gradients when a bucket goes over the same ranks (GradSync.carry), else on its own below
+        value = None
+        if self.state.meshes is None or self._dtensor_records is not None:
+            loss = task_loss(self.forward(x), y)
+            value = loss.detach().clone().reshape(1)
+            if gs is not None and gs.enabled and replicas.size > 1:
+                gs.carry(value, replicas, "loss")
+            loss.backward()
+            for r in self._dtensor_records or ():  # same shapes and placements each step: same collectives
+                if r["group_size"] > 1:
+                    self.comm_log.record(r["kind"], r["group_size"], r["bytes"], f"dtensor:{r['module']}")
+        else:
+            from hybridpar.parallel.dtensor.log import recording
+
+            # DTensor's own redistributions, logged beside ours: watched on the first step only (a
+            # dispatch mode on every op costs), then replayed into the log
+            with recording(self.comm_log) as rec:
+                loss = task_loss(self.forward(x), y)
+                loss.backward()
+            self._dtensor_records = list(rec.records)
+        if value is not None and gs is not None and gs.carried():
+            return float(value.item())  # summed over the replicas and divided by their number with the gradients
+        value = loss.detach().clone().reshape(1) / self.grid.sample
+        all_reduce_(value, replicas, self.comm_log, "loss")  # for reporting only
+        return float(value.item())
+
+    def sync_gradients(self) -> None:
+        """Gradients are synchronised during backward; kept for the engine protocol."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The undistributed model's state_dict on rank 0 (None elsewhere). Collective."""
+        return gather_full_state(self.module.state_dict(), self.state.shards(), self.comm_log)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def make_engine(module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: str = "global",
+                micro_batches: int = 1, **kwargs):
+    """The engine for `plan`: model parallel (mp > 1; `micro_batches` > 1 pipelines each replica's
+    batch GPipe-style) or channel/filter/sample parallel (one micro-batch only). Other keyword
+    arguments go to the chosen engine's constructor."""
+    if isinstance(plan, Plan) and plan.mp > 1:
+        from hybridpar.parallel.pipeline.engine import MPEngine  # lazy: another helper's package
+
+        return MPEngine(module, plan, bn_stats=bn_stats, micro_batches=micro_batches, **kwargs)
+    if micro_batches != 1:
+        raise UserError(f"micro_batches={micro_batches} needs a model-parallel plan (mp > 1)")
+    return ChannelFilterEngine(module, plan, bn_stats=bn_stats, **kwargs)

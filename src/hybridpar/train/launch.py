@@ -1,0 +1,173 @@
+"""Starting the ranks: local gloo processes (`spawn`) or the world a launcher set up (torchrun).
+
+`spawn(fn, nproc, *args)` runs fn(*args) in nproc fresh processes, each with torch.distributed
+initialised (gloo, one intra-op thread), and returns rank 0's return value. `init()` joins a
+torchrun world (NCCL when CUDA is present, else gloo).
+
+Stopping: SIGINT or SIGTERM to the spawning process stops every rank (SIGTERM, then SIGKILL after
+STOP_GRACE_S) and re-raises KeyboardInterrupt; a rank whose parent dies however it dies (even
+SIGKILL) gets SIGTERM from the kernel (Linux). Checkpoints are atomic, so the last complete one
+survives any of these."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.host_allocator import keep_freed_memory  # ranks reuse freed memory: no page faults per step
+from hybridpar.train.faults import restart_count, set_default_timeout  # lost peer: error, not hang
+
+
+def under_launcher() -> bool:
+    """True when a launcher (torchrun) already set up this process's rank and world."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+_joined = False  # this process joined a launcher's world (init): it leaves without teardown (cli.main)
+
+
+def joined_launcher() -> bool:
+    return _joined
+
+
+def init() -> torch.device:
+    """Join the launcher's world; returns the device this rank computes on."""
+    global _joined
+    _joined = True
+    keep_freed_memory()
+    if dist.is_initialized():
+        return _device()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # torchrun restarts reuse the agent's store: without a per-attempt prefix the new ranks read the
+    # dead attempt's addresses and fail to connect (seen with torch 2.13 + gloo).
+    timeout = set_default_timeout()
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"hybridpar/attempt-{restart_count()}", store)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    return _device()
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
+    return _device() if dist.is_initialized() else torch.device("cpu")
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+STOP_GRACE_S = 10.0  # how long stopped ranks get to exit on SIGTERM before SIGKILL
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent exits (Linux prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+
+
+def _entry(rank: int, world: int, port: int, out_path: str, fn, args) -> None:
+    _die_with_parent()
+    keep_freed_memory()
+    os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=set_default_timeout())
+    try:
+        result = fn(*args)
+        if rank == 0:
+            torch.save(result, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    # A finished rank leaves without the interpreter's teardown: about 1 run in 15 of an MP training
+    # aborted there ("terminate called without an active exception", no Python frame left) while C++
+    # objects of torch.distributed were destroyed in an unlucky order. Everything this rank produced
+    # is already written (result file above, progress queue flushed by its user, stdio below).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn(fn, nproc: int, *args, poll=None):
+    """Run fn(*args) on nproc local gloo ranks; return rank 0's result (must be torch.save-able).
+    fn must be importable (a module-level function). `poll()` is called every 0.1 s while the ranks
+    run (e.g. to drain a progress queue). A rank's exception is re-raised here."""
+    import logging
+
+    import torch.multiprocessing as mp
+
+    # torch logs a warning for every rank it stops after another failed; the failure itself is reported
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="hybridpar-") as tmp:
+        out = str(Path(tmp) / "rank0.pt")
+        previous = _on_sigterm_interrupt()
+        try:
+            ctx = mp.spawn(_entry, args=(nproc, free_port(), out, fn, args), nprocs=nproc, join=False)
+            try:
+                while not ctx.join(timeout=0.1):
+                    if poll is not None:
+                        poll()
+            except BaseException:  # interrupted, or a rank failed: no rank outlives this call
+                _stop(ctx.processes)
+                raise
+        finally:
+            _restore_sigterm(previous)
+        if poll is not None:
+            poll()
+        return torch.load(out, weights_only=False)
+
+
+def _on_sigterm_interrupt():
+    """SIGTERM to this process raises KeyboardInterrupt (as SIGINT does) while ranks run."""
+    def handler(_sig, _frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        return None
+
+
+def _restore_sigterm(previous) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(processes) -> None:
+    """SIGTERM every live rank, then SIGKILL those still alive after STOP_GRACE_S."""
+    live = [p for p in processes if p.is_alive()]
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in live:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in live:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)

@@ -1,0 +1,525 @@
+"""The per-rank training loop shared by `hybridpar train` and the Python API.
+
+`run_rank(cfg, queue)` builds the model (seeded, or from --init-from), the engine from make_engine,
+SGD, and trains; rank 0 sends one StepInfo per step on `queue` (when given) and runs the callbacks,
+the hook point for checkpointing or other per-step work (the online gradient noise scale is built in:
+TrainConfig.gns, hybridpar.train.grad_noise):
+    callback(info: StepInfo, engine, optimizer) -> None
+listed in TrainConfig.callbacks ("module:function", imported in every rank, so they survive spawn).
+
+Never train on NaN: every step checks the loss and this rank's gradients for NaN/Inf (one tiny
+allreduce, so every rank agrees); the first bad step stops the run before the optimizer applies it,
+with TrainResult.error naming the step and TrainResult.exit_code NONFINITE_EXIT (3). Nothing is
+written then: no checkpoint, no `save`, and the weights are checked finite again before every
+checkpoint and before `save`, so the last good checkpoint is never replaced by a bad state."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.parallel.finite import finite_here as _finite_here
+from hybridpar.plans import Plan
+
+NONFINITE_EXIT = 3  # exit status of `hybridpar train` when a step's loss or gradients are NaN/Inf
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str
+    plan: Plan
+    data: str = "synthetic"
+    batch: int = 32
+    steps: int | None = 10
+    epochs: int | None = None
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    shuffle: bool = True
+    init_from: str | None = None
+    save: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    bn_stats: str = "global"
+    synthetic_size: int = 1024
+    callbacks: tuple[str, ...] = ()  # "module:function" step callbacks, imported in every rank
+    # Hardening (hybridpar.train.checkpoint / faults / determinism):
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end when checkpoint_dir is set)
+    keep_checkpoints: int = 2
+    resume: bool = False  # continue from this run's newest complete checkpoint in checkpoint_dir, if any
+    resume_from: str | None = None  # the checkpoint directory to continue from (run_config resolves it)
+    overwrite: bool = False  # other runs' checkpoints in checkpoint_dir may be removed
+    identity: dict = field(default_factory=dict)  # what makes a run this run (run_config.run_identity)
+    deterministic: bool = False
+    micro_batches: int = 1  # GPipe micro-batches per replica (MP plans only)
+    gns: bool = False  # online gradient noise scale (hybridpar.train.grad_noise), one tiny allreduce/step
+    workers: int | None = None  # data loader processes per rank (None: runtime.data.default_workers)
+    local_ranks: int | None = None  # ranks sharing this machine (None: all), to share its cores among loaders
+    # Optimizer, schedule, clipping and precision (hybridpar.train.optim):
+    optimizer: str = "sgd"  # sgd | adamw | lars
+    lr_schedule: str = "constant"  # constant | cosine | poly, after `warmup_steps` of linear warm-up
+    warmup_steps: int = 0
+    grad_clip: float | None = None  # clip the global gradient norm to this
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    # Observability (hybridpar.train.metrics), used by `train()` on rank 0:
+    metrics: str | None = None  # JSON-lines file, one record per step as it happens
+    flops_per_step: int | None = None  # forward + backward FLOPs of one global batch (for mfu)
+    peak_flops: float | None = None  # one rank's peak FLOP/s for `precision` (for mfu)
+    tensorboard: str | None = None  # TensorBoard log directory: the `metrics` scalars of every step (rank 0)
+    profile_steps: tuple[int, int] | None = None  # (A, B): a torch.profiler trace of steps A..B-1 on rank 0
+    profile_dir: str | None = None  # where that trace goes (run_config: --profile-dir, checkpoint dir or default)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    loss: float
+    step_time_s: float
+    samples_per_s: float
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+    comm_s: dict[str, float] = field(default_factory=dict)  # rank 0's wall time in collectives, per kind
+    gns_b_noise: float | None = None  # smoothed B_noise after this step (None: off, n/a or not yet)
+    lr: float | None = None  # the learning rate this step used
+    peak_memory_bytes: int | None = None  # rank 0's peak so far (CUDA allocations, else resident set)
+    grad_norm: float | None = None  # global gradient norm before clipping (with grad_clip)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    steps: list[StepInfo]
+    param_bytes_per_rank: list[int]
+    param_bytes_by_type_per_rank: list[dict[str, int]]
+    final_loss: float
+    saved: str | None
+    world_size: int
+    gns_per_epoch: list[float | None] = field(default_factory=list)  # smoothed B_noise at each epoch's end
+    gns_note: str | None = None  # why there is no estimate ("n/a: needs >1 sample group"), else None
+    start_step: int = 0  # the first step this run took (> 0 when resumed)
+    error: str | None = None  # why the run stopped early (every rank agrees), else None
+    exit_code: int = 0  # NONFINITE_EXIT for a non-finite step, 1 for other stops, else 0
+    peak_memory_bytes_per_rank: list[int] = field(default_factory=list)  # each rank's peak (see metrics)
+
+
+def total_steps(cfg: TrainConfig, n_samples: int) -> int:
+    if cfg.epochs is not None:
+        return cfg.epochs * (n_samples // cfg.batch)
+    return int(cfg.steps or 0)
+
+
+def build_module(cfg: TrainConfig):
+    """The undistributed model, same on every rank: seeded init, then --init-from if given."""
+    from hybridpar.graph.models import load_model
+
+    torch.manual_seed(cfg.seed)
+    loaded = load_model(cfg.model, batch=1, input_shape=cfg.input_shape)
+    if cfg.init_from:
+        state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
+        loaded.module.load_state_dict(state)
+    return loaded
+
+
+def build_engine(cfg: TrainConfig, device, resume_from=None):
+    """(loaded model, its DataSpec, engine, resume state or None), this rank holding only its pieces.
+
+    Channel/filter/sample plans: the model is built on meta, cut by parallelize, and this rank's
+    pieces get the values of the model built whole with cfg.seed (hybridpar.parallel.materialize);
+    --init-from and a resume then read only this rank's pieces from their files. Model-parallel
+    plans (the MP engine takes whole layers) and models that cannot be built on meta are built whole
+    first, as before (said on stderr)."""
+    import functools
+
+    from hybridpar.graph.models import load_model
+    from hybridpar.parallel.materialize import Materializer, record_build
+    from hybridpar.train import checkpoint as ckpt
+    from hybridpar.train.data.loader import data_spec
+    from hybridpar.train.engine import make_engine
+    from hybridpar.train.optim import to_precision
+
+    meta = record = None
+    if cfg.plan.mp == 1:
+        build = functools.partial(load_model, cfg.model, batch=1, input_shape=cfg.input_shape)
+        meta, record, why = record_build(build)
+        if meta is not None:
+            try:
+                spec = data_spec(meta)  # one forward on meta: shapes only
+            except Exception as err:  # noqa: BLE001 - a forward reading values (.item(): HF Perceiver): whole
+                meta, why = None, f"its forward on meta: {type(err).__name__}: {' '.join(str(err).split())[:120]}"
+        if meta is None and dist.get_rank() == 0:
+            import sys
+
+            print(f"hybridpar: model {cfg.model} cannot be built on the meta device ({why}); every rank "
+                  "builds it whole before cutting its pieces", file=sys.stderr, flush=True)
+    if meta is None:  # whole model first (MP plans; factories that fail on meta)
+        loaded = build_module(cfg)
+        resumed = ckpt.load_checkpoint(info, loaded.module) if (info := resume_from) else None
+        spec = data_spec(loaded)
+        extra = {}
+        if cfg.plan.mp > 1:  # one forward's inputs, for a model that runs on torch.export's graph
+            from hybridpar.parallel.pipeline.engine import micro_batch_inputs
+
+            at = cfg.plan.model_copy(update={"batch": cfg.batch})
+            extra["example_inputs"] = micro_batch_inputs(loaded.example_inputs, at, cfg.micro_batches)
+        engine = make_engine(to_precision(loaded.module.to(device), cfg.precision), cfg.plan,
+                             bn_stats=cfg.bn_stats, micro_batches=cfg.micro_batches, **extra)
+        return loaded, spec, engine, resumed
+    mat = Materializer(build, record, cfg.seed, torch.device(device))
+    # fp64: the meta model's dtypes first; the pieces are then made in float64 and get the build's
+    # values converted (the materializer, --init-from and resume copy_ into them)
+    engine = make_engine(to_precision(meta.module, cfg.precision), cfg.plan, bn_stats=cfg.bn_stats,
+                         micro_batches=cfg.micro_batches, materialize=mat)
+    loaded = replace(mat.last_build, module=engine.module)  # the real example inputs; weights: the engine's
+    if cfg.init_from:
+        ckpt.load_init_pieces(cfg.init_from, engine)
+    resumed = ckpt.load_pieces(resume_from, engine) if resume_from else None
+    return loaded, spec, engine, resumed
+
+
+def _import(spec: str) -> Callable:
+    import importlib
+
+    mod, _, fn = spec.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
+    """Train on this rank (torch.distributed already initialised). Returns the result on every rank
+    (param bytes gathered from all ranks)."""
+    from hybridpar.train import checkpoint as ckpt
+    from hybridpar.train import faults
+    from hybridpar.train.data.loader import batches, default_workers, open_dataset
+    from hybridpar.train.launch import current_device
+    from hybridpar.train.metrics import peak_memory_bytes, reset_peak_memory
+    from hybridpar.train.optim import WholeNorms, autocast, cast_inputs, clip_grad_norm, lr_at, make_optimizer, set_lr
+
+    if cfg.deterministic:
+        from hybridpar.train.determinism import enable_determinism
+
+        enable_determinism(cfg.seed, dist.get_rank())
+    device = current_device()  # CUDA under torchrun+NCCL; batches move there step by step
+    info = _resume_point(cfg)
+    loaded, spec, engine, resumed = build_engine(cfg, device, info)
+    shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
+    ds = open_dataset(cfg.data, shape, num_classes=spec.num_classes, size=cfg.synthetic_size, seed=cfg.seed,
+                      vocab=spec.vocab, label_shape=spec.label_shape, example_inputs=loaded.example_inputs)
+    if hasattr(engine, "warm_up"):  # final shard shapes before the optimizer and checkpoints see them
+        engine.warm_up(shape)
+    probe = None
+    if cfg.gns:
+        from hybridpar.train.grad_noise import GradNoiseProbe
+
+        probe = GradNoiseProbe(engine, cfg.batch)
+    per_epoch = len(ds) // cfg.batch
+    gns_epochs: list[float | None] = []
+    norms = WholeNorms(engine) if cfg.optimizer == "lars" or cfg.grad_clip else None
+    opt = make_optimizer(cfg.optimizer, engine.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay, norms=norms)
+    start = ckpt.restore_training_state(resumed, engine, opt) if resumed else 0
+    callbacks = [_import(c) for c in cfg.callbacks]
+    rank = dist.get_rank()
+    infos: list[StepInfo] = []
+    last = total_steps(cfg, len(ds))
+    error, code = None, 0
+    last_saved = start or None  # the newest good checkpoint: the one resumed from, then each one written
+    workers = default_workers(ds, cfg.local_ranks or dist.get_world_size()) if cfg.workers is None else cfg.workers
+    feed = batches(ds, cfg.batch, start=start, stop=last, seed=cfg.seed, shuffle=cfg.shuffle, workers=workers,
+                   device=device)  # the same global batches on every rank, read by loader workers
+    tracer = _StepProfiler(cfg, device) if rank == 0 and cfg.profile_steps else None
+    for step, x, y in feed:
+        faults.maybe_inject_failure(step)
+        if tracer is not None:
+            tracer.before(step)
+        x_loc, y_loc = engine.local_batch(cast_inputs(x, cfg.precision), y)
+        lr = lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, last)
+        set_lr(opt, lr)
+        t0 = time.perf_counter()
+        try:
+            with autocast(cfg.precision, device):
+                loss = engine.train_step(x_loc, y_loc)
+        except RuntimeError as err:  # a dead or unreachable peer: say so, never hang (timeouts in launch)
+            raise (faults.peer_loss_error(err, step) if faults.is_peer_loss(err) else err) from err
+        bad = _nonfinite_step(loss, engine, device)
+        if bad:
+            error, code = _stop_message(cfg, step, bad, loss, last_saved), NONFINITE_EXIT
+            break
+        b_noise = probe.after_step() if probe is not None else None  # synced grads, before the update
+        gnorm = clip_grad_norm(engine.parameters(), cfg.grad_clip, norms) if cfg.grad_clip else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        if probe is not None and ((step + 1) % per_epoch == 0 or step + 1 == last):
+            gns_epochs.append(b_noise)  # a partial last epoch reports where it stopped
+        if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+                                   or step + 1 == last):
+            if not _all_finite(engine.parameters(), device):
+                error, code = _stop_message(cfg, step, "weights", loss, last_saved), NONFINITE_EXIT
+                break
+            try:
+                ckpt.save_checkpoint(cfg.checkpoint_dir, step + 1, engine, opt, meta=checkpoint_meta(cfg),
+                                     keep=cfg.keep_checkpoints, overwrite=cfg.overwrite)
+                last_saved = step + 1
+            except ckpt.CheckpointWriteError as err:  # every rank raises it together: stop cleanly
+                error, code = str(err), 1
+                break
+        info = StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind(),
+                        engine.comm_log.step_seconds_by_kind(), b_noise, lr,
+                        peak_memory_bytes(device) if rank == 0 else None, gnorm)
+        infos.append(info)
+        if tracer is not None:
+            tracer.after(step)
+        if step == start:
+            reset_peak_memory(device)  # from now on the steady state's peak
+        if rank == 0:
+            if queue is not None:
+                queue.put(info.to_dict())
+            for cb in callbacks:
+                cb(info, engine, opt)
+    feed.close()  # stops the loader's workers when the loop ended early
+    if tracer is not None:
+        tracer.close()  # a run that stopped inside the window still writes what it traced
+    if rank == 0 and hasattr(queue, "join_thread"):  # a multiprocessing queue (spawn): every StepInfo
+        queue.close()                                  # reaches the parent before this rank exits
+        queue.join_thread()
+    saved = None
+    if error is None and cfg.save:
+        if not _all_finite(engine.parameters(), device):
+            error, code = _stop_message(cfg, last - 1, "weights", infos[-1].loss if infos else math.nan,
+                                         last_saved), \
+                NONFINITE_EXIT
+        else:
+            state = engine.full_state_dict()
+            if rank == 0 and state is not None:
+                _save_weights(state, cfg.save)
+            saved = cfg.save
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (engine.param_bytes(), engine.param_bytes_by_type(), peak_memory_bytes(device)))
+    note = probe.reason if probe is not None else None
+    if probe is not None:
+        probe.close()
+    return TrainResult(infos, [p[0] for p in per_rank], [p[1] for p in per_rank],
+                       infos[-1].loss if infos else float("nan"), saved, dist.get_world_size(),
+                       gns_epochs, note, start, error, code, [p[2] for p in per_rank])
+
+
+def profile_trace_path(cfg: TrainConfig) -> str | None:
+    """The chrome trace `profile_steps` writes (None without profile_steps)."""
+    if not cfg.profile_steps:
+        return None
+    a, b = cfg.profile_steps
+    return os.path.join(cfg.profile_dir or "hybridpar-profile", f"trace-rank0-steps-{a}-{b}.json")
+
+
+class _StepProfiler:
+    """`profile_steps` (A, B) on rank 0: torch.profiler records steps A..B-1 (CPU, and CUDA on a GPU)
+    and writes one chrome trace, profile_dir/trace-rank0-steps-A-B.json, when step B-1 ends (or the
+    loop stops earlier)."""
+
+    def __init__(self, cfg: TrainConfig, device):
+        self.first, self.stop = cfg.profile_steps
+        self.path = profile_trace_path(cfg)
+        self.device, self.prof, self.step_ctx = device, None, None
+
+    def before(self, step: int) -> None:
+        if self.prof is None and self.first <= step < self.stop:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU]
+            if getattr(self.device, "type", "cpu") == "cuda":
+                acts.append(ProfilerActivity.CUDA)
+            self.prof = profile(activities=acts, record_shapes=True)
+            self.prof.__enter__()
+        if self.prof is not None:
+            self.step_ctx = torch.profiler.record_function(f"hybridpar step {step}")
+            self.step_ctx.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.step_ctx is not None:
+            self.step_ctx.__exit__(None, None, None)
+            self.step_ctx = None
+        if self.prof is not None and step + 1 >= self.stop:
+            self.close()
+
+    def close(self) -> None:
+        if self.step_ctx is not None:
+            self.step_ctx.__exit__(None, None, None)
+            self.step_ctx = None
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        prof.export_chrome_trace(self.path)
+
+
+def _resume_point(cfg: TrainConfig):
+    """The checkpoint this run continues from: the one run_config chose, or (Python API callers that
+    set only `resume`) this run's newest complete one."""
+    from hybridpar.train import checkpoint as ckpt
+
+    if cfg.resume_from:
+        return ckpt.checkpoint_info(cfg.resume_from)
+    if cfg.resume and cfg.checkpoint_dir:
+        return ckpt.latest_checkpoint(cfg.checkpoint_dir, owner=checkpoint_meta(cfg).get("run_id"))
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _agree_any(flags: list[float], device) -> list[float]:
+    """Each flag summed over every rank (one small allreduce; one all-to-all round on gloo)."""
+    from hybridpar.parallel.comm.collectives import all_reduce_
+    from hybridpar.parallel.comm.log import CommLog
+    from hybridpar.parallel.mesh import Group
+
+    t = torch.tensor(flags, dtype=torch.float64, device=device)
+    world = Group(tuple(range(dist.get_world_size())), dist.group.WORLD, dist.get_rank())
+    all_reduce_(t, world, CommLog(), "finite")  # not the step's traffic: the check of `hybridpar train`
+    return t.tolist()
+
+
+def _nonfinite_step(loss: float, engine, device) -> str | None:
+    """"loss" or "gradients" when this step is not finite on some rank, else None, the same answer on
+    every rank. Cheap: one pass over this rank's gradients, one device sync, and a collective only when
+    the engine did not agree already: the MP engine sends its gradients' verdict with the loss
+    (`step_grads_finite`), and under sample-only layouts every rank holds the same loss and, for every
+    gradient, the sum over all ranks, in which a NaN or Inf anywhere shows everywhere (`grads_agree`).
+    A blocking collective of its own cost ~2.5 ms per step on 4 gloo ranks sharing 2 cores."""
+    agreed = getattr(engine, "step_grads_finite", None)
+    if agreed is not None:
+        grads_ok = agreed
+    else:
+        grads_ok = _finite_here([_local(p.grad) for p in engine.parameters() if p.grad is not None])
+    flags = [0.0 if math.isfinite(loss) else 1.0, 0.0 if grads_ok else 1.0]
+    if agreed is None and not getattr(engine, "grads_agree", False):
+        flags = _agree_any(flags, device)
+    return "loss" if flags[0] else "gradients" if flags[1] else None
+
+
+def _all_finite(params, device) -> bool:
+    ok = _finite_here([_local(p.detach()) for p in params])
+    return _agree_any([0.0 if ok else 1.0], device)[0] == 0
+
+
+def _stop_message(cfg: TrainConfig, step: int, what: str, loss: float, last_saved: int | None) -> str:
+    where = {"loss": f"the loss is {loss}", "gradients": f"the gradients are not finite (loss {loss:.4g})",
+             "weights": "the weights are not finite"}[what]
+    keep = "nothing was saved"
+    if cfg.checkpoint_dir:
+        keep += (f"; the last good checkpoint, step {last_saved}, is intact in {cfg.checkpoint_dir}"
+                 if last_saved else f"; no checkpoint was written to {cfg.checkpoint_dir}")
+    return f"step {step}: {where}; training stopped ({keep}); lower lr or check the data"
+
+
+def checkpoint_meta(cfg: TrainConfig) -> dict:
+    """What a resume checks: data order is a function of (seed, step, batch, data); the run's identity
+    (run_config.run_identity) and its digest decide whose checkpoints a directory holds."""
+    from hybridpar.train.checkpoint import run_id
+
+    meta = {"model": cfg.model, "seed": cfg.seed, "batch": cfg.batch, "data": cfg.data, "shuffle": cfg.shuffle,
+            "plan": cfg.plan.model_dump(mode="json")}
+    if cfg.identity:
+        meta.update(identity=cfg.identity, run_id=run_id(cfg.identity))
+    return meta
+
+
+def _save_weights(state: dict, path: str) -> None:
+    """`--save`: the undistributed state_dict, written atomically with the umask's mode."""
+    from hybridpar.files import atomic_write
+
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+class TrainingFailed(RuntimeError):
+    """A rank died or raised; the message is one line (the rank's last words)."""
+
+
+def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> TrainResult | None:
+    """Run `cfg` on its ranks: spawned local gloo processes, or, under a launcher (torchrun), this
+    process as one rank of the launcher's world. `on_step(step_info_dict)` is called on rank 0 (here)
+    after every step. Returns rank 0's TrainResult (each rank's own in a launched world: they agree
+    on `error`); TrainingFailed when a spawned rank dies or raises."""
+    from hybridpar.train import launch
+
+    if (cfg.metrics or cfg.tensorboard) and (not launch.under_launcher() or os.environ.get("RANK") == "0"):
+        on_step = _with_metrics(cfg, on_step)
+    try:
+        return _train(cfg, on_step)
+    finally:
+        if on_step is not None and hasattr(on_step, "close"):
+            on_step.close()
+
+
+def _with_metrics(cfg: TrainConfig, on_step):
+    """on_step that also streams the `--metrics` record of every step (to the JSON-lines file and/or
+    as TensorBoard scalars)."""
+    from hybridpar.train.metrics import MetricsFile, StepMetrics, TensorBoardLog
+
+    sinks = ([MetricsFile(cfg.metrics)] if cfg.metrics else []) + \
+        ([TensorBoardLog(cfg.tensorboard)] if cfg.tensorboard else [])
+    metrics = StepMetrics(cfg.flops_per_step, cfg.peak_flops, cfg.plan.world_size)
+
+    class _Both:
+        def __call__(self, info: dict) -> None:
+            record = metrics.record(info)
+            for sink in sinks:
+                sink.write(record)
+            if on_step is not None:
+                on_step(info)
+
+        def close(self) -> None:
+            for sink in sinks:
+                sink.close()
+
+    return _Both()
+
+
+def _train(cfg: TrainConfig, on_step):
+    from hybridpar.train import launch
+
+    if launch.under_launcher():
+        launch.init()
+        rank = dist.get_rank()
+
+        class _Forward:
+            def put(self, info):
+                on_step(info)
+
+        result = run_rank(cfg, _Forward() if rank == 0 and on_step is not None else None)
+        dist.destroy_process_group()
+        return result
+
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    queue = mp.get_context("spawn").Queue()
+
+    def poll():
+        while not queue.empty():
+            info = queue.get()
+            if on_step is not None:
+                on_step(info)
+
+    try:
+        return launch.spawn(run_rank, cfg.plan.world_size, cfg, queue, poll=poll)
+    except ProcessException as err:  # a rank died or raised: one line, no hang
+        lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+        refused = "hybridpar.errors.UserError: "
+        if lines and lines[-1].startswith(refused):  # a check inside the ranks refused the input: exit 2
+            from hybridpar.errors import UserError
+
+            raise UserError(lines[-1][len(refused):]) from None
+        hint = f" (continue with resume from {cfg.checkpoint_dir})" if cfg.checkpoint_dir else ""
+        raise TrainingFailed(f"training failed: {lines[-1] if lines else err}{hint}") from None

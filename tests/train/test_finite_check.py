@@ -1,0 +1,63 @@
+"""The per-step finiteness check (train_loop._finite_here): exact per entry, one device sync for all
+tensors, no false alarm where a sum of finite values overflows (the old per-tensor sum test's flaw)."""
+
+import torch
+
+from hybridpar.train.trainer import _finite_here
+
+
+def test_nan_and_inf_anywhere_are_found_and_large_finite_values_are_not():
+    ok = [torch.randn(3, 4), torch.tensor([3e38, 3e38]), torch.ones(2, dtype=torch.bfloat16), torch.empty(0)]
+    assert _finite_here(ok)  # 3e38 + 3e38 overflows a sum, not a max |entry|
+    assert _finite_here([])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.zeros(5)
+        t[3] = bad
+        assert not _finite_here([*ok, t])
+
+
+def test_sparse_gradients_are_checked_by_their_values():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    assert emb.weight.grad.is_sparse and _finite_here([emb.weight.grad])
+    emb.weight.grad = torch.sparse_coo_tensor([[1]], torch.full((1, 4), float("nan")), (10, 4))
+    assert not _finite_here([emb.weight.grad])
+
+
+def _verdicts() -> dict:
+    """On each of 2 ranks, the train loop's verdict for engines that agree on finiteness in different
+    ways, with a NaN gradient on rank 1 only (where ranks hold different gradients) or on both (where
+    the gradients were summed over every rank, so a NaN shows everywhere)."""
+    import torch.distributed as dist
+
+    from hybridpar.train.trainer import _nonfinite_step
+
+    rank = dist.get_rank()
+
+    class Engine:
+        def __init__(self, grad, **attrs):
+            p = torch.nn.Parameter(torch.zeros(3))
+            p.grad = grad
+            self._p = [p]
+            self.__dict__.update(attrs)
+
+        def parameters(self):
+            return iter(self._p)
+
+    nan_on_1 = torch.tensor([0.0, float("nan") if rank == 1 else 0.0, 0.0])
+    nan_everywhere = torch.tensor([0.0, float("nan"), 0.0])
+    return {"split": _nonfinite_step(1.0, Engine(nan_on_1), "cpu"),  # a collective decides
+            "split ok": _nonfinite_step(1.0, Engine(torch.zeros(3)), "cpu"),
+            "split loss": _nonfinite_step(float("nan") if rank == 1 else 1.0, Engine(torch.zeros(3)), "cpu"),
+            "summed": _nonfinite_step(1.0, Engine(nan_everywhere, grads_agree=True), "cpu"),  # no collective
+            "mp": _nonfinite_step(1.0, Engine(torch.zeros(3), step_grads_finite=False), "cpu"),
+            "rank": rank}
+
+
+def test_every_rank_stops_on_a_nan_that_only_one_rank_holds():
+    from hybridpar.train.launch import spawn
+
+    r = spawn(_verdicts, 2)  # rank 0's verdicts: its own gradients and loss are finite in "split"
+    assert r["rank"] == 0
+    assert r["split"] == "gradients" and r["split ok"] is None and r["split loss"] == "loss", r
+    assert r["summed"] == "gradients" and r["mp"] == "gradients", r
