@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast bench lint clean
+.PHONY: run test test-fast bench figures lint clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -27,9 +27,20 @@ test-fast: lint
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
 
+# What mypy checks ([tool.mypy] in pyproject.toml); a package joins when it is clean.
+MYPY_PATHS := src/hybridpar/layout src/hybridpar/plans src/hybridpar/cost src/hybridpar/cluster \
+	src/hybridpar/graph/types.py src/hybridpar/errors.py src/hybridpar/files.py src/hybridpar/jsonfile.py \
+	src/hybridpar/humanize.py src/hybridpar/toposort.py src/hybridpar/host_allocator.py src/hybridpar/user_code.py
+
+# Rewrite the figures of README.md and docs/results.md that the code computes (tests/test_readme_figures.py
+# fails when they differ). Minutes with cold caches: the projection runs DLPlacer's ILP.
+figures: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/write_figures.py
+
 lint: $(STAMP)
 	$(BIN)/lint-imports
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/mypy $(MYPY_PATHS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

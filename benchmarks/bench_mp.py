@@ -45,8 +45,9 @@ from bench_validation import BRANCHY, TWO_TOWER  # noqa: E402
 from bench_validation import profile as profile_rounds  # noqa: E402
 
 from hybridpar.graph.models import load_model  # noqa: E402
-from hybridpar.parallel.pipeline import MPEngine, loss_sum  # noqa: E402
+from hybridpar.parallel.pipeline import MPEngine  # noqa: E402
 from hybridpar.plans import Plan  # noqa: E402
+from hybridpar.train.engine import task_loss_sum  # noqa: E402
 from hybridpar.train.launch import spawn  # noqa: E402
 
 MODELS = {"branchy": BRANCHY, "inception_mini": "inception_mini", "two_tower_lstm": TWO_TOWER, "lstm2": "lstm2"}
@@ -88,7 +89,7 @@ def _timed(fn, *args) -> tuple[float, float]:
 
 
 def _eager_step(model, opt, x, y) -> None:
-    (loss_sum(model(x), y) / len(y)).backward()
+    (task_loss_sum(model(x), y) / len(y)).backward()
     opt.step()
     opt.zero_grad()
 
@@ -122,7 +123,7 @@ def _ranks(cases: list[tuple[str, str, dict, int]]) -> dict:
         engines = {}
         for name, pl in (("mp", placement), ("all_on_0", {})):
             plan = Plan(model=spec, world_size=2, batch=BATCH, mp=2, placement=pl)
-            eng = MPEngine(load_model(spec, batch=BATCH).module, plan)
+            eng = MPEngine(load_model(spec, batch=BATCH).module, plan, loss_fn=task_loss_sum)
             engines[name] = (eng, torch.optim.SGD(eng.parameters(), lr=0.01))
         rec: dict[str, list] = {"eager": [], "mp": [], "all_on_0": []}
 

@@ -12,18 +12,20 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "check", "full_state_dict", "no_sync", "parallelize", "place", "plan", "project"]
 
 
-def plan(model, cluster="localhost", gpus: int = 1, batch: int = 32, **options):
-    """Per-layer decomposition plan: see :func:`hybridpar.api.plan`."""
+def plan(model, cluster="localhost", gpus: int = 1, batch: int = 32, config=None, **options):
+    """Per-layer decomposition plan (`config`: a PlannerConfig, or its fields as keywords): see
+    :func:`hybridpar.api.plan`."""
     from hybridpar.api import plan as _plan
 
-    return _plan(model, cluster, gpus, batch, **options)
+    return _plan(model, cluster, gpus, batch, config, **options)
 
 
-def place(model, cluster="localhost", gpus: int = 2, **options):
-    """DLPlacer device placement of one model-parallel group: see :func:`hybridpar.api.place`."""
+def place(model, cluster="localhost", gpus: int = 2, config=None, **options):
+    """DLPlacer device placement of one model-parallel group (`config`: a PlacerConfig, or its fields as
+    keywords): see :func:`hybridpar.api.place`."""
     from hybridpar.api import place as _place
 
-    return _place(model, cluster, gpus, **options)
+    return _place(model, cluster, gpus, config, **options)
 
 
 def project(model, cluster="localhost", gpus=tuple(2**i for i in range(13)), config=None, **options):
@@ -35,11 +37,17 @@ def project(model, cluster="localhost", gpus=tuple(2**i for i in range(13)), con
 
 def parallelize(module, plan_or_strategy, **options):
     """Run `module` on the current torch.distributed world with a Plan, a plan.json path or a strategy
-    string ("sample=2,channel=2"), with one process's semantics: every rank passes the same global
-    batch and gets the whole outputs; any loss, any torch.optim optimizer. In place; returns it.
+    string ("sample=2,channel=2", "mp=2", "mp=2,sample=2"), with one process's semantics: every rank
+    passes the same global batch (any number of inputs) and gets the whole outputs (tensors, tuples,
+    dicts); any loss, any torch.optim optimizer over `module.parameters()`. In place; returns it.
     Options: inputs="global"|"sample_shard", bn_stats="global"|"local", check_inputs=<example batch>
     (first refuse an op the layout cannot serve, before any collective: see :func:`check`)
-    (see hybridpar.parallel.api.parallelize)."""
+    (see hybridpar.parallel.api.parallelize).
+
+    Model parallelism (mp > 1): a Plan with its placement (`hybridpar place --out`), or `placement=`
+    {module name: device}; without one, `example_inputs=` (a tuple: one global batch's inputs) lets
+    rank 0 run DLPlacer (as `train --strategy mp=2` does; `cluster=`, default localhost) and share its
+    placement with every rank. See hybridpar.parallel.pipeline.module."""
     import os
 
     from hybridpar.parallel.api import parallelize as _parallelize
@@ -48,7 +56,42 @@ def parallelize(module, plan_or_strategy, **options):
         from hybridpar.plans import load_plan
 
         plan_or_strategy = load_plan(plan_or_strategy)
+    cluster = options.pop("cluster", "localhost")
+    if options.get("example_inputs") is not None and "place" not in options and "placement" not in options:
+        options["place"] = _placer(tuple(options["example_inputs"]), cluster)
     return _parallelize(module, plan_or_strategy, **options)
+
+
+def _placer(example_inputs: tuple, cluster: str):
+    """place(plan, module) for hybridpar.parallel: DLPlacer's placement of one replica's batch (a
+    slice of `example_inputs`), found on rank 0 and sent to every rank (the ranks must agree)."""
+
+    def place(plan_, module):
+        import torch.distributed as dist
+
+        from hybridpar.api import place as _place
+        from hybridpar.parallel.pipeline.engine import batch_rows, split_rows
+        from hybridpar.search.placer.module_placement import placement_from_outcome
+
+        box = [None]
+        if dist.get_rank() == 0:
+            n = batch_rows(example_inputs)
+            mine = tuple(split_rows(list(example_inputs), n, plan_.dp)[0]) if plan_.dp > 1 else example_inputs
+            try:
+                outcome = _place(module, cluster, plan_.mp, example_inputs=mine, batch=batch_rows(mine))
+                box[0] = {"placement": placement_from_outcome(outcome, module, mine)}
+            except Exception as err:  # noqa: BLE001 - every rank raises it, not only rank 0
+                box[0] = {"error": f"{type(err).__name__}: {err}"}
+        dist.broadcast_object_list(box, src=0)
+        got = box[0]
+        assert isinstance(got, dict)
+        if "error" in got:
+            from hybridpar.errors import UserError
+
+            raise UserError(f"placement of mp={plan_.mp} on rank 0 failed: {got['error']}")
+        return plan_.model_copy(update={"placement": got["placement"]})
+
+    return place
 
 
 def check(module, plan_or_strategy, example_inputs, targets=None, *, world_size=None, inputs="global"):

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from hybridpar.plans import Plan
-    from hybridpar.search.layers.planner import PlanResult
+    from hybridpar.search.layers.planner import PlannerConfig, PlanResult
     from hybridpar.search.placer.api import PlaceOutcome
+    from hybridpar.search.placer.config import PlacerConfig
 
 DEFAULT_CLUSTER = "localhost"  # one default everywhere: this machine, measured by `hybridpar profile`
 PLACER_TIME_LIMIT_S = 10.0  # a run's placement: the ILP is warm-started from the best heuristic
@@ -36,25 +37,28 @@ def _model_arg(model, example_inputs):
     return (model, example_inputs)
 
 
-def plan(model, cluster=DEFAULT_CLUSTER, gpus: int = 1, batch: int = 32, *, example_inputs=None,
-         input_shape: Sequence[int] | None = None, dry_run: bool | None = None,
-         progress: Callable[[str], None] | None = None, **options) -> PlanResult:
+def plan(model, cluster=DEFAULT_CLUSTER, gpus: int = 1, batch: int = 32, config: PlannerConfig | None = None, *,
+         example_inputs=None, dry_run: bool | None = None, progress: Callable[[str], None] | None = None,
+         **options) -> PlanResult:
     """Per-layer decomposition plan of `model` on `gpus` devices of `cluster` at global batch `batch`.
 
     `model`: a zoo name, `path/to/file.py:factory`, a traced Graph, or an `nn.Module` with
-    `example_inputs`. `cluster`: a preset name, a cluster file, or a `Cluster`. `options` are those of
-    :func:`hybridpar.search.layers.planner.plan_model` (strategy, memory_limit, dtype, optimizer, ...).
-    `dry_run`: run the planned layout on meta tensors first and price what DTensor redistributes
-    between our layers (default: on for file models, whose code between layers may mix channels; off
-    for the zoo); False also prices layouts the runtime cannot run (a what-if)."""
-    from hybridpar.search.layers.planner import plan_model
+    `example_inputs`. `cluster`: a preset name, a cluster file, or a `Cluster`. `config`: a
+    :class:`hybridpar.search.layers.planner.PlannerConfig`; keyword `options` are its fields, over it
+    (strategy, memory_limit, dtype, input_shape, optimizer, momentum, ...). `devices=` is the old name
+    of `gpus` and still accepted. `dry_run`: run the planned layout on meta tensors first and price
+    what DTensor redistributes between our layers (default: on for file models, whose code between
+    layers may mix channels; off for the zoo); False also prices layouts the runtime cannot run (a
+    what-if)."""
+    from hybridpar.search.layers.planner import PlannerConfig, plan_model
 
-    res = plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, input_shape=input_shape,
-                     runnable_only=dry_run is not False, progress=progress, **options)
+    gpus = options.pop("devices", gpus)
+    cfg = PlannerConfig.of(config, {**options, "runnable_only": dry_run is not False})
+    res = plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, cfg, progress=progress)
     if dry_run if dry_run is not None else (isinstance(model, str) and ":" in model):
         if progress is not None:
             progress("dry run of the layout on meta tensors")
-        res = with_redistributions(res, model, input_shape, cluster)
+        res = with_redistributions(res, model, cfg.input_shape, cluster)
     return res
 
 
@@ -110,24 +114,26 @@ def _not_in_plan(records: list[dict], res: PlanResult) -> list[dict]:
     return out
 
 
-def place(model, cluster=DEFAULT_CLUSTER, gpus: int = 2, *, example_inputs=None, **options) -> PlaceOutcome:
+def place(model, cluster=DEFAULT_CLUSTER, gpus: int = 2, config: PlacerConfig | None = None, *,
+          example_inputs=None, **options) -> PlaceOutcome:
     """DLPlacer device placement of `model` over `gpus` devices of `cluster` (one model-parallel group).
 
-    `model` and `cluster` as for :func:`plan`; `options` are those of
-    :func:`hybridpar.search.placer.place_model` (solver, time_limit_s, batch, optimizer, ...).
-    `devices=` is the old name of `gpus` and still accepted."""
+    `model` and `cluster` as for :func:`plan`; `config`: a
+    :class:`hybridpar.search.placer.config.PlacerConfig`; keyword `options` are its fields, over it
+    (solver, time_limit_s, batch, optimizer, momentum, ...). The optimizer is named as `train` takes it
+    (sgd with momentum, adamw, lars; the old names momentum and adam are accepted). `devices=` is the
+    old name of `gpus` and still accepted."""
     from hybridpar.search.placer import place_model
 
-    if "devices" in options:
-        gpus = options.pop("devices")
-    return place_model(_model_arg(model, example_inputs), cluster, gpus, **options)
+    gpus = options.pop("devices", gpus)
+    return place_model(_model_arg(model, example_inputs), cluster, gpus, config, **options)
 
 
 def with_placement(plan_: Plan, module: nn.Module, *, time_limit_s: float = PLACER_TIME_LIMIT_S,
-                   optimizer: str = "sgd", example_inputs: tuple | None = None) -> Plan:
+                   optimizer: str = "sgd", momentum: float = 0.0, example_inputs: tuple | None = None) -> Plan:
     """`plan_` with its placement filled in before any rank starts (unchanged when it has one, or when
     mp == 1): DLPlacer's for the plan's model, cluster and per-replica batch. The ranks never search.
-    `optimizer`: the run's, in the cost model's names (hybridpar.cost.update.optimizer_kind);
+    `optimizer`/`momentum`: the run's, as `train` takes them (its state in memory, its update in the step);
     `example_inputs`: at one forward's batch, for a model the runtime runs on torch.export's graph."""
     if plan_.placement is not None or plan_.mp == 1:
         return plan_
@@ -136,7 +142,7 @@ def with_placement(plan_: Plan, module: nn.Module, *, time_limit_s: float = PLAC
 
     shape = tuple(plan_.input_shape) if plan_.input_shape else None
     outcome = place_model(plan_.model, plan_.cluster, plan_.mp, batch=max(1, plan_.batch // plan_.dp),
-                          input_shape=shape, time_limit_s=time_limit_s, optimizer=optimizer)
+                          input_shape=shape, time_limit_s=time_limit_s, optimizer=optimizer, momentum=momentum)
     return plan_.model_copy(update={"placement": placement_from_outcome(outcome, module, example_inputs)})
 
 

@@ -247,7 +247,6 @@ def check_train(families: list[hf_families.Family], workdir: Path, layouts=LAYOU
     `layouts`: (strategy, ranks) pairs for every family, or a dict family name -> pairs.
     One spawned world per rank count serves every family. fp64=False: no fp64 runs (a float32 run
     is then judged at TOL whatever the spread: make test's subset, whose runs are within it)."""
-    from dataclasses import replace
 
     out: dict[str, dict[str, Result]] = {f.name: {} for f in families}
     refs, refs64, spreads, jobs_by_ranks, saves = {}, {}, {}, {}, {}
@@ -265,8 +264,8 @@ def check_train(families: list[hf_families.Family], workdir: Path, layouts=LAYOU
             jobs_by_ranks.setdefault(ranks, []).append((key, cfg))
             if fp64 and spreads[fam.name] > TOL:  # float32 cannot be judged at TOL here: also in float64
                 saves[key + "|fp64"] = saves[key][:-3] + "-fp64.pt"
-                jobs_by_ranks[ranks].append((key + "|fp64", replace(cfg, precision="fp64",
-                                                                    save=saves[key + "|fp64"])))
+                jobs_by_ranks[ranks].append((key + "|fp64", cfg.with_options(precision="fp64",
+                                                                          save=saves[key + "|fp64"])))
     records: dict[str, dict] = {}
     for ranks, jobs in sorted(jobs_by_ranks.items()):
         records.update(run_jobs(jobs, ranks, workdir))

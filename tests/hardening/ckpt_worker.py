@@ -94,3 +94,30 @@ def _arm_crash(point: str) -> None:
             return real_agree(*a, **k)
 
         ckpt._agree = agree
+
+
+def lose_lock(root: str) -> dict:
+    """Issue 33, red-team 8: lock `root`, save step 1, then the directory is deleted and another
+    writer makes it again with its own step-00000001; the next save must stop, touching nothing."""
+    import shutil
+    from pathlib import Path
+
+    from hybridpar.graph.models import load_model
+    from hybridpar.train.engine import make_engine
+
+    torch.manual_seed(0)
+    engine = make_engine(load_model("small_cnn").module, plan_for("sample=1", 1))
+    opt = torch.optim.SGD(engine.parameters(), lr=0.05)
+    ckpt.lock_directory(root)
+    ckpt.save_checkpoint(root, 1, engine, opt, meta={"run_id": "mine"})
+    shutil.rmtree(root)
+    Path(root, "step-00000001").mkdir(parents=True)
+    Path(root, "step-00000001", "theirs.txt").write_text("theirs")
+    Path(root, ckpt.LOCK_FILE).write_text("999\n")
+    try:
+        ckpt.save_checkpoint(root, 2, engine, opt, meta={"run_id": "mine"}, keep=1)
+    except ckpt.CheckpointWriteError as err:
+        return {"first": 1, "error": str(err)}
+    finally:
+        ckpt.unlock_directory(root)
+    return {"first": 1, "error": None}

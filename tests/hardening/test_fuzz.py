@@ -270,7 +270,7 @@ def test_train_foreign_checkpoints(no_spawn):
     """A checkpoint directory holding another run's checkpoint (any identity key changed): exit 2."""
     import hashlib
 
-    from hybridpar.train.checkpoint import run_id
+    from hybridpar.train.checkpoint import manifest_digest, run_id
     from hybridpar.train.config import run_config
 
     base = run_config(model="small_cnn", strategy="sample=2", batch=8, steps=1).config.identity
@@ -290,9 +290,11 @@ def test_train_foreign_checkpoints(no_spawn):
             (step / "rank-00000.pt").write_bytes(b"x" * 10)
             files = [{"rank": 0, "file": "rank-00000.pt", "bytes": 10,
                       "sha256": hashlib.sha256(b"x" * 10).hexdigest()}]
-            (step / "manifest.json").write_text(json.dumps(
+            manifest = json.loads(json.dumps(  # as read back: JSON's values (str for what JSON lacks)
                 {"format": "hybridpar-checkpoint", "version": 1, "step": 2, "world_size": 1, "files": files,
                  "identity": identity, "run_id": run_id(identity)}, default=str))
+            manifest["manifest_sha256"] = manifest_digest(manifest)  # well formed: refused for its identity alone
+            (step / "manifest.json").write_text(json.dumps(manifest))
             argv = ["train", "--model", "small_cnn", "--strategy", "sample=2", "--batch", "8", "--steps", "1",
                     "--checkpoint-dir", str(Path(d) / "ck"), *resume]
             rc, _, err = _cli(argv)

@@ -16,8 +16,12 @@ def _fake_checkpoint(root, **meta):
     d.mkdir(parents=True)
     (d / "rank-00000.pt").write_bytes(b"x" * 10)
     files = [{"rank": 0, "file": "rank-00000.pt", "bytes": 10, "sha256": hashlib.sha256(b"x" * 10).hexdigest()}]
-    (d / "manifest.json").write_text(json.dumps({"format": "hybridpar-checkpoint", "version": 1, "step": 2,
-                                                 "world_size": 1, "files": files, **meta}))
+    from hybridpar.train.checkpoint import manifest_digest
+
+    manifest = json.loads(json.dumps({"format": "hybridpar-checkpoint", "version": 1, "step": 2, "world_size": 1,
+                                      "files": files, **meta}))
+    manifest["manifest_sha256"] = manifest_digest(manifest)  # well formed: refused for what it says alone
+    (d / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -29,8 +33,12 @@ def _fake_checkpoint(root, **meta):
     (["--checkpoint-dir", "{tmp}/ck", "--resume", "--model", "small_resnet"], "model='small_cnn'"),
 ])
 def test_bad_hardening_options_exit_2_before_spawn(tmp_path, capsys, no_spawn, extra, message):
+    from hybridpar.train.checkpoint import run_id
+    from hybridpar.train.config import run_config
+
     (tmp_path / "file").write_text("")
-    _fake_checkpoint(tmp_path / "ck", model="small_cnn", seed=0, batch=8, data="synthetic", shuffle=True)
+    identity = run_config(model="small_cnn", strategy="sample=2", batch=8, steps=2).config.identity
+    _fake_checkpoint(tmp_path / "ck", identity=identity, run_id=run_id(identity))  # this run's, at seed 0
     argv = [a for a in BASE if a != "small_cnn" or "--model" not in extra]
     if "--model" in extra:
         argv.remove("--model")

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.graph.models import load_model
-from hybridpar.parallel.pipeline import MPEngine, loss_sum
+from hybridpar.parallel.pipeline import MPEngine
 from hybridpar.plans import Plan
 from hybridpar.search.placer import place_model
 from hybridpar.search.placer.module_placement import placement_from_outcome, predicted_p2p_bytes
+from hybridpar.train.engine import task_loss_sum
 from hybridpar.train.launch import spawn
 
 STEPS, BATCH, LR, MOMENTUM = 5, 8, 0.05, 0.9
@@ -59,7 +60,7 @@ def _serial(model: str, init: dict, data) -> tuple[dict, list[float]]:
     opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM)
     losses = []
     for x, y in data:
-        loss = loss_sum(m(x), y) / y.numel()
+        loss = task_loss_sum(m(x), y) / y.numel()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -76,7 +77,7 @@ def _run_cases(cases, init_dir: str) -> list[dict]:
         loaded.module.load_state_dict(torch.load(Path(init_dir) / f"{i}.pt", weights_only=True))
         plan = Plan(model=model, world_size=dp * mp, batch=BATCH, dp=dp, mp=mp, placement=placement,
                     default_layout={"sample": dp})
-        eng = MPEngine(loaded.module, plan, **opts)
+        eng = MPEngine(loaded.module, plan, loss_fn=task_loss_sum, **opts)
         opt = torch.optim.SGD(eng.parameters(), lr=LR, momentum=MOMENTUM)
         losses = []
         for x, y in _data(loaded.kind):

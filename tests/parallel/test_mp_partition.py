@@ -120,12 +120,28 @@ def test_check_mp_plan_before_spawning():
 
 
 def test_gradient_buckets_reverse_order_and_size():
-    from hybridpar.parallel.pipeline.grad_sync import buckets_of
+    """The MP engine's gradient sync is the package's one GradSync (hybridpar.parallel.comm.grad_sync):
+    buckets in the order backward makes gradients ready, by the bucket rule the planner prices."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    params = [nn.Parameter(torch.zeros(n)) for n in (100, 200, 50, 300)]  # 400, 800, 200, 1200 bytes
-    buckets = buckets_of(params, 1000)
-    assert [[p.numel() for p in b] for b in buckets] == [[300], [50, 200], [100]]
-    assert [[p.numel() for p in b] for b in buckets_of(params, 1 << 20)] == [[300, 50, 200, 100]]
+    from hybridpar.cost.layout_comm import bucket_schedule
+    from hybridpar.parallel.comm.grad_sync import GradSync
+    from hybridpar.parallel.comm.log import CommLog
+    from hybridpar.parallel.mesh import Group
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = Group((0, 1), dist.group.WORLD, 0)
+        for bucket_bytes, want in ((1000, [1200, 1000, 400]), (1 << 20, [2600])):
+            params = [nn.Parameter(torch.zeros(n)) for n in (100, 200, 50, 300)]  # 400, 800, 200, 1200 bytes
+            sync = GradSync(params, lambda _p, g=group: g, {}, CommLog(), bucket_bytes=bucket_bytes)
+            sum(p.sum() for p in params).backward()
+            assert [b for _, b in sync.buckets] == want
+            ready = [(group.ranks, p.numel() * 4) for p in reversed(params)]  # backward: last first
+            assert [b for _, b, _ in bucket_schedule(ready, bucket_bytes)] == want
+    finally:
+        dist.destroy_process_group()
 
 
 class _Chain3(nn.Module):

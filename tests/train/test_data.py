@@ -65,8 +65,8 @@ def test_epochs_count_whole_batches():
     from hybridpar.train.trainer import TrainConfig, total_steps
 
     plan = Plan(model="small_cnn", world_size=1, batch=10, default_layout=LayerLayout())
-    assert total_steps(TrainConfig(model="small_cnn", plan=plan, batch=10, steps=None, epochs=3), 95) == 27
-    assert total_steps(TrainConfig(model="small_cnn", plan=plan, batch=10, steps=7), 95) == 7
+    assert total_steps(TrainConfig.from_options(model="small_cnn", plan=plan, batch=10, steps=None, epochs=3), 95) == 27
+    assert total_steps(TrainConfig.from_options(model="small_cnn", plan=plan, batch=10, steps=7), 95) == 7
 
 
 # ---- batch order and parts -------------------------------------------------------------------------

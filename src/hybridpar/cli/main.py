@@ -71,11 +71,14 @@ _FLAG_OF = {"time_limit_s": "--time-limit", "devices": "--gpus"}
 
 
 def in_flags(err: UserError) -> str:
-    """The library's message with the argument it is about (`err.param`) named as its flag."""
+    """The library's message with the argument it is about (`err.param`) named as its flag, and every
+    other argument it names in backquotes (`profile_steps`) too."""
+    import re
+
     msg = str(err)
     if err.param and msg.startswith(err.param):
-        return _FLAG_OF.get(err.param, "--" + err.param.replace("_", "-")) + msg[len(err.param):]
-    return msg
+        msg = _FLAG_OF.get(err.param, "--" + err.param.replace("_", "-")) + msg[len(err.param):]
+    return re.sub(r"`([a-z][a-z0-9_]*)`", lambda m: _FLAG_OF.get(m[1], "--" + m[1].replace("_", "-")), msg)
 
 
 def main(argv: list[str] | None = None) -> int:

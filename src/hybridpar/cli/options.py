@@ -9,9 +9,13 @@ One vocabulary across `plan`, `place`, `project`, `train` and `report`:
   `hybridpar profile`) everywhere.
 - `--batch B`: the global batch, samples per optimizer step over all devices, default 32. A batch per
   data-parallel worker (the projection's weak scaling) is `--batch-per-gpu`.
+- `--optimizer sgd|adamw|lars` with `--momentum` and `--weight-decay`: what the run steps with, in
+  `train`'s words wherever a command prices or runs it (`plan`, `place`, `train`; `project` prices
+  momentum SGD). `place` also accepts the cost model's old names, `momentum` (= sgd with momentum)
+  and `adam`.
 
-Old spellings stay accepted as hidden aliases (`place --devices`, `train --nproc`), so existing
-scripts keep working; `--help` shows only the names above.
+Old spellings stay accepted as hidden aliases (`place --devices`, `train --nproc`, also as `nproc` in a
+`train --config` file), so existing scripts keep working; `--help` shows only the names above.
 """
 
 from __future__ import annotations

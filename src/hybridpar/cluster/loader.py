@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from hybridpar.cluster.localhost import localhost_cluster, physical_cores
 from hybridpar.cluster.model import Cluster, DeviceSpec, InterNode, IntraNode
 from hybridpar.cluster.spec import ClusterFile, Figure, Sourced, source_of, value_of
 from hybridpar.errors import UserError
@@ -78,9 +79,9 @@ def load_cluster(name_or_path: str | os.PathLike, gpus: int | None = None, *,
         raise UserError(f"gpus must be >= 1, got {gpus}")
     spec = read_cluster_file(name_or_path)
     if spec.name == LOCALHOST or str(name_or_path) == LOCALHOST:
-        from hybridpar.cluster.localhost import localhost_cluster
-
-        return localhost_cluster(spec, gpus, calibration)
+        ranks = physical_cores() if gpus is None else gpus
+        base = build_cluster(spec.model_copy(update={"gpus_per_node": ranks}), ranks)
+        return localhost_cluster(base, ranks, calibration)
     return build_cluster(spec, gpus)
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 import os
 
 from hybridpar.cluster.calibration import Calibration, default_calibration_path, load_calibration
-from hybridpar.cluster.loader import build_cluster
 from hybridpar.cluster.model import Cluster, MeasuredCollective
-from hybridpar.cluster.spec import ClusterFile
 
 
 def physical_cores() -> int:
@@ -38,11 +36,11 @@ def oversubscription(ranks: int, cores: int) -> float:
     return max(1.0, ranks / cores)
 
 
-def localhost_cluster(spec: ClusterFile, ranks: int | None, calibration: str | os.PathLike | None) -> Cluster:
+def localhost_cluster(base: Cluster, ranks: int, calibration: str | os.PathLike | None) -> Cluster:
+    """`base`: the preset built for `ranks` devices on one node (hybridpar.cluster.loader), given this
+    machine's figures and the calibration's."""
     cores = physical_cores()
-    ranks = cores if ranks is None else ranks
     cal = load_calibration(calibration)
-    base = build_cluster(spec.model_copy(update={"gpus_per_node": ranks}), ranks)
     share = oversubscription(ranks, cores)
     # gloo's copies and sums run on the ranks' own cores when the ranks fill them: measured with the
     # weight-heavy CNN (2 ranks, 2 cores), DDP's step was its compute plus 2.7x its 38 MB allreduce,

@@ -7,6 +7,7 @@ turns a validated file into the runtime `Cluster`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -119,7 +120,7 @@ BOUNDS: dict[str, tuple[float, float, str]] = {
 }
 
 
-def _figures(f: ClusterFile):
+def _figures(f: ClusterFile) -> Iterator[tuple[str, str, float]]:
     """(field path, bounds key, value) of every physical figure in the file."""
     d = f.device
     for dtype, fig in d.peak_flops.items():

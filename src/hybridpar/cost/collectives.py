@@ -38,7 +38,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar, cast
 
 import numpy as np
 
@@ -90,15 +90,17 @@ class _Affine:
 
 
 _CACHE: dict[tuple, object] = {}
+_T = TypeVar("_T")
 
 
-def _cached(key: tuple, make):
+def _cached(key: tuple, make: Callable[[], _T]) -> _T:
+    """`make()`, kept under `key` (a None result is not kept: asked again, it is made again)."""
     hit = _CACHE.get(key)
     if hit is None:
         if len(_CACHE) > 200_000:
             _CACHE.clear()
         hit = _CACHE[key] = make()
-    return hit
+    return cast(_T, hit)  # what `make` returned for this key
 
 
 # -- the link-sharing core -------------------------------------------------------------------------
@@ -313,7 +315,7 @@ def _route_table(cluster: Cluster) -> _RouteTable | None:
     return _cached(("routes", cluster.cache_key), lambda: _build_route_table(cluster)) or None
 
 
-def _build_route_table(cluster: Cluster) -> _RouteTable | bool:
+def _build_route_table(cluster: Cluster) -> _RouteTable | Literal[False]:
     """False when the cluster's routes do not follow the node-local pattern (then the scalar path)."""
     g, nodes = cluster.gpus_per_node, cluster.num_nodes
     if g < 1 or cluster.num_devices < 2:
@@ -392,7 +394,8 @@ def _rings_phase_vectorised(rings: Sequence[tuple[int, ...]], kind: str, frac: f
     return _rings_phase_arrays(rings, kind, frac, cluster, table, src, dst, coef, np.asarray(starts))
 
 
-def _uniform_ring_flows(rings: Sequence[tuple[int, ...]], frac: float, cluster: Cluster):
+def _uniform_ring_flows(rings: Sequence[tuple[int, ...]], frac: float,
+                        cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """The flows of rings of one length, each a single cycle in its own order (what _node_cycles
     gives a ring that spans nodes, or a sorted ring inside a node that runs one cycle), as arrays in
     one go; None when some ring runs several cycles or is reordered (then ring by ring)."""
@@ -425,7 +428,9 @@ def _uniform_ring_flows(rings: Sequence[tuple[int, ...]], frac: float, cluster: 
     return src, dst, coef, np.arange(len(rings)) * (2 * p)
 
 
-def _rings_phase_arrays(rings, kind, frac, cluster, table, src, dst, coef, starts) -> list[_Affine]:
+def _rings_phase_arrays(rings: Sequence[tuple[int, ...]], kind: str, frac: float, cluster: Cluster,
+                        table: _RouteTable, src: np.ndarray, dst: np.ndarray, coef: np.ndarray,
+                        starts: np.ndarray) -> list[_Affine]:
     alpha, beta = _bottlenecks(cluster, table, src, dst, coef, starts)
     reduces = kind != "allgather"
     p = len(rings[0])
@@ -537,12 +542,12 @@ def _base(cluster: Cluster, groups: Sequence[Sequence[int]]) -> float:
 
 # -- allreduce -------------------------------------------------------------------------------------
 
-def _ring_allreduce(groups, cluster) -> list[list[_Affine]]:
+def _ring_allreduce(groups: Sequence[Sequence[int]], cluster: Cluster) -> list[list[_Affine]]:
     rings = _ring_orders(groups, cluster)
     return [_rings_phase(rings, "allreduce", 1.0, cluster)]
 
 
-def _hier_allreduce(groups, cluster) -> list[list[_Affine]] | None:
+def _hier_allreduce(groups: Sequence[Sequence[int]], cluster: Cluster) -> list[list[_Affine]] | None:
     """Reduce-scatter inside each node, allreduce across nodes per local position, allgather inside."""
     intra_rings, inter_rings, frac = [], [], 1.0
     per_node = cluster.gpus_per_node
@@ -570,7 +575,7 @@ def _tree_levels(order: Sequence[int]) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _tree_allreduce(groups, cluster) -> list[list[_Affine]]:
+def _tree_allreduce(groups: Sequence[Sequence[int]], cluster: Cluster) -> list[list[_Affine]]:
     (g,) = groups
     order = ring_order(g, cluster)
     levels = _tree_levels(order)
@@ -580,14 +585,21 @@ def _tree_allreduce(groups, cluster) -> list[list[_Affine]]:
     return [[_Affine(sum(s.a for s in up + down), sum(s.b for s in up + down) + gamma)]]
 
 
-_ALGOS = {"ring": _ring_allreduce, "hierarchical": _hier_allreduce, "tree": _tree_allreduce}
+_ALGOS: dict[str, Callable[[Sequence[Sequence[int]], Cluster], list[list[_Affine]] | None]] = {
+    "ring": _ring_allreduce, "hierarchical": _hier_allreduce, "tree": _tree_allreduce}
 
 
-def _allreduce_phases(groups, cluster, algo: str):
+def _allreduce_phases(groups: tuple[tuple[int, ...], ...], cluster: Cluster,
+                      algo: str) -> list[list[_Affine]] | None:
     return _cached(("ar", cluster.cache_key, groups, algo), lambda: _ALGOS[algo](groups, cluster))
 
 
-def _phases_time(phases, n: float) -> float:
+def _ring_phases(groups: tuple[tuple[int, ...], ...], cluster: Cluster) -> list[list[_Affine]]:
+    """`_allreduce_phases(groups, cluster, "ring")`, which always applies."""
+    return _cached(("ar", cluster.cache_key, groups, "ring"), lambda: _ring_allreduce(groups, cluster))
+
+
+def _phases_time(phases: Sequence[Sequence[_Affine]], n: float) -> float:
     return sum(_phase_time(ph, n) for ph in phases)
 
 
@@ -608,11 +620,15 @@ def allreduce_time(bytes_: float, ranks: Sequence[int], cluster: Cluster, algo: 
 def allreduce_algo(bytes_: float, ranks: Sequence[int], cluster: Cluster) -> str:
     """The algorithm `auto` picks for this size and group."""
     groups = _groups_key([ranks])
-    return min(_candidates(groups), key=lambda a: _phases_time(_allreduce_phases(groups, cluster, a), bytes_)
-               if _allreduce_phases(groups, cluster, a) is not None else math.inf)
+
+    def seconds(algo: str) -> float:
+        phases = _allreduce_phases(groups, cluster, algo)
+        return _phases_time(phases, bytes_) if phases is not None else math.inf
+
+    return min(_candidates(groups), key=seconds)
 
 
-def _candidates(groups) -> list[str]:
+def _candidates(groups: Sequence[Sequence[int]]) -> list[str]:
     return ["ring", "hierarchical"] + (["tree"] if len(groups) == 1 else [])
 
 
@@ -635,7 +651,7 @@ def concurrent_allreduce_time(bytes_: float, groups: Sequence[Sequence[int]], cl
         phases = _allreduce_phases(key, cluster, name)
         if phases is None:
             if algo != "auto":  # hierarchical asked for where it does not apply: it is the ring
-                phases = _allreduce_phases(key, cluster, "ring")
+                phases = _ring_phases(key, cluster)
             else:
                 continue
         best = min(best, _phases_time(phases, bytes_))
@@ -721,7 +737,7 @@ def collective_time_fn(kind: str, groups: Sequence[Sequence[int]], cluster: Clus
         if phases is None:
             if algo == "auto":
                 continue
-            phases = _allreduce_phases(key, cluster, "ring")  # hierarchical where it does not apply
+            phases = _ring_phases(key, cluster)  # hierarchical where it does not apply
         options.append(phases)
 
     def allreduce(n: float) -> float:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import bisect
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import yaml
 
-from hybridpar.cluster.calibration import Calibration, OpRecord, op_key, resolve_calibration
+from hybridpar.cluster.calibration import Calibration, OpRecord, RuntimeOverhead, op_key, resolve_calibration
 from hybridpar.cluster.model import Cluster, DeviceSpec
 from hybridpar.graph.types import DTYPE_BYTES, Node
 
@@ -137,7 +138,7 @@ def efficiency_table() -> dict:
 Curve = tuple[tuple[float, ...], tuple[float, ...]]  # (log10 FLOPs, factor), increasing in both
 
 
-def monotone_curve(points) -> Curve:
+def monotone_curve(points: Iterable[tuple[float, float]]) -> Curve:
     """(log10 FLOPs, efficiency) points -> a factor in (0, 1]: efficiencies capped at 1, the running
     maximum from small to large sizes, divided by the value at the largest size."""
     xs, ys, best = [], [], 0.0
@@ -239,7 +240,7 @@ def op_class(op: str) -> str:
     return _CLASS.get(op, "other")
 
 
-def _nbytes(shapes, dtype: str) -> float:
+def _nbytes(shapes: Iterable[tuple[int, ...]], dtype: str) -> float:
     return float(sum(math.prod(s) for s in shapes if s)) * DTYPE_BYTES[dtype]
 
 
@@ -350,7 +351,8 @@ def variant_name(op: str, channel: int, filter_: int, input_grad: bool = True) -
     return f"{op}@c{channel}f{filter_}" + ("" if input_grad else "/nodx")
 
 
-def runtime_overhead_for(device: DeviceSpec, calibration: Calibration | str | os.PathLike | None = None):
+def runtime_overhead_for(device: DeviceSpec,
+                         calibration: Calibration | str | os.PathLike | None = None) -> RuntimeOverhead | None:
     """The calibration's RuntimeOverhead when it was measured on this device (`calibration` None: the
     default file, for CPU devices), else None: GPU presets are priced without it."""
     cal = resolve_calibration(calibration, default=device.kind == "cpu")

@@ -30,8 +30,10 @@ boundary tensors split into G channel pieces (uneven: torch.chunk's, as DTensor'
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import Protocol, TypeVar
 
 from hybridpar.graph.types import Graph, Node
 from hybridpar.layout import (
@@ -41,6 +43,9 @@ from hybridpar.layout import (
     moved_elements,
     received_channels,
 )
+from hybridpar.layout.halo import SPATIAL_DIMS, Window, coords_of, exchanges, split_dims
+from hybridpar.layout.layer import ORDER
+from hybridpar.layout.pieces import piece_sizes
 from hybridpar.layout.runs import BUCKET_BYTES, DISTRIBUTED_CLASSES, runs_distributed  # noqa: F401 (re-exported)
 from hybridpar.plans.schema import LayerLayout, Plan
 from hybridpar.plans.strategy import parse_strategy
@@ -75,6 +80,9 @@ def layout_refusal(graph: Graph, layout: LayerLayout | str) -> str | None:
     the per-layer planner's strategy and search space, so the API and `hybridpar plan` refuse alike."""
     if isinstance(layout, str):
         layout = parse_strategy(layout).layout
+    if layout.spatial > 1:
+        return (f"{layout.to_strategy()}: spatial splits (depth/height/width) are priced per layer "
+                "(cost.layout_comm.halo_collectives) but not yet searched or evaluated by the per-layer planner")
     if layout.channel * layout.filter == 1:
         return None
     rnn = next((n for n in graph.nodes if n.op in RECURRENT_OPS), None)
@@ -102,8 +110,8 @@ def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, inp
     return ops
 
 
-def _layer_collectives(node: Node, layout: LayerLayout, position: int, input_grad: bool, in_pieces,
-                       bn_stats: str, dtype_bytes: int) -> list[CommOp]:
+def _layer_collectives(node: Node, layout: LayerLayout, position: int, input_grad: bool,
+                       in_pieces: list[int] | None, bn_stats: str, dtype_bytes: int) -> list[CommOp]:
     if splits_by_layout(node):
         return _matmul_like(node, layout, position, input_grad, in_pieces, dtype_bytes)
     if node.op == "batchnorm":
@@ -115,6 +123,35 @@ def _layer_collectives(node: Node, layout: LayerLayout, position: int, input_gra
         return [CommOp("allreduce", layout.sample, _replicated_grad_numel(node, layout, position) * dtype_bytes,
                        "replica", "grad")]
     return []
+
+
+SLIDING_OPS = ("conv2d", "conv", "maxpool", "avgpool")  # graph.ops' kinds that halo-exchange when split spatially
+
+
+def halo_collectives(node: Node, layout: LayerLayout, *, rank: int = 0, input_grad: bool = True,
+                     dtype_bytes: int = FP32) -> list[CommOp]:
+    """The halo exchanges of a convolution or pooling under a spatial layout (depth/height/width > 1),
+    on `rank` (row-major over layout.ORDER): forward, each other rank's window rows this rank holds;
+    backward (when the input needs a gradient), those rows' gradients it receives back, summed
+    (hybridpar.parallel.styles.spatial, one exchange per split dim; layout.halo's geometry)."""
+    if layout.spatial == 1 or node.op not in SLIDING_OPS or node.attr("transposed") or not node.in_shapes:
+        return []
+    x = node.in_shapes[0]
+    nd = len(x) - 2
+    degrees = {k: getattr(layout, k) for k in ORDER}
+    dims = split_dims(degrees, nd)
+    names = SPATIAL_DIMS[3 - nd:]
+    coords = coords_of(degrees, rank, ORDER)
+    k, s, p, d = (node.attr(a) for a in ("kernel", "stride", "padding", "dilation"))
+    windows = {dim: Window(x[dim], k[dim - 2], s[dim - 2], p[dim - 2], d[dim - 2]) for dim, _ in dims}
+    lead = piece_sizes(x[0], layout.sample)[coords["sample"]] * x[1]
+    ops = []
+    for dim, parts, fwd, bwd in exchanges(tuple(x[2:]), windows, dict(dims),
+                                          {dim: coords[names[dim - 2]] for dim, _ in dims}, lead):
+        ops.append(CommOp("halo", parts, fwd * dtype_bytes, names[dim - 2], "fwd"))
+        if input_grad:
+            ops.append(CommOp("halo", parts, bwd * dtype_bytes, names[dim - 2], "bwd"))
+    return ops
 
 
 def _replicated_grad_numel(node: Node, layout: LayerLayout, position: int) -> int:
@@ -142,7 +179,7 @@ def _replicated_grad_numel(node: Node, layout: LayerLayout, position: int) -> in
     return node.params // size * _piece(size, g, position % g)
 
 
-def _broadcasts(shape, act) -> bool:
+def _broadcasts(shape: tuple[int, ...], act: tuple[int, ...]) -> bool:
     """Whether a tensor of `shape` broadcasts against `act` as it is (right-aligned)."""
     return len(shape) <= len(act) and all(a == b or a == 1 for a, b in zip(reversed(shape), reversed(act)))
 
@@ -205,7 +242,8 @@ def _pieces_sum(n: int, p: int, start: int, step: int, count: int) -> int:
     return whole * full + partial
 
 
-def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, in_pieces, b: int):
+def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, in_pieces: list[int] | None,
+                 b: int) -> list[CommOp]:
     S, c, f = lay.sample, lay.channel, lay.filter
     G = c * f
     x, y = node.in_shapes[0], node.out_shape
@@ -249,7 +287,8 @@ def _matmul_like(node: Node, lay: LayerLayout, position: int, input_grad: bool, 
     return ops
 
 
-def _batchnorm(node: Node, lay: LayerLayout, position: int, input_grad: bool, bn_stats: str, b: int):
+def _batchnorm(node: Node, lay: LayerLayout, position: int, input_grad: bool, bn_stats: str,
+               b: int) -> list[CommOp]:
     S, G = lay.sample, lay.channel * lay.filter
     if S == 1:
         return []
@@ -333,7 +372,7 @@ def channel_concat(node: Node, S: int, G: int, g: int, input_grad: bool, b: int)
 def _redistributions(node: Node, outer: Split, own: Split, rank: int, world: int, input_grad: bool,
                      b: int) -> list[CommOp]:
     x, y = node.in_shapes[0], node.out_shape
-    def moved(shape, src, dst):
+    def moved(shape: tuple[int, ...], src: Split, dst: Split) -> int:
         return moved_elements(shape[0], shape[1], prod(shape[2:]), src, dst, rank, world) * b
     ops = [CommOp("alltoall", world, moved(x, outer, own), "world", "fwd"),
            CommOp("alltoall", world, moved(y, own, outer), "world", "fwd"),
@@ -343,11 +382,21 @@ def _redistributions(node: Node, outer: Split, own: Split, rank: int, world: int
     return ops
 
 
-def bytes_by_kind(ops) -> dict[str, int]:
+class _Transfer(Protocol):
+    """What bytes_by_kind reads: a CommOp, or a runtime's record of one (parallel.comm.log.CommRecord)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def bytes_(self) -> int: ...
+
+
+def bytes_by_kind(ops: Iterable[_Transfer | tuple[object, _Transfer]]) -> dict[str, int]:
     """Total bytes per collective kind of `ops` (CommOps or (name, CommOp) pairs)."""
     totals: dict[str, int] = {}
-    for op in ops:
-        op = op[1] if isinstance(op, tuple) else op
+    for item in ops:
+        op = item[1] if isinstance(item, tuple) else item
         totals[op.kind] = totals.get(op.kind, 0) + op.bytes_
     return dict(sorted(totals.items()))
 
@@ -380,14 +429,17 @@ def grad_ready_bytes(node: Node, layout: LayerLayout, *, position: int = 0, in_p
     return [total]
 
 
-def bucket_schedule(ready, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[object, int, int]]:
+_Key = TypeVar("_Key", bound=Hashable)
+
+
+def bucket_schedule(ready: Sequence[tuple[_Key, int]], bucket_bytes: int = BUCKET_BYTES) -> list[tuple[_Key, int, int]]:
     """GradSync's buckets for gradients that become ready in the order of `ready`, a sequence of
     (group key, bytes): one open bucket per group; a gradient joins its group's bucket, which is
     launched the moment it holds >= bucket_bytes; at the end of backward the open buckets launch in
     the order they were opened. Returns (key, bytes, i) per launch in launch order, i the index of the
     gradient after which it launched (len(ready) for the end of backward)."""
-    open_: dict[object, int] = {}
-    out = []
+    open_: dict[_Key, int] = {}
+    out: list[tuple[_Key, int, int]] = []
     n = 0
     for n, (key, nbytes) in enumerate(ready):
         open_[key] = open_.get(key, 0) + nbytes
@@ -396,3 +448,33 @@ def bucket_schedule(ready, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[objec
     end = len(ready)
     out += [(key, b, end) for key, b in open_.items()]
     return out
+
+
+def fsdp_collectives(graph: Graph, layout: LayerLayout, *, dtype_bytes: int = FP32) -> list[tuple[str, CommOp]]:
+    """(block, collective) per step when the sample dimension shards the parameters (`layout.zero`,
+    FSDP2 over the S sample ranks; hybridpar.parallel.fsdp): per block (hybridpar.cost.memory.block_of;
+    "" the root's own parameters), the all-gather of its parameters in forward, again in backward
+    under zero=3 (not for the root's own: FSDP2 keeps the root gathered), and the reduce-scatter of
+    its gradients. These replace the "grad" allreduces of `layer_collectives` (FSDP reduce-scatters
+    instead); the batch-norm statistics and the output gather stay. Bytes: each parameter's dim 0
+    padded to a multiple of S (FSDP2's even shards), the gathered result / the reduce-scatter input.
+    Empty for zero=0 or S=1."""
+    from hybridpar.cost.memory import block_of
+
+    s = layout.sample
+    if not layout.zero or s == 1:
+        return []
+    per_block: dict[str, int] = {}
+    for node in graph.nodes:
+        if not node.param_shapes:
+            continue
+        numel = sum(-(-shape[0] // s) * s * prod(shape[1:]) if shape else s for _, shape in node.param_shapes)
+        key = block_of(node.module or "")
+        per_block[key] = per_block.get(key, 0) + numel * dtype_bytes
+    ops: list[tuple[str, CommOp]] = []
+    for key, nbytes in per_block.items():
+        ops.append((key, CommOp("allgather", s, nbytes, "replica", "fwd")))
+        if layout.zero == 3 and key:
+            ops.append((key, CommOp("allgather", s, nbytes, "replica", "bwd")))
+        ops.append((key, CommOp("reduce_scatter", s, nbytes, "replica", "grad")))
+    return ops

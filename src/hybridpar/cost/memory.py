@@ -46,15 +46,20 @@ the figure `hybridpar plan` states per device and `hybridpar train` compares its
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from math import ceil, prod
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from hybridpar.cost.compute import local_shapes
 from hybridpar.cost.scaling import graph_at_batch, shape_at_batch
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 from hybridpar.layout import LayerLayout
+
+if TYPE_CHECKING:
+    from hybridpar.cluster.calibration import Calibration
+    from hybridpar.cluster.model import DeviceSpec
 
 Optimizer = Literal["sgd", "momentum", "adam"]
 # fp32 state bytes per parameter: momentum buffer; Adam's two moments.
@@ -304,19 +309,18 @@ def optimizer_step_copies(optimizer: str = DEFAULT_OPTIMIZER, weight_decay: floa
     return 0
 
 
-def framework_bytes_for(device=None, calibration=None) -> float:
+def framework_bytes_for(device: DeviceSpec | None = None,
+                        calibration: Calibration | str | os.PathLike | None = None) -> float:
     """The per-rank constant of the framework itself: on a CPU device the calibration file's
     measurement (`hybridpar profile`), else LOCALHOST_FRAMEWORK_BYTES; 0 on GPUs."""
     if device is not None and getattr(device, "kind", "cpu") != "cpu":
         return 0.0
-    from hybridpar.cluster.calibration import Calibration, load_calibration
+    from hybridpar.cluster.calibration import resolve_calibration
 
-    cal = calibration if isinstance(calibration, Calibration) else None
-    if cal is None:
-        try:
-            cal = load_calibration(calibration)
-        except Exception:  # noqa: BLE001 - an unreadable file: the built-in figure
-            cal = None
+    try:
+        cal = resolve_calibration(calibration, default=True)
+    except Exception:  # noqa: BLE001 - an unreadable file: the built-in figure
+        cal = None
     measured = getattr(cal, "framework_bytes", None)
     return float(measured) if measured else float(LOCALHOST_FRAMEWORK_BYTES)
 
@@ -518,8 +522,8 @@ def _as_layout(spec: LayerLayout | str) -> LayerLayout:
     degrees = {}
     for part in str(spec).split(","):
         key, _, value = part.partition("=")
-        if key.strip() not in ("sample", "channel", "filter") or not value.strip().isdigit():
-            raise ValueError(f"layout must be like 'sample=2,channel=2', got {spec!r}")
+        if key.strip() not in ("sample", "channel", "filter", "zero") or not value.strip().isdigit():
+            raise ValueError(f"layout must be like 'sample=2,channel=2' or 'sample=4,zero=3', got {spec!r}")
         degrees[key.strip()] = int(value)
     return LayerLayout(**degrees)
 
@@ -527,15 +531,21 @@ def _as_layout(spec: LayerLayout | str) -> LayerLayout:
 def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapping[str, LayerLayout] | None = None,
                         batch: int | None = None, optimizer: str = DEFAULT_OPTIMIZER, momentum: float = 0.0,
                         weight_decay: float = 0.0, dtype: str = "fp32",
-                        framework_bytes: float | None = None) -> RankMemory:
+                        framework_bytes: float | None = None, recompute: str = "none") -> RankMemory:
     """Peak memory of one rank of hybridpar's runtime training `graph` at global batch `batch`
     (default graph.batch) under `layout` (a LayerLayout or a strategy string such as "channel=2"),
     with per-module layouts `layers` overriding it (a Plan's `layers` and `default_layout`).
 
     The same sum as the planner's per-device memory (hybridpar.search.layers), so `hybridpar plan
     --strategy S` states this figure. framework_bytes: None = this machine's (`framework_bytes_for()`);
-    pass 0 for CUDA, where the measured peak is torch.cuda.max_memory_allocated."""
+    pass 0 for CUDA, where the measured peak is torch.cuda.max_memory_allocated.
+
+    `layout.zero` 2/3 (parameters sharded over the sample ranks, FSDP2) and `recompute="all"` (each
+    block's activations recomputed in backward): `sharded_step_memory`'s rule, over the runtime's
+    blocks (`block_of`)."""
     optimizer_state_copies(optimizer, momentum)  # validates the name
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
     default = _as_layout(layout)
     layers = layers or {}
     batch = int(batch if batch is not None else graph.batch)
@@ -548,7 +558,15 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
     kept = frozenset(kept_activations(graph))
     heads, prefix = layer_groups(graph)
     first: tuple[int, int] | None = None
+    owners: list[str] = []  # the runtime block of each entry of per_layer
+    block_inputs: dict[str, float] = {}  # a block's input on this rank: what recomputation keeps of it
     for head, followers, input_grad in heads:
+        owner = block_of(head.module) if head.module else (owners[-1] if owners else "")
+        owners.append(owner)
+        if owner and owner not in block_inputs and head.in_shapes:
+            s_in, g_in = next((dist[i] for i in head.inputs if i in dist),
+                              (default.sample, default.channel * default.filter))
+            block_inputs[owner] = float(local_numel(head.in_shapes[0], batch, s_in, g_in, graph.batch) * elem)
         if head.op in WEIGHT_OPS:
             lay = layers.get(head.module or "", default) if head.module else default
             # a conv/linear the runtime leaves whole holds whole (the planner's weight_layer_cost too)
@@ -569,9 +587,73 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
         s0, g0 = first or (default.sample, default.channel * default.filter)
         per_layer.append(nodes_memory(prefix, batch=batch, sample=s0, pieces=g0, elem=elem, optimizer=optimizer,
                                       momentum=momentum, kept=kept, graph_batch=graph.batch))
+        owners.append("")
     fw = framework_bytes_for() if framework_bytes is None else float(framework_bytes)
+    if default.zero or recompute != "none":
+        return sharded_step_memory(per_layer, owners, block_inputs, sample=default.sample, zero=default.zero,
+                                   recompute=recompute, framework_bytes=fw, io_bytes=io_bytes(graph, batch, elem),
+                                   optimizer=optimizer, weight_decay=weight_decay)
     return step_memory(per_layer, framework_bytes=fw, io_bytes=io_bytes(graph, batch, elem), optimizer=optimizer,
                        weight_decay=weight_decay)
+
+
+RECOMPUTE = ("none", "all")
+
+
+def block_of(module: str) -> str:
+    """The runtime's block (hybridpar.parallel.fsdp.blocks: what FSDP shards and recomputation
+    checkpoints) that module `module` belongs to: the root's child, or an item of a ModuleList child
+    ("layers.3"); "" for the root itself."""
+    parts = module.split(".") if module else []
+    if len(parts) > 1 and parts[1].isdigit():
+        return ".".join(parts[:2])
+    return parts[0] if parts else ""
+
+
+def sharded_step_memory(layers: Sequence[LayerMemory], owners: Sequence[str], block_inputs: Mapping[str, float], *,
+                        sample: int, zero: int = 0, recompute: str = "none", framework_bytes: float = 0.0,
+                        io_bytes: float = 0.0, optimizer: str = DEFAULT_OPTIMIZER,
+                        weight_decay: float = 0.0) -> RankMemory:
+    """Peak of one rank when the sample dimension shards the parameters (`zero`, FSDP2 over `sample`
+    ranks) and/or blocks recompute their activations; `owners[i]`: the block of `layers[i]` ("": the
+    root's own, never recomputed); `block_inputs`: a block's input bytes on this rank.
+
+    zero=3: parameters, gradients and optimizer state / S, plus one block's parameters gathered whole
+    (in flight: the largest block's) and the root's own (FSDP2 keeps the root gathered); zero=2: the
+    parameters / S plus all of them whole (each block stays gathered from its forward until its
+    backward, so at the start of backward every block is); gradients: / S plus one block's whole
+    gradient before its reduce-scatter (in `buckets_bytes`, replacing the allreduce buckets).
+    recompute="all": a block keeps only its input for backward; the one block being recomputed holds
+    its activations again (the largest block's); the root's own activations are kept as they are."""
+    by_block: dict[str, LayerMemory] = {}
+    for m, b in zip(layers, owners, strict=True):
+        have = by_block.get(b, LayerMemory())
+        by_block[b] = LayerMemory(have.weights_bytes + m.weights_bytes, have.grads_bytes + m.grads_bytes,
+                                  have.optimizer_bytes + m.optimizer_bytes,
+                                  have.activations_bytes + m.activations_bytes, have.buckets_bytes + m.buckets_bytes,
+                                  max(have.transient_bytes, m.transient_bytes))
+    blocks = {b: m for b, m in by_block.items() if b}
+    root = by_block.get("", LayerMemory())
+    weights = sum(m.weights_bytes for m in by_block.values())
+    grads = sum(m.grads_bytes for m in by_block.values())
+    opt = sum(m.optimizer_bytes for m in by_block.values())
+    buckets = sum(m.buckets_bytes for m in by_block.values())
+    held = weights
+    if zero and sample > 1:
+        largest = max((m.weights_bytes for m in blocks.values()), default=0.0)
+        whole = largest + root.weights_bytes if zero == 3 else weights
+        held, grads, opt = weights / sample, grads / sample, opt / sample
+        weights = held + whole
+        buckets = max((m.grads_bytes for m in by_block.values()), default=0.0)
+    acts = sum(m.activations_bytes for m in by_block.values())
+    if recompute == "all" and blocks:
+        acts = (root.activations_bytes + sum(block_inputs.get(b, 0.0) for b in blocks)
+                + max(m.activations_bytes for m in blocks.values()))
+    transient = max([held * optimizer_step_copies(optimizer, weight_decay),
+                     *(m.transient_bytes for m in layers)])
+    return RankMemory(framework_bytes=float(framework_bytes), weights_bytes=weights, grads_bytes=grads,
+                      optimizer_bytes=opt, activations_bytes=acts, buckets_bytes=buckets, transient_bytes=transient,
+                      io_bytes=float(io_bytes))
 
 
 MEMORY_TOLERANCE = 0.20  # `hybridpar train` warns when a rank's measured peak exceeds the plan's by more

@@ -33,7 +33,7 @@ def runnable_graph(module: nn.Module, example_inputs: tuple | None = None) -> fx
     submodules), else torch.export's at the shapes of `example_inputs` (its parameters are
     `module`'s own tensor objects). A UserError names both failures when neither traces."""
     try:
-        return fx.symbolic_trace(module)
+        return _symbolic_trace(module)
     except Exception as fx_err:  # noqa: BLE001 - fx raises many types on untraceable code
         first = _short(fx_err)
         if example_inputs is None:
@@ -56,6 +56,22 @@ def runnable_graph(module: nn.Module, example_inputs: tuple | None = None) -> fx
     gm.recompile()
     setattr(gm, EXPORTED, True)
     return gm
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx's tracer, with every batch norm a leaf (call_module), a user's subclass included: the
+    runtime swaps such modules for ones with global-batch statistics, which a traced-through subclass
+    (its F.batch_norm inlined in the graph) would escape."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, nn.modules.batchnorm._BatchNorm) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _symbolic_trace(module: nn.Module) -> fx.GraphModule:
+    """fx.symbolic_trace(module) with batch norms as leaves (_Tracer)."""
+    tracer = _Tracer()
+    graph = tracer.trace(module)
+    return fx.GraphModule(tracer.root, graph, module.__class__.__name__)
 
 
 def is_exported(gm: fx.GraphModule) -> bool:

@@ -46,12 +46,11 @@ from hybridpar.layout.placements import (
     Replicate,
     Shard,
     activation_placements,
-    weight_placements,
 )
 
 __all__ = [
     "MESH_DIMS", "GridPos", "Groups", "LayerLayout", "Partial", "Placement", "Replicate", "Shard",
     "Split", "activation_placements", "channel_groups", "filter_groups", "held", "inter",
     "moved_channels", "moved_elements", "needed", "overlap", "piece_offsets", "piece_sizes", "rank_of",
-    "ranges", "received_channels", "sample_groups", "shard_groups", "weight_placements",
+    "ranges", "received_channels", "sample_groups", "shard_groups",
 ]

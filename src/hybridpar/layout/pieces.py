@@ -6,6 +6,7 @@ Pure Python: shared by the runtime and the analytic cost model (hybridpar.cost.l
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -59,7 +60,7 @@ class GridPos:
         return [ii * self.filter + self.j for ii in range(self.channel)]
 
 
-def ranges(sizes, ids) -> list[tuple[int, int]]:
+def ranges(sizes: Sequence[int], ids: Iterable[int]) -> list[tuple[int, int]]:
     """(offset, size) ranges of the pieces `ids` of a dimension split into `sizes`."""
     offs = [sum(sizes[:k]) for k in range(len(sizes))]
     return [(offs[k], sizes[k]) for k in ids]

@@ -1,315 +1,146 @@
-"""`parallelize(module, layout)`: the model runs with the semantics of one process on any layout.
+"""`parallelize(module, layout)`: the model runs with the semantics of one process on any layout;
+`full_state_dict(module)` and `no_sync(module)` go with it.
 
 Parallel layers are swapped in place by module name (as torchtitan's parallelize_* functions apply
 their parallel styles): Conv2d (stationary-x/y/w), Linear (row/column), BatchNorm1d/2d/3d (global
 statistics). Between them, activations are DTensors over the layout's mesh (samples on `sample`,
 channels on `channel_filter`), so the user's own code sees global shapes and every op it calls
-computes what it computes in one process (DTensor's propagation redistributes where an op needs it;
-hybridpar.parallel.dtensor.rules serves what DTensor does not). Parameters the user's code touches
-between layers (norm weights, scales, embeddings) are replicated DTensors. The root module takes the
-global batch as ordinary tensors and returns ordinary tensors, the same on every rank; gradients are
+computes what it computes in one process (hybridpar.parallel.apply; our DTensor rules are on only
+inside the module's forward: hybridpar.parallel.dtensor.rules). The root module takes the global
+batch as ordinary tensors and returns ordinary tensors, the same on every rank; gradients are
 synchronised during backward (hybridpar.parallel.comm.grad_sync), so any loss and any torch.optim
 optimizer over `module.parameters()` train as in one process.
-
-Sample-only layouts (no channel/filter split) run without DTensor, as DDP does: each rank pushes its
-samples through the model (batch norm with global statistics), and outputs are gathered.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, TypeGuard
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridpar.errors import UserError
-from hybridpar.parallel.comm.log import CommLog
-from hybridpar.parallel.styles.table import splits_as_conv
-from hybridpar.plans import LayerLayout, Plan, parse_strategy
+from hybridpar.parallel.apply import (
+    INPUT_MODES,
+    Layouts,
+    ParallelState,
+    apply_layout,
+    as_layouts,
+    check_parallelizable,
+    grid_keys,
+    grid_shape,
+)
+from hybridpar.parallel.check import check
+from hybridpar.parallel.state import gather_full_state
+from hybridpar.plans import LayerLayout, Plan
 
-INPUT_MODES = ("global", "sample_shard")
+__all__ = ["INPUT_MODES", "Layouts", "ParallelState", "as_layouts", "check_parallelizable", "full_state_dict",
+           "grid_keys", "grid_shape", "no_sync", "parallelize"]
 
-
-@dataclass(frozen=True)
-class Layouts:
-    default: LayerLayout
-    per_module: dict[str, LayerLayout] = field(default_factory=dict)
-
-    def of(self, name: str) -> LayerLayout:
-        return self.per_module.get(name, self.default)
-
-    @property
-    def all(self) -> list[LayerLayout]:
-        return [self.default, *self.per_module.values()]
-
-
-def as_layouts(spec: Plan | LayerLayout | str, world_size: int | None = None) -> Layouts:
-    if isinstance(spec, Plan):
-        if spec.mp > 1:
-            raise UserError("plan has mp > 1: use hybridpar.train.engine.make_engine (MP engine)")
-        return Layouts(spec.default_layout, dict(spec.layers))
-    if isinstance(spec, LayerLayout):
-        return Layouts(spec)
-    if isinstance(spec, str):
-        strat = parse_strategy(spec, world_size)
-        if strat.mp > 1:
-            raise UserError(f"strategy {spec!r} has mp > 1: not a channel/filter/sample layout")
-        return Layouts(strat.layout)
-    raise TypeError(f"expected a Plan, LayerLayout or strategy string, got {type(spec).__name__}")
+if TYPE_CHECKING:
+    from hybridpar.parallel.pipeline.module import MPState
 
 
-def grid_shape(layouts: Layouts) -> tuple[int, int]:
-    """(S, G) of the default layout: the boundary layout of every activation."""
-    d = layouts.default
-    return d.sample, d.channel * d.filter
-
-
-def grid_keys(layouts: Layouts) -> list[tuple[int, int]]:
-    """Every (S, G) the layouts use, in one order all ranks share."""
-    return sorted({(lay.sample, lay.channel * lay.filter) for lay in layouts.all})
-
-
-def check_parallelizable(module: nn.Module, layouts: Layouts, batch: int | None = None) -> None:
-    """Everything that would make parallelize fail, raised as a UserError before any process starts."""
-    s, g = grid_shape(layouts)
-    if batch is not None and batch % s:
-        raise UserError(f"global batch {batch} is not divisible by the sample degree {s}")
-    for name, lay in layouts.per_module.items():
-        try:
-            sub = module.get_submodule(name)
-        except AttributeError:
-            raise UserError(f"plan names module {name!r}, which the model does not have") from None
-        if (lay.sample, lay.g_size) != (s, g) and not splits_as_conv(sub):
-            raise UserError(f"{name}: only convolutions may use a layout with another sample/channel grid "
-                            f"than the default ({lay.to_strategy()} vs {layouts.default.to_strategy()})")
-        if (lay.sample, lay.g_size) != (s, g) and g == 1:
-            raise UserError(f"{name}: a channel/filter layout inside a sample-only model is not supported; "
-                            "give the model a channel/filter default layout")
-        if batch is not None and batch % lay.sample:
-            raise UserError(f"global batch {batch} is not divisible by the sample degree {lay.sample} of {name}")
-    for name, m in module.named_modules():
-        if name in layouts.per_module and type(m) is nn.Conv2d and not splits_as_conv(m):
-            raise UserError(f"{name}: grouped/depthwise convolution (groups={m.groups}) or padding_mode="
-                            f"{m.padding_mode!r} cannot take its own channel/filter layout; it runs "
-                            "replicated over channel_filter in the default layout")
-
-
-@dataclass
-class ParallelState:
-    """What parallelize did: the grids, and where each local tensor sits in the undistributed one."""
-
-    grid: object  # the default layout's grid (boundary layout of activations)
-    layouts: Layouts
-    bn_stats: str
-    grids: dict = field(default_factory=dict)  # (S, G) -> ProcessGrid
-    shard_fns: dict[str, object] = field(default_factory=dict)  # module name -> () -> {attr: ShardInfo}
-    param_grid: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(param) -> (S, G), if not default
-    meshes: object | None = None  # hybridpar.parallel.dtensor.boundary.Meshes when activations are DTensors
-    inputs: str = "global"
-    grad_sync: object | None = None  # hybridpar.parallel.comm.grad_sync.GradSync
-
-    def group_of(self, p):
-        """The group a local (non-DTensor) parameter's gradient is summed over."""
-        return self.grids[self.param_grid.get(id(p), (self.grid.sample, self.grid.g_size))].replica_group
-
-    def shards(self) -> dict:
-        out = {}
-        for mname, fn in self.shard_fns.items():
-            for attr, info in fn().items():
-                out[f"{mname}.{attr}" if mname else attr] = info
-        return out
-
-
-def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, inputs: str = "global", grid=None,
-                grids: dict | None = None, bn_stats: str = "global", comm_log: CommLog | None = None,
-                extra_ops=(), materialize=None, check_inputs=None) -> nn.Module:
+def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, check_inputs: Any = None,
+                **options: Any) -> nn.Module:
     """Make `module` run `spec` (a Plan, a LayerLayout or a strategy string such as "sample=2,channel=2")
     on the current torch.distributed world, in place; returns the module, with `.hybridpar` set to a
-    ParallelState. Collective: every rank calls it with the same arguments.
-
-    inputs="global": every rank passes the same global batch and gets the whole outputs; gradients
-    are summed over sample groups (the loss is the global batch's). inputs="sample_shard": each rank
-    passes only its sample group's samples (batch / sample degree) and gets those samples' outputs;
-    gradients are averaged over sample groups, as DDP does, so use a per-rank mean loss.
-
-    `materialize` (hybridpar.parallel.materialize.Materializer): `module`'s weights are on meta; once
-    the parallel layers are cut, it gives this rank's local tensors their values (on its `.device`).
+    ParallelState. Collective: every rank calls it with the same arguments. Options: those of
+    hybridpar.parallel.apply.apply_layout (inputs, bn_stats, materialize, ...).
 
     check_inputs: an example of what this rank will pass to model(...) (only shapes and dtypes
     count): first run the layout on meta tensors over a fake world on this rank alone
     (hybridpar.parallel.check.check) and raise a UserError naming the op and module it cannot
     serve, before any collective of this call."""
-    import torch.distributed as dist
+    from hybridpar.parallel import fsdp  # zero=2|3 and recompute: refused here before any collective
 
-    from hybridpar.parallel.comm.grad_sync import GradSync
-    from hybridpar.parallel.mesh import build_grid
-
-    if inputs not in INPUT_MODES:
-        raise UserError(f"inputs must be one of {', '.join(INPUT_MODES)}, got {inputs!r}")
-    layouts = as_layouts(spec, dist.get_world_size())
-    check_parallelizable(module, layouts)
-    if check_inputs is not None:  # before the first collective (group creation below)
-        from hybridpar.parallel.check import check
-
-        check(module, spec, check_inputs, world_size=dist.get_world_size(), inputs=inputs)
-    grids = dict(grids or {})
-    if grid is not None:
-        grids[(grid.sample, grid.g_size)] = grid
-    default_key = grid_shape(layouts)
-    for key in grid_keys(layouts):  # same order on every rank: group creation is collective
-        if key not in grids:
-            facts = {(lay.channel, lay.filter) for lay in layouts.all if (lay.sample, lay.g_size) == key}
-            log = comm_log or next((g.comm_log for g in grids.values()), None)
-            grids[key] = build_grid(*key, facts, log)
-    state = ParallelState(grids[default_key], layouts, bn_stats, grids, inputs=inputs)
-    if default_key[1] > 1:
-        from hybridpar.parallel.dtensor import rules as dtensor_rules
-        from hybridpar.parallel.dtensor.boundary import build_meshes
-
-        dtensor_rules.install(extra_ops)
-        state.meshes = build_meshes(layouts.default, materialize.device.type if materialize is not None
-                                    else _device_type(module))
-    for name, m in list(module.named_modules()):
-        new = _replacement(name, m, layouts.of(name), state)
-        if new is not None:
-            if state.meshes is not None:
-                new.meshes = state.meshes
-            _set_submodule(module, name, new)
-    if materialize is not None:  # every local tensor is known now: only this rank's pieces get bytes
-        materialize(module, state)
-    if state.meshes is not None:
-        _replicate_the_rest(module, state.meshes)
-        from hybridpar.parallel.styles.concat import install
-
-        install(module, state.grid, state.meshes)  # torch.cat along channels in the model's forward
-    _install_io(module, state)
-    module.hybridpar = state
-    mesh_groups = {"sample": state.grid.replica_group, "channel_filter": state.grid.sample_group}
-    if state.meshes is not None:  # Partial over both: one sum over the whole mesh (= the world, build_grid)
-        from hybridpar.parallel.mesh import Group
-
-        ranks = tuple(range(dist.get_world_size()))
-        mesh_groups[("sample", "channel_filter")] = Group(ranks, dist.group.WORLD, dist.get_rank())
-    state.grad_sync = GradSync(module.parameters(), state.group_of, mesh_groups, state.grid.comm_log,
-                               average_over=state.grid.sample if inputs == "sample_shard" else 1)
-    return module
+    recompute = fsdp.take_options(spec, options, dist.get_world_size())
+    mp_plan = _mp_plan(module, spec, options)
+    if mp_plan is not None:
+        return _parallelize_mp(module, mp_plan, check_inputs, options)
+    options.pop("example_inputs", None)  # for the placer and torch.export of model parallelism only
+    if check_inputs is not None:  # before the first collective (group creation)
+        check(module, spec, check_inputs, world_size=dist.get_world_size(), inputs=options.get("inputs", "global"))
+    return fsdp.finish(apply_layout(module, spec, **options), recompute)
 
 
-def full_state_dict(module: nn.Module) -> dict:
+def _mp_plan(module: nn.Module, spec: Plan | LayerLayout | str, options: dict[str, Any]) -> Plan | None:
+    """The model-parallel Plan `spec` names (mp > 1), its placement resolved; None for other layouts.
+    A strategy string ("mp=2,sample=2") takes its placement from options: `placement` (module or fx
+    node name -> device), or `place(plan, module) -> Plan` (the caller's placer: hybridpar.parallelize
+    passes DLPlacer's); parallel never searches."""
+    placement = options.pop("placement", None)
+    place = options.pop("place", None)
+    if isinstance(spec, str):
+        from hybridpar.plans import parse_strategy
+
+        strat = parse_strategy(spec, dist.get_world_size())
+        if strat.mp == 1:
+            return None
+        if strat.layout.g_size > 1 or strat.layout.spatial > 1:
+            raise UserError(f"strategy {spec!r}: model parallelism runs with sample (data) parallelism only")
+        spec = Plan(model=type(module).__name__, world_size=strat.world_size, batch=max(1, strat.layout.sample),
+                    dp=strat.layout.sample, mp=strat.mp, default_layout=strat.layout, strategy=spec,
+                    placement=placement)
+    if not isinstance(spec, Plan) or spec.mp == 1:
+        return None
+    plan: Plan = spec
+    if plan.placement is None and place is not None:
+        plan = place(plan, module)
+    if plan.placement is None:
+        raise UserError(f"mp={plan.mp}: parallelize needs the placement (which layers run on which of the {plan.mp} "
+                        "devices): pass a placement Plan (`hybridpar place --out`), placement={...}, or call "
+                        "hybridpar.parallelize(module, strategy, example_inputs=...) to run the placer")
+    return plan
+
+
+def _parallelize_mp(module: nn.Module, plan: Plan, check_inputs: Any, options: dict[str, Any]) -> nn.Module:
+    from hybridpar.parallel.pipeline.engine import batch_rows, check_mp_plan
+    from hybridpar.parallel.pipeline.module import parallelize_mp
+
+    if options.pop("inputs", "global") != "global":
+        raise UserError("parallelize with mp > 1: inputs='global' only (every rank passes the global batch)")
+    for ignored in ("comm_log", "grid", "extra_ops", "materialize"):
+        if options.get(ignored) is not None:
+            raise UserError(f"parallelize with mp > 1 takes no {ignored}")
+        options.pop(ignored, None)
+    if check_inputs is not None:  # before the first collective
+        ex = tuple(check_inputs) if isinstance(check_inputs, (tuple, list)) else (check_inputs,)
+        check_mp_plan(module, plan, batch_rows(ex), example_inputs=options.get("example_inputs"),
+                      bn_stats=options.get("bn_stats", "global"))
+    return parallelize_mp(module, plan, **options)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The undistributed model's state_dict (names and shapes of the module before parallelize), on
     every rank. Collective."""
-    from hybridpar.parallel.state import gather_full_state
-
     state = getattr(module, "hybridpar", None)
-    if state is None:
+    if _is_mp(state):
+        full = state.full_state_dict(everywhere=True)
+        assert full is not None  # everywhere=True
+        return full
+    if not isinstance(state, ParallelState):
         raise UserError("full_state_dict: the module was not parallelized with hybridpar.parallelize")
-    return gather_full_state(module.state_dict(), state.shards(), state.grid.comm_log, everywhere=True)
+    full = gather_full_state(module.state_dict(), state.shards(), state.grid.comm_log, everywhere=True)
+    assert full is not None  # everywhere=True
+    return full
 
 
-def _device_type(module: nn.Module) -> str:
-    p = next(module.parameters(), None)
-    # meta: the dry run's shape-only pass (hybridpar.parallel.check) on a CPU mesh
-    return p.device.type if p is not None and p.device.type != "meta" else "cpu"
-
-
-def _replicate_the_rest(module: nn.Module, meshes) -> None:
-    """Parameters and buffers outside our parallel layers become replicated DTensors, so the user's
-    code between layers (norms, scales, embeddings, position tables) can mix them with activations."""
-    from torch.distributed.tensor import DTensor
-
-    from hybridpar.parallel.dtensor.boundary import replicate_param
-
-    ours = _parallel_layer_types()
-    for m in module.modules():
-        if isinstance(m, ours):
-            continue
-        for pname, p in list(m.named_parameters(recurse=False)):
-            if p is not None and not isinstance(p, DTensor):
-                setattr(m, pname, nn.Parameter(replicate_param(p, meshes), requires_grad=p.requires_grad))
-        for bname, b in list(m.named_buffers(recurse=False)):
-            if b is not None and not isinstance(b, DTensor):
-                m._buffers[bname] = replicate_param(b, meshes)
-
-
-def _parallel_layer_types():
-    from hybridpar.parallel.styles.conv import DistConv2d, DistLinear
-    from hybridpar.parallel.styles.norm import DistBatchNorm
-
-    return (DistConv2d, DistLinear, DistBatchNorm)
-
-
-def _install_io(module: nn.Module, state: ParallelState) -> None:
-    """The root takes ordinary tensors and returns ordinary tensors (see parallelize's doc)."""
-    sample_shard = state.inputs == "sample_shard"
-    if state.meshes is not None:
-        from hybridpar.parallel.dtensor.boundary import distribute_input, gather_output
-
-        def pre(_m, args, kwargs):
-            return distribute_input(args, state.meshes, sample_shard=sample_shard), \
-                distribute_input(kwargs, state.meshes, sample_shard=sample_shard)
-
-        def post(_m, _args, _kwargs, out):
-            return gather_output(out, state.meshes, state.grid, sample_shard=sample_shard)
-    else:
-        from hybridpar.parallel.sample_io import gather_samples, split_samples
-
-        grid = state.grid
-        checked = [grid.sample == 1]
-
-        def pre(_m, args, kwargs):
-            if grid.sample == 1:
-                return None
-            mine = (args, kwargs) if sample_shard else (split_samples(args, grid), split_samples(kwargs, grid))
-            if not checked[0]:  # once, before the first step's collectives: refuse a forward that mixes samples
-                checked[0] = True
-                _refuse_mixed_samples(module, *mine, grid)
-            return None if sample_shard else mine
-
-        def post(_m, _args, _kwargs, out):
-            if sample_shard or grid.sample == 1:
-                return None
-            return gather_samples(out, grid)
-
-    module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    module.register_forward_hook(post, with_kwargs=True)
-
-
-def _refuse_mixed_samples(module: nn.Module, args, kwargs, grid) -> None:
-    """Every rank checks its own rows (hybridpar.parallel.sample_io.samples_mixed) and all agree (one
-    unlogged 1-element allreduce, not part of a step), so either all raise or none does."""
-    import torch
-    import torch.distributed as dist
-    from torch.utils._pytree import tree_flatten
-
-    from hybridpar.parallel.sample_io import samples_mixed
-
-    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
-        return  # the dry run (meta tensors, fake world): there are no values to compare
-    reason = samples_mixed(module, args, kwargs)
-    flag = torch.tensor([1.0 if reason else 0.0], device=_device_of(module))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=grid.replica_group.pg)
-    if flag.item() > 0:
-        raise UserError(f"sample={grid.sample}: " + (reason or "another rank found that the model's forward mixes "
-                                                     "samples; a sample-only layout would train a different model"))
-
-
-def _device_of(module: nn.Module):
-    p = next(module.parameters(), None)
-    return p.device if p is not None else "cpu"
-
-
-def no_sync(module: nn.Module):
+def no_sync(module: nn.Module) -> AbstractContextManager[None]:
     """Context manager: backward passes inside accumulate gradients without synchronising them."""
-    return module.hybridpar.grad_sync.no_sync()
+    state = getattr(module, "hybridpar", None)
+    if _is_mp(state):
+        return state.no_sync()
+    if not isinstance(state, ParallelState) or state.grad_sync is None:
+        raise UserError("no_sync: the module was not parallelized with hybridpar.parallelize")
+    return state.grad_sync.no_sync()
 
 
-def _replacement(name, m, lay: LayerLayout, state: ParallelState):
-    from hybridpar.parallel.styles.table import style_for
+def _is_mp(state: Any) -> TypeGuard[MPState]:
+    """Whether parallelize ran a model-parallel plan on the module (pipeline.module.MPState)."""
+    import sys
 
-    style = style_for(m)
-    return None if style is None else style(name, m, lay, state)
-
-
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, leaf = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, leaf, new)
+    mod = sys.modules.get("hybridpar.parallel.pipeline.module")  # loaded whenever such a state exists
+    return mod is not None and isinstance(state, mod.MPState)

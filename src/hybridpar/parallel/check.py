@@ -11,13 +11,26 @@ It needs a process with no process group yet (the launcher, the planner, a test'
 from __future__ import annotations
 
 import copy
+import os
+import pickle
+import re
 import sys
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, _redistribute
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from hybridpar.errors import UserError
+from hybridpar.parallel.apply import INPUT_MODES, apply_layout, as_layouts, grid_shape, state_of
+from hybridpar.parallel.comm.collectives import all_reduce_
+from hybridpar.parallel.dtensor.log import recording
+from hybridpar.parallel.mesh import forget_meshes
+from hybridpar.parallel.sample_io import split_samples
 
 
 @dataclass(frozen=True)
@@ -46,14 +59,10 @@ class DryRun:
 
 
 def _meta(tree):
-    from torch.utils._pytree import tree_map_only
-
     return tree_map_only(torch.Tensor, lambda t: t.to("meta"), tree)
 
 
 def default_loss(out, y):
-    import torch.nn.functional as F
-
     if out.dim() > 2 and y.dim() == out.dim() - 1:
         out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
     return F.cross_entropy(out, y)
@@ -84,7 +93,7 @@ def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size
     giving (module with its weights, inputs, targets), the same shapes with values; the run is then
     repeated on CPU copies of them (fake collectives: a value after one is not the real run's).
     Without it, `module` and the inputs are used as they are, if they have values."""
-    def both(mod, batch, tgt, real: bool) -> DryRun:
+    def both(mod: nn.Module, batch, tgt, real: bool) -> DryRun:
         args = (mod, spec, batch, tgt, world_size)
         if world_size > 1:
             _one_rank(*args, world_size - 1, loss_fn, train, inputs, real)
@@ -97,13 +106,12 @@ def dry_run(module: nn.Module, spec, example_inputs, targets=None, *, world_size
         real = _values_run(module, example_inputs, targets, values)
         if isinstance(real, str):
             raise UserError(f"{reason}; {real}") from None
-        return both(*real, True)
+        mod, batch, tgt = real
+        return both(mod, batch, tgt, True)
 
 
 def _values_run(module: nn.Module, example_inputs, targets, values):
     """(module, inputs, targets) to repeat the dry run with, or why it cannot be."""
-    from torch.utils._pytree import tree_flatten
-
     module, batch, tgt = values() if values is not None else (module, example_inputs, targets)
     tensors = [*module.parameters(), *module.buffers()]
     if any(t.device.type != "cpu" for t in tensors):
@@ -119,12 +127,7 @@ def _values_run(module: nn.Module, example_inputs, targets, values):
 
 def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int, loss_fn, train: bool,
               inputs: str, real: bool = False) -> DryRun:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from hybridpar.parallel.api import parallelize
-    from hybridpar.parallel.dtensor import boundary as dtensors
-    from hybridpar.parallel.dtensor.log import recording
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test utilities: on use
 
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (run it before launching ranks)")
@@ -137,11 +140,8 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     sys.excepthook = hook
     try:
-        parallelize(model, spec, inputs=inputs)
-        grid = model.hybridpar.grid
+        grid = state_of(apply_layout(model, spec, inputs=inputs)).grid
         if inputs == "sample_shard":
-            from hybridpar.parallel.sample_io import split_samples
-
             batch, targets = split_samples(batch, grid), split_samples(targets, grid)
         log = grid.comm_log
         log.mark_step()
@@ -155,8 +155,6 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
                     loss = sum(o.float().sum() for o in outs if o.is_floating_point())
                 loss.backward()
                 if inputs == "sample_shard" and grid.sample > 1:  # hybridpar train reports the global loss
-                    from hybridpar.parallel.comm.collectives import all_reduce_
-
                     all_reduce_(loss.detach().reshape(1), grid.replica_group, log, "loss")
             except UserError:
                 raise
@@ -175,7 +173,7 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
         return DryRun(_strategy_text(spec), world_size, {k: v for k, v in ours.items() if v},
                       records, [tuple(o.shape) for o in outs])
     finally:
-        dtensors._MESHES.clear()
+        forget_meshes()
         dist.destroy_process_group()
         _clear_dtensor_caches()
 
@@ -183,15 +181,15 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
 def _clear_dtensor_caches() -> None:
     """DTensor memoises redistribution plans and sharding decisions keyed by specs whose mesh hashes
     equal across our simulated worlds, but some hold one rank's coordinates: start each rank fresh."""
-    from torch.distributed.tensor import DTensor, _redistribute
-
     for fn in (getattr(_redistribute, "_gen_transform_infos", None),
                getattr(DTensor._op_dispatcher.sharding_propagator, "_propagate_tensor_meta_cached", None)):
-        if hasattr(fn, "cache_clear"):
-            fn.cache_clear()
+        clear = getattr(fn, "cache_clear", None)
+        if clear is not None:
+            clear()
     cached = getattr(DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding", None)
-    if hasattr(getattr(cached, "cache", None), "cache_clear"):
-        cached.cache.cache_clear()
+    clear = getattr(getattr(cached, "cache", None), "cache_clear", None)
+    if clear is not None:
+        clear()
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
     if clear_native is not None:
         clear_native()
@@ -214,8 +212,6 @@ def module_path(parents) -> str:
 
 
 def _refusal(err: BaseException, where: str, spec) -> str:
-    import re
-
     text = " ".join(str(err).split())
     m = re.search(r"aten\.[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)?", text)
     what = f"op {m.group(0)}" if m else type(err).__name__
@@ -235,10 +231,6 @@ def check(module: nn.Module, spec, example_inputs, targets=None, *, world_size: 
     `world_size`: the layout's ranks (default: the current world's). With a process group already
     initialised (under torchrun), the fake world runs in a forked child, since torch.distributed
     holds one default group per process and its registries are process-wide."""
-    import torch.distributed as dist
-
-    from hybridpar.parallel.api import INPUT_MODES, as_layouts, grid_shape
-
     if inputs not in INPUT_MODES:
         raise UserError(f"inputs must be one of {', '.join(INPUT_MODES)}, got {inputs!r}")
     live = dist.is_available() and dist.is_initialized()
@@ -281,9 +273,6 @@ def _in_child(fn, args, kwargs):
     its own fake world; nothing it registers reaches this process); its result or its UserError
     comes back through a pipe. The child touches no device: its tensors are on the meta device (or
     CPU copies, for a forward that reads values: see dry_run)."""
-    import os
-    import pickle
-
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -320,10 +309,6 @@ _PARENT_GROUPS: list = []  # in a forked child: the parent's process-group state
 def _forget_process_groups() -> None:
     """In a forked child: a fresh torch.distributed world state (no default group), so the dry run's
     fake world can be initialised. The parent's groups stay as they were in the parent."""
-    import torch.distributed.distributed_c10d as c10d
-
-    from hybridpar.parallel.dtensor import boundary as dtensors
-
     names = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
     # Kept alive: a real group destroyed in the child waits forever for its threads, which fork left behind.
     _PARENT_GROUPS.append((c10d._world, [getattr(c10d, n) for n in names]))
@@ -334,4 +319,4 @@ def _forget_process_groups() -> None:
     unregister = getattr(torch._C._distributed_c10d, "_unregister_all_process_groups", None)
     if unregister is not None:  # the name -> group registry functional collectives resolve through
         unregister()
-    dtensors._MESHES.clear()
+    forget_meshes()

@@ -81,13 +81,18 @@ class _Storages:
         self.refs: dict[int, StorageWeakRef] = {}
         self.count = 0
 
-    def sid(self, st, *, create: bool = True) -> int | None:
+    def known(self, st) -> int | None:
+        """The storage's id if it has one (a storage some op touched), else None."""
         ref = StorageWeakRef(st)
         got = self.by_cdata.get(ref.cdata)
-        if got is not None and not got[1].expired():
-            return got[0]
-        if not create:
-            return None
+        return got[0] if got is not None and not got[1].expired() else None
+
+    def sid(self, st) -> int:
+        """The storage's id, a new one for a storage not seen before."""
+        old = self.known(st)
+        if old is not None:
+            return old
+        ref = StorageWeakRef(st)
         sid, self.count = self.count, self.count + 1
         self.by_cdata[ref.cdata] = (sid, ref)
         return sid
@@ -117,7 +122,7 @@ def _accesses(func, args, kwargs, out, storages: _Storages) -> list[tuple[int, s
                 note(sid, "r")
     for t in _tensors(out):
         st = _storage(t)
-        if st is not None and storages.sid(st, create=False) is None:
+        if st is not None and storages.known(st) is None:
             note(storages.sid(st), "w")  # a new storage: the op made it
     return sorted(found.items())
 
@@ -164,7 +169,7 @@ class Recorder(TorchDispatchMode):
         for name, t in _named_tensors(module):
             st = _storage(t)
             # None: no op touched it (torch.tensor(data) and nothing else); copied once the build returns
-            sid = self.storages.sid(st, create=False) if st is not None else None
+            sid = self.storages.known(st) if st is not None else None
             self.record.tensors[name] = (sid, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         return self.record
 
@@ -234,6 +239,7 @@ class Replayer(TorchDispatchMode):
                 raise self._diverged(f"{_op_name(func)} touches a weight the meta record had finished with")
         if rows_sid is not None:
             out = args[0]
+            assert self.fill_rows is not None  # by_rows is empty without it
             self.fill_rows(rows_sid, lambda shape: func(torch.empty(shape, dtype=out.dtype), *args[1:], **kwargs))
             self.filled.add(rows_sid)
         else:
@@ -317,6 +323,7 @@ class Materializer:
 
     def _replay(self, targets: dict, shards: dict) -> None:
         rec = self.record
+        assert rec is not None  # __call__ refuses a missing record first
         missing = [n for n in targets if n not in rec.tensors]
         if missing:
             raise ReplayDiverged(f"{missing[0]} of the parallel model is not in the model")
@@ -330,7 +337,7 @@ class Materializer:
                 full = torch.empty(0, dtype=dtype).set_(st, off, size, stride)
                 _copy_piece(targets[n], full, shards.get(n), n)
 
-        every: dict[int, list[str]] = {}  # all the model's tensors by storage (build_freed keeps none)
+        every: dict[int | None, list[str]] = {}  # the model's tensors by storage (build_freed keeps none)
         for n, v in rec.tensors.items():
             every.setdefault(v[0], []).append(n)
 
@@ -393,7 +400,7 @@ def _whole_view(rec: Record, name: str) -> bool:
     """The tensor is its storage, contiguous from offset 0 (a block of rows is a block of the storage)."""
     sid, dtype, size, stride, off = rec.tensors[name]
     contiguous = tuple(torch.empty(size, device="meta").stride()) == tuple(stride)
-    return (off == 0 and contiguous and len(size) > 0 and dtype == torch.float32
+    return (sid is not None and off == 0 and contiguous and len(size) > 0 and dtype == torch.float32
             and math.prod(size) * 4 == rec.nbytes.get(sid, -1))
 
 

@@ -1,13 +1,18 @@
 """Where each rank's parameter and buffer shards sit in the undistributed tensors, and gathering them
-back into the undistributed model's state_dict layout (for --save and checks)."""
+back into the undistributed model's state_dict layout (for --save and checks): the one state gather
+of the package, for `parallelize`'s layouts and the model-parallel engine alike."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hybridpar.parallel.comm.log import CommLog
 
 
 @dataclass(frozen=True)
@@ -48,15 +53,14 @@ def take(full: torch.Tensor, info: ShardInfo | None) -> torch.Tensor:
     return out
 
 
-def gather_full_state(local_state: dict[str, torch.Tensor], shards: dict[str, ShardInfo],
-                      log=None, *, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
+def gather_full_state(local_state: Mapping[str, torch.Tensor], shards: Mapping[str, ShardInfo | None],
+                      log: CommLog | None = None, *, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
     """Collective over the world: the undistributed state_dict on rank 0 (others None), or on every
     rank with `everywhere`. Tensor by tensor (in state_dict order, the same on every rank), so the
     receiver holds the tensors assembled so far plus one tensor's pieces, never every rank's whole
-    state at once: DTensor entries are made whole by DTensor; local shards of our parallel layers are
-    gathered and placed; everything else is this rank's own copy (replicated)."""
-    from torch.distributed.tensor import DTensor
-
+    state at once: DTensor entries are made whole by DTensor; entries named in `shards` are gathered
+    and placed (a None shard: this rank contributes nothing to that entry, as a model-parallel stage
+    that does not own it); everything else is this rank's own copy (replicated)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     keep = everywhere or rank == 0
     out: dict[str, torch.Tensor] = {}
@@ -67,17 +71,19 @@ def gather_full_state(local_state: dict[str, torch.Tensor], shards: dict[str, Sh
             if keep:
                 out[name] = whole
         elif name in shards:
-            piece = (v.detach().cpu(), shards[name])
-            sent += piece[0].numel() * piece[0].element_size()
-            got = [None] * world if keep else None
+            info = shards[name]
+            piece = None if info is None else (v.detach().cpu(), info)
+            if piece is not None:
+                sent += piece[0].numel() * piece[0].element_size()
+            got: list[tuple[torch.Tensor, ShardInfo] | None] | None = [None] * world if keep else None
             if everywhere:
                 dist.all_gather_object(got, piece)
             else:
                 dist.gather_object(piece, got, dst=0)
-            if keep:
-                info = piece[1]
-                full = torch.zeros(info.full_shape, dtype=v.dtype)
-                for t, i in got:
+            if keep and got is not None:
+                held = [p for p in got if p is not None]
+                full = torch.zeros(held[0][1].full_shape, dtype=held[0][0].dtype)
+                for t, i in held:
                     place(full, t, i)
                 out[name] = full
         elif keep:

@@ -1,4 +1,5 @@
-"""Strategy strings: `sample=2,channel=2`, `channel=2,filter=2`, `mp=2,sample=2` ..."""
+"""Strategy strings: `sample=2,channel=2`, `channel=2,filter=2`, `sample=2,height=2`, `mp=2,sample=2`,
+`sample=4,zero=3` ... (`zero` is how the sample dimension holds parameters, not a mesh degree)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass
 from hybridpar.errors import UserError
 from hybridpar.plans.schema import LayerLayout
 
-_KEYS = ("sample", "channel", "filter", "mp")
+_KEYS = ("sample", "depth", "height", "width", "channel", "filter", "mp", "zero")
+_NOT_DEGREES = ("zero",)  # keys that multiply no rank count
 
 
 @dataclass(frozen=True)
@@ -37,16 +39,27 @@ def parse_strategy(text: str, world_size: int | None = None) -> Strategy:
             n = int(val)
         except ValueError:
             raise UserError(f"strategy {text!r}: {key} must be a positive integer, got {val!r}") from None
+        if key == "zero" and n not in (2, 3):
+            raise UserError(f"strategy {text!r}: zero must be 2 or 3 (parameters sharded over the sample ranks; "
+                            f"3 reshards them after forward), got {n}")
         if n < 1:
             raise UserError(f"strategy {text!r}: {key} must be >= 1, got {n}")
         degrees[key] = n
+    extra = {k: degrees.pop(k) for k in _NOT_DEGREES if k in degrees}
     mp = degrees.pop("mp", 1)
     if world_size is not None and "sample" not in degrees:
-        rest = mp * degrees.get("channel", 1) * degrees.get("filter", 1)
+        rest = mp
+        for n in degrees.values():
+            rest *= n
         if world_size % rest:
             raise UserError(f"strategy {text!r} does not divide {world_size} ranks")
         degrees["sample"] = world_size // rest
-    strat = Strategy(LayerLayout(**degrees), mp)
+    strat = Strategy(LayerLayout(**degrees, **extra), mp)
+    why = strat.layout.zero_refusal()
+    if why is None and strat.layout.zero and mp > 1:
+        why = f"strategy {text!r}: zero={strat.layout.zero} does not run with model parallelism (mp > 1) yet"
+    if why is not None:
+        raise UserError(why)
     if world_size is not None and strat.world_size != world_size:
         raise UserError(f"strategy {text!r} uses {strat.world_size} ranks, but {world_size} were given")
     return strat

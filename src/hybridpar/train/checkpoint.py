@@ -24,6 +24,15 @@ data, seed, batch, optimizer settings: everything but the layout and the step co
 overwrite them), pruning keeps only this run's newest good checkpoints, and `lock_directory` takes an
 advisory lock (flock on `D/.hybridpar.lock`) so that two runs cannot write into one directory.
 
+Trust: a checkpoint directory is data, never code. Rank files are read with
+`torch.load(weights_only=True)` (tensors, plain containers and `ShardInfo` only); the manifest
+carries a SHA-256 over its own canonical JSON (`manifest_sha256`), its step must be the one in its
+directory's name and its file entries exactly `rank-NNNNN.pt` of that directory, so one flipped bit
+or a hand-edited manifest is skipped, never resumed; a manifest without a run identity is never
+adopted by a resume; pruning removes only checkpoints whose manifest checks out and names this run;
+the lock file is opened without following symlinks, and a run whose lock file is gone (the directory
+deleted or replaced under it) stops before it writes or prunes anything.
+
 Why not torch.distributed.checkpoint: it describes shards through DTensor/ShardedTensor placements;
 this runtime's shards are plain tensors cut into uneven and (for stationary-w) strided pieces that
 those placements cannot express.
@@ -78,9 +87,9 @@ def run_id(identity: dict) -> str:
 def _owner_mismatch(manifest: dict, identity: dict) -> str | None:
     """None when `manifest` belongs to the run `identity` describes, else the first difference."""
     theirs = manifest.get("identity")
-    if not isinstance(theirs, dict):  # an older manifest: compare the keys it has
-        theirs = {k: manifest[k] for k in ("model", "seed", "batch", "data", "shuffle") if k in manifest}
-    elif manifest.get("run_id") == run_id(identity):
+    if not isinstance(theirs, dict) or not isinstance(manifest.get("run_id"), str):
+        return "no run identity (an older hybridpar's, or made by hand)"  # never adopted by a resume
+    if manifest.get("run_id") == run_id(identity):
         return None
     for key in sorted(set(theirs) | set(identity)):
         if key in theirs and theirs.get(key) != identity.get(key):
@@ -147,6 +156,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch
     tmp, final = root / f".tmp-{name}", root / name
     failure = None
     if rank == 0:
+        failure = _lock_lost(root)
+    _agree(failure, tmp)  # a lost lock: every rank stops before anything is written
+    if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt killed mid-write
@@ -178,6 +190,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch
             manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
                         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
                         "files": files, **(meta or {})}
+            manifest["manifest_sha256"] = manifest_digest(manifest)
             with (tmp / "manifest.json").open("w") as f:
                 json.dump(manifest, f, indent=2)
                 f.flush()
@@ -186,6 +199,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch
         except OSError as err:
             failure = _write_failure(err, tmp / "manifest.json")
         if failure is None:
+            failure = _lock_lost(root) or _not_replaceable(final, (meta or {}).get("run_id"), overwrite)
+        if failure is None:
             if final.exists():  # same step saved again (a restarted run): replace it whole
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -193,6 +208,22 @@ def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch
             _prune(root, keep, step, (meta or {}).get("run_id"), overwrite)
     _agree(failure, tmp)  # when this returns, the checkpoint is committed for every rank
     return final
+
+
+def _not_replaceable(final: Path, owner: str | None, overwrite: bool) -> str | None:
+    """Why the existing `final` (the step directory about to be committed) must not be replaced, else
+    None: only this run's own checkpoint of that step (or, with overwrite, another run's) is."""
+    if not final.exists() and not final.is_symlink():
+        return None
+    if final.is_symlink() or not final.is_dir():
+        return f"{final}: exists and is not a checkpoint directory; left as it is"
+    try:
+        m = read_manifest(final, verify_hashes=False)
+    except UserError:
+        return f"{final}: exists and is not a checkpoint of this run; left as it is"
+    if m.get("run_id") == owner or overwrite:
+        return None
+    return f"{final}: holds another run's checkpoint; left as it is"
 
 
 def _write_failure(err: BaseException, path: Path) -> str:
@@ -204,10 +235,13 @@ def _write_failure(err: BaseException, path: Path) -> str:
 
 
 def _agree(failure: str | None, tmp: Path) -> None:
-    """A barrier that also tells every rank whether any rank failed to write; all raise together."""
+    """A barrier that also tells every rank whether any rank failed to write; all raise together.
+    A lost lock (`_lock_lost`): nothing in the directory is touched, not even `tmp`."""
     failed = [None] * dist.get_world_size()
     dist.all_gather_object(failed, failure)
     bad = [f for f in failed if f]
+    if bad and bad[0].startswith(_LOCK_LOST):
+        raise CheckpointWriteError(bad[0])
     if bad:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -218,18 +252,20 @@ def _agree(failure: str | None, tmp: Path) -> None:
 def _prune(root: Path, keep: int, step: int, owner: str | None, overwrite: bool = False) -> None:
     """After committing `step`: keep it and this run's newest good checkpoints before it (`keep` in
     all); remove this run's other checkpoints (older ones and any later ones, a timeline this run
-    has left by resuming from before them), damaged ones, half-written `.tmp-*` directories, and
-    other runs' checkpoints only when `overwrite`."""
+    has left by resuming from before them), half-written `.tmp-*` directories, and other runs'
+    checkpoints only when `overwrite`. A directory whose manifest does not check out (a user's
+    files, another version's checkpoint, one being copied in) is never removed: it is not provably
+    this run's."""
     kept = 0
     for path in sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True):
         n = int(path.name[5:])
+        if path.is_symlink() or not path.is_dir():
+            continue
         try:
             m = read_manifest(path, verify_hashes=False)
         except UserError:
-            if n != step:
-                shutil.rmtree(path, ignore_errors=True)
             continue
-        mine = owner is None or m.get("run_id") == owner
+        mine = m.get("run_id") == owner  # (no owner: the caller's manifests carry no run_id either)
         if not mine:
             if overwrite:
                 shutil.rmtree(path, ignore_errors=True)
@@ -239,7 +275,8 @@ def _prune(root: Path, keep: int, step: int, owner: str | None, overwrite: bool 
             continue
         shutil.rmtree(path, ignore_errors=True)
     for path in root.glob(".tmp-step-*"):
-        shutil.rmtree(path, ignore_errors=True)
+        if not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # -- finding and checking ---------------------------------------------------------------------------
@@ -254,17 +291,37 @@ def read_manifest(path: Path, *, verify_hashes: bool = True) -> dict:
         raise UserError(f"checkpoint {path}: not a hybridpar checkpoint")
     if manifest.get("version") != VERSION:
         raise UserError(f"checkpoint {path}: version {manifest.get('version')!r} unsupported (reads {VERSION})")
+    if manifest.get("manifest_sha256") != manifest_digest(manifest):
+        raise UserError(f"checkpoint {path}: manifest.json does not match its checksum (damaged or edited)")
+    named = _STEP_DIR.match(path.name)
+    step = manifest.get("step")
+    if not _is_count(step) or (named is not None and int(named.group(1)) != step):
+        raise UserError(f"checkpoint {path}: the manifest's step {step!r} is not its directory's")
     files = manifest.get("files")
-    if not isinstance(files, list) or len(files) != manifest.get("world_size"):
-        raise UserError(f"checkpoint {path}: manifest lists {len(files or [])} files for "
-                        f"{manifest.get('world_size')} ranks")
-    for f in files:
-        p = path / str(f.get("file"))
-        if not p.is_file() or p.stat().st_size != f.get("bytes"):
+    world = manifest.get("world_size")
+    if not _is_count(world) or world < 1 or not isinstance(files, list) or len(files) != world:
+        raise UserError(f"checkpoint {path}: manifest lists {len(files) if isinstance(files, list) else 0} "
+                        f"files for {world} ranks")
+    for r, f in enumerate(files):
+        if not isinstance(f, dict) or f.get("file") != _rank_file(r) or f.get("rank") != r:
+            raise UserError(f"checkpoint {path}: manifest entry {r} is not {_rank_file(r)} of this directory")
+        p = path / _rank_file(r)
+        if p.is_symlink() or not p.is_file() or p.stat().st_size != f.get("bytes"):
             raise UserError(f"checkpoint {path}: {f.get('file')} missing or truncated")
         if verify_hashes and _sha256(p) != f.get("sha256"):
             raise UserError(f"checkpoint {path}: {f.get('file')} does not match its SHA-256")
     return manifest
+
+
+def manifest_digest(manifest: dict) -> str:
+    """SHA-256 of a manifest's canonical JSON (sorted keys, no spaces), its own checksum left out."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _candidates(root: Path) -> Iterator[Path]:
@@ -349,7 +406,7 @@ def check_checkpoint_dir(root: str | os.PathLike, identity: dict, resume: str = 
         except UserError as err:
             notes.append(f"skipping checkpoint {path.name}: {str(err).split(': ', 1)[-1]}")
             continue
-        if m.get("run_id") not in (None, me):  # an older manifest of the same run: adopt it
+        if m.get("run_id") != me:  # only this run's own manifests are resumed from
             continue
         info = CheckpointInfo(path, int(m["step"]), int(m["world_size"]), m)
         return DirCheck(info, [*sorted(notes), f"resuming from step {info.step} ({path})"])
@@ -390,17 +447,28 @@ def lock_directory(root: str | os.PathLike) -> None:
     missing). UserError when another live process holds it. The kernel drops the lock when the
     holder exits, however it exits."""
     import fcntl
+    import stat
 
     root = Path(root)
     key = str(root.resolve())
     if key in _LOCKS:
         return
+    lock = root / LOCK_FILE
+    nofollow = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        try:  # a new lock file: created here, never through a link someone left
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow, 0o666)
+        except FileExistsError:
+            fd = os.open(lock, os.O_RDWR | nofollow)
     except OSError as err:
-        raise UserError(f"checkpoint_dir {root}: cannot create its lock file ({err.strerror})",
+        why = "it is a symlink" if err.errno == errno.ELOOP else err.strerror
+        raise UserError(f"checkpoint_dir {root}: cannot open its lock file {LOCK_FILE} ({why})",
                         param="checkpoint_dir") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"checkpoint_dir {root}: its lock file {LOCK_FILE} is not a regular file",
+                        param="checkpoint_dir")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -411,19 +479,78 @@ def lock_directory(root: str | os.PathLike) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     _LOCKS[key] = fd
+    _remember_lock(key, fd)
+
+
+LOCK_ENV = "HYBRIDPAR_CHECKPOINT_LOCKS"  # {resolved dir: [st_dev, st_ino] of its lock file}; ranks inherit it
+_LOCK_LOST = "checkpoint directory lock lost"
+
+
+def _remember_lock(key: str, fd: int) -> None:
+    st = os.fstat(fd)
+    held = _held_locks()
+    held[key] = [st.st_dev, st.st_ino]
+    os.environ[LOCK_ENV] = json.dumps(held)
+
+
+def _held_locks() -> dict:
+    try:
+        held = json.loads(os.environ.get(LOCK_ENV, "{}"))
+    except ValueError:
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
+def _lock_lost(root: Path) -> str | None:
+    """A line when this process (or the launcher that started it) locked `root` and that lock file
+    is no longer there (the directory was deleted, moved or replaced under the run), else None: a
+    run that lost its lock must not write or prune, another writer may own the directory now."""
+    try:
+        key = str(root.resolve())
+    except OSError:
+        return None
+    want = _held_locks().get(key)
+    if not want:
+        return None
+    try:
+        st = os.lstat(root / LOCK_FILE)
+        if [st.st_dev, st.st_ino] == list(want):
+            return None
+    except OSError:
+        pass
+    return (f"{_LOCK_LOST}: {root}/{LOCK_FILE} is gone or replaced (the directory was deleted or moved "
+            "during the run); stopped without writing or pruning there")
 
 
 def unlock_directory(root: str | os.PathLike) -> None:
-    fd = _LOCKS.pop(str(Path(root).resolve()), None)
+    key = str(Path(root).resolve())
+    held = _held_locks()
+    if held.pop(key, None) is not None:
+        os.environ[LOCK_ENV] = json.dumps(held)
+    fd = _LOCKS.pop(key, None)
     if fd is not None:
         os.close(fd)
 
 
 # -- loading ----------------------------------------------------------------------------------------
 
+def _load_rank_file(info: CheckpointInfo, r: int, *, mmap: bool = False) -> dict:
+    """Rank file `r` of a checkpoint, read as data: weights_only (tensors, containers, ShardInfo)."""
+    path = info.path / _rank_file(r)
+    try:
+        with torch.serialization.safe_globals([ShardInfo]):
+            part = mmap_load(path, weights_only=True) if mmap else torch.load(path, map_location="cpu",
+                                                                               weights_only=True)
+    except Exception as err:  # noqa: BLE001 - a refused or damaged file fails in many ways in torch.load
+        why = "holds objects other than tensors" if "Weights only load failed" in str(err) else type(err).__name__
+        raise UserError(f"checkpoint {info.path}: {_rank_file(r)} is not a hybridpar rank file ({why})") from None
+    if not isinstance(part, dict) or not all(isinstance(part.get(k), dict) for k in ("tensors", "shards", "optimizer")):
+        raise UserError(f"checkpoint {info.path}: {_rank_file(r)} is not a hybridpar rank file")
+    return part
+
+
 def _load_rank_files(info: CheckpointInfo) -> list[dict]:
-    return [torch.load(info.path / f["file"], map_location="cpu", weights_only=False)
-            for f in info.manifest["files"]]
+    return [_load_rank_file(info, r) for r in range(len(info.manifest["files"]))]
 
 
 def full_state(parts: list[dict], key: str = "tensors") -> dict[str, torch.Tensor]:
@@ -604,7 +731,7 @@ def load_pieces(info: CheckpointInfo, engine) -> dict:
     """A resume after make_engine: this rank's pieces of the checkpoint's weights, read from the
     memory-mapped rank files (the same layout: its own file's pieces only; another layout: one tensor
     at a time). Returns the mapped rank files, for `restore_training_state`."""
-    parts = [mmap_load(info.path / f["file"], weights_only=False) for f in info.manifest["files"]]
+    parts = [_load_rank_file(info, r, mmap=True) for r in range(len(info.manifest["files"]))]
     tensors, shards = local_tensors(engine)
     own = dist.get_rank() if info.world_size == dist.get_world_size() else 0
     _check_names(parts[0]["tensors"], tensors, f"checkpoint {info.path}")

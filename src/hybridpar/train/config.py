@@ -1,12 +1,20 @@
-"""From a Plan (or a strategy) plus training options to a validated run, before any rank starts.
+"""A run's configuration, and from it (plus a Plan or a strategy) a validated run, before any rank starts.
 
-`run_config(**options)` is what `hybridpar train` calls with its flags (and what a Python caller may
-call with the same names): it loads the plan and the model, fills what the caller left out from the
-plan (batch, rank count, input shape, model), checks every option and refuses bad ones with a
-UserError worded in the library's terms (`param` names the option), dry-runs the model on one sample,
-estimates the run's memory against this machine's, checks that every output path can be written and
-resolves the checkpoint directory (whose run it is, where a resume starts). It returns a RunSetup:
-the TrainConfig every rank runs, the rank count to start, and the notes worth telling the user.
+`TrainConfig` is the run's options, composed of one section per component that reads them:
+`parallel` (ParallelConfig: the plan or strategy, rank count, micro-batches, batch-norm statistics),
+`data` (hybridpar.train.data.config.DataConfig), `optim` (hybridpar.train.optim.OptimConfig),
+`checkpoint` (CheckpointConfig: checkpoints, resume, the weights read and written) and `metrics`
+(hybridpar.train.metrics.MetricsConfig). A TOML file's sections `[parallel]`, `[data]`, `[optim]`,
+`[checkpoint]` and `[metrics]` map onto them; `TrainConfig.from_options(**flat)` takes the flat names
+of `hybridpar train`'s flags instead (`lr`, `checkpoint_dir`, `metrics`, ...; FLAT_OPTIONS).
+
+`run_config(config)` is what `hybridpar train` calls: it checks every option (each section checks its
+own) and refuses bad ones with a UserError worded in the library's terms (`param` names the option),
+loads the plan and the model, fills what the caller left out from the plan (batch, rank count, input
+shape, model), dry-runs the model on one sample, estimates the run's memory against this machine's,
+checks that every output path can be written and resolves the checkpoint directory (whose run it is,
+where a resume starts). It returns a RunSetup: the TrainConfig every rank runs, the rank count to
+start, and the notes worth telling the user.
 
 Batch and rank count: a plan fixes both. Left out, they are the plan's; given and different, the run
 is refused. Without a rank count and without a launcher, the plan's ranks are started as local
@@ -20,15 +28,191 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hybridpar.errors import UserError
 from hybridpar.plans import Plan
-from hybridpar.train.trainer import TrainConfig, total_steps
+from hybridpar.train.checks import check_counts, check_output_path, parse_profile_steps  # noqa: F401 - API
+from hybridpar.train.data.config import DataConfig
+from hybridpar.train.metrics import MetricsConfig
+from hybridpar.train.optim import OptimConfig
 
 PROCESS_BYTES = 300 * 2**20  # what one rank costs before any tensor: interpreter, torch, gloo buffers
 MAX_SEED = 2**63 - 1
+DEFAULT_STEPS = 10  # a run given neither steps nor epochs
+DEFAULT_BATCH = 32  # a strategy's run given no batch
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The `[parallel]` section: how the run is split. Exactly one of `plan` (a Plan or the path of a
+    plan.json) and `strategy` (a uniform layout, e.g. "sample=2,channel=2"). `gpus`: ranks to start
+    (None: the plan's or the strategy's; ignored under a launcher). `micro_batches`: GPipe
+    micro-batches per replica (model-parallel plans only). `bn_stats`: batch-norm statistics over the
+    global batch ("global", as one process) or each rank's samples ("local"). `recompute`: "all"
+    recomputes every block's activations in backward (torch.utils.checkpoint), "none" keeps them."""
+
+    plan: Plan | str | os.PathLike | None = None
+    strategy: str | None = None
+    gpus: int | None = None
+    micro_batches: int = 1
+    bn_stats: str = "global"
+    recompute: str = "none"
+
+    def check(self) -> None:
+        check_counts(gpus=self.gpus, micro_batches=self.micro_batches)
+        if (self.strategy is None) == (self.plan is None):
+            raise UserError("give exactly one of `strategy` or `plan`", param="strategy")
+        if self.bn_stats not in ("global", "local"):
+            raise UserError(f"bn_stats must be global or local, got {self.bn_stats!r}", param="bn_stats")
+        if self.recompute not in ("none", "all"):
+            raise UserError(f"recompute must be none or all, got {self.recompute!r}", param="recompute")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The `[checkpoint]` section: sharded checkpoints in `dir` every `every` steps (0: only at the
+    end), the newest `keep` kept; `resume`: "no", "yes" (continue from this run's newest good
+    checkpoint; refuse when every one is damaged) or "if-any" (start at step 0 then); `overwrite`:
+    other runs' checkpoints in `dir` may be removed. `init_from`: a state_dict of the undistributed
+    model to start from; `save`: where the final weights go (undistributed). `resume_from` is the
+    checkpoint run_config chose to continue from."""
+
+    dir: str | None = None
+    every: int = 0
+    keep: int = 2
+    resume: str = "no"
+    overwrite: bool = False
+    init_from: str | None = None
+    save: str | None = None
+    resume_from: str | None = None
+
+    def check(self) -> None:
+        every = self.every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise UserError(f"checkpoint_every must be >= 0, got {every!r}", param="checkpoint_every")
+        if self.resume not in ("no", "yes", "if-any"):
+            raise UserError(f"resume must be no, yes or if-any, got {self.resume!r}", param="resume")
+        if (every or self.resume != "no" or self.overwrite) and not self.dir:
+            raise UserError("checkpoint_every, `resume` and `overwrite` need `checkpoint_dir`",
+                            param="checkpoint_every")
+
+
+SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig,
+            "metrics": MetricsConfig}
+# The flat names (`hybridpar train`'s flags, the keys of a TOML file without sections, run_config's
+# keywords) -> (section or None for the run's own fields, field).
+FLAT_OPTIONS: dict[str, tuple[str | None, str]] = {
+    **{name: (None, name) for name in ("model", "input_shape", "batch", "steps", "epochs", "seed", "gns",
+                                       "deterministic", "callbacks", "max_loss_ratio")},
+    **{name: ("parallel", name) for name in ("plan", "strategy", "gpus", "micro_batches", "bn_stats",
+                                                       "recompute")},
+    "nproc": ("parallel", "gpus"), "devices": ("parallel", "gpus"),  # the device count's old names
+    "data": ("data", "source"), "synthetic_size": ("data", "synthetic_size"), "shuffle": ("data", "shuffle"),
+    "workers": ("data", "workers"), "local_ranks": ("data", "local_ranks"),
+    **{name: ("optim", name) for name in ("optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
+                                          "warmup_steps", "grad_clip", "precision")},
+    "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
+    "keep_checkpoints": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
+    "overwrite": ("checkpoint", "overwrite"), "init_from": ("checkpoint", "init_from"),
+    "save": ("checkpoint", "save"), "resume_from": ("checkpoint", "resume_from"),
+    "metrics": ("metrics", "jsonl"), "tensorboard": ("metrics", "tensorboard"),
+    "profile_steps": ("metrics", "profile_steps"), "profile_dir": ("metrics", "profile_dir"),
+    "log_every": ("metrics", "log_every"),
+}
+
+
+def flat_name(section: str, key: str) -> str | None:
+    """The flat name of `key` in a TOML section (its field name or its flat name), None if unknown."""
+    key = key.replace("-", "_")
+    for flat, (sec, name) in FLAT_OPTIONS.items():
+        if sec == section and key in (name, flat) and flat not in ("nproc", "devices"):
+            return flat
+    if section == "parallel" and key in ("nproc", "devices"):
+        return "gpus"
+    return "no_shuffle" if (section, key) == ("data", "no_shuffle") else None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A training run's options: the model, its input, the batch and length of the run, its seed and
+    the sections (run_config fills the plan, batch, input shape and steps it resolves)."""
+
+    model: str | None = None
+    input_shape: tuple[int, ...] | str | None = None  # per sample; default: the model's or the plan's
+    batch: int | None = None  # global batch per step; default: the plan's, else 32
+    steps: int | None = None  # default 10 (when epochs is not given)
+    epochs: int | None = None
+    seed: int = 0
+    gns: bool = False  # online gradient noise scale (hybridpar.train.grad_noise), one tiny allreduce/step
+    deterministic: bool = False  # deterministic kernels and seeding (hybridpar.train.determinism)
+    callbacks: tuple[str, ...] = ()  # "module:function" step callbacks, imported in every rank
+    max_loss_ratio: float | None = None  # stop (exit 3) when the loss exceeds this times its first value (guard)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    identity: dict = field(default_factory=dict)  # what makes a run this run (run_identity), set by run_config
+
+    @property
+    def plan(self) -> Plan:
+        """The run's Plan (after run_config; before it, what the caller gave: a Plan, a path or None)."""
+        return self.parallel.plan  # type: ignore[return-value]
+
+    @classmethod
+    def from_options(cls, **options: Any) -> TrainConfig:
+        """A TrainConfig from flat names (FLAT_OPTIONS: `hybridpar train`'s flags with underscores)."""
+        return cls().with_options(**options)
+
+    def with_options(self, **options: Any) -> TrainConfig:
+        """This config with flat-named options (FLAT_OPTIONS) over it; TypeError for an unknown name,
+        as a misspelt keyword argument would raise. `no_shuffle` is `shuffle`'s negation; `resume`
+        True/False/None mean "yes"/"no"/"no"."""
+        top: dict[str, Any] = {}
+        sections: dict[str, dict[str, Any]] = {}
+        for flat, value in options.items():
+            if flat == "no_shuffle":
+                flat, value = "shuffle", not value
+            if flat == "resume":
+                value = {True: "yes", False: "no", None: "no"}.get(value, value)
+            if flat not in FLAT_OPTIONS:
+                raise TypeError(f"unexpected keyword argument {flat!r} (a run's options: "
+                                f"{', '.join(sorted(FLAT_OPTIONS))})")
+            section, name = FLAT_OPTIONS[flat]
+            (top if section is None else sections.setdefault(section, {}))[name] = value
+        if top.get("callbacks") is not None:
+            top["callbacks"] = tuple(top["callbacks"])
+        for section, values in sections.items():
+            top[section] = replace(getattr(self, section), **values)
+        return replace(self, **top)
+
+    def check(self) -> TrainConfig:
+        """Every option checked, each section its own (UserError with `param`); returns this config
+        with the profiler's window parsed and its directory resolved."""
+        check_counts(batch=self.batch, steps=self.steps, epochs=self.epochs)
+        self.parallel.check()
+        self.data.check()
+        self.optim.check()
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"seed must be an integer from 0 to 2**63-1, got {self.seed!r}", param="seed")
+        self.checkpoint.check()
+        if self.steps is not None and self.epochs is not None:
+            raise UserError("steps and `epochs`: give one, not both", param="steps")
+        self.optim.check_options()
+        from hybridpar.train.guard import check_max_loss_ratio
+
+        ratio = check_max_loss_ratio(self.max_loss_ratio)
+        check_output_path(self.checkpoint.save, "save")
+        return replace(self, max_loss_ratio=ratio, metrics=self.metrics.checked(self.checkpoint.dir))
+
+    def total_steps(self, n_samples: int) -> int:
+        """Steps of the run over a data set of `n_samples`."""
+        if self.epochs is not None:
+            return self.epochs * (n_samples // self.batch)
+        return int(DEFAULT_STEPS if self.steps is None else self.steps)
 
 
 @dataclass(frozen=True)
@@ -46,68 +230,64 @@ class RunSetup:
         return self.start_step >= self.total_steps
 
 
-def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] | None = None,
-               strategy: str | None = None, plan: str | os.PathLike | Plan | None = None,
-               nproc: int | None = None, data: str = "synthetic", batch: int | None = None,
-               steps: int | None = None, epochs: int | None = None, lr: float = 0.1, momentum: float = 0.0,
-               weight_decay: float = 0.0, seed: int = 0, shuffle: bool = True, init_from: str | None = None,
-               save: str | None = None, bn_stats: str = "global", synthetic_size: int = 1024,
-               micro_batches: int = 1, gns: bool = False, checkpoint_dir: str | None = None,
-               checkpoint_every: int = 0, resume: str | bool = "no", overwrite: bool = False,
-               deterministic: bool = False, optimizer: str = "sgd", lr_schedule: str = "constant",
-               warmup_steps: int = 0, grad_clip: float | None = None, precision: str = "fp32",
-               metrics: str | None = None, tensorboard: str | None = None,
-               profile_steps: str | tuple[int, int] | None = None, profile_dir: str | None = None,
-               workers: int | None = None, launcher_world: int | None = None,
-               local_ranks: int | None = None, place: Callable[..., Plan] | None = None) -> RunSetup:
+@dataclass(frozen=True)
+class _Loaded:
+    """The model as run_config checks it: on meta (`loaded`), with real example inputs (`with_inputs`,
+    the same object when it had to be built whole), its data spec and the activation bytes per sample."""
+
+    loaded: Any
+    with_inputs: Any
+    shape: tuple[int, ...]
+    spec: Any
+    act_bytes: int
+
+
+def run_config(config: TrainConfig | None = None, *, launcher_world: int | None = None,
+               local_ranks: int | None = None, place: Callable[..., Plan] | None = None,
+               **options: Any) -> RunSetup:
     """Validate a training run and return its RunSetup (UserError, with `param` set, on bad input).
 
-    `plan`: a Plan or the path of a plan.json; exactly one of `plan` and `strategy`. `launcher_world`:
-    the world a launcher (torchrun) already started (None: this call's ranks are spawned locally);
-    `local_ranks`: how many of those share this machine (default: all of them). `resume`: "no",
-    "yes" (continue from this run's newest good checkpoint; refuse when every checkpoint is damaged)
-    or "if-any" (start at step 0 then); True/False mean "yes"/"no". `place(plan, module, optimizer=...)`: returns a
-    model-parallel plan with its placement filled in (the caller's search, e.g.
-    hybridpar.api.with_placement; the runtime never searches); without it such a plan
+    `config`: the run's TrainConfig; keyword `options` are flat names over it (FLAT_OPTIONS:
+    `model=`, `strategy=`, `plan=`, `lr=`, `checkpoint_dir=`, ...). The plan: a Plan or the path of a
+    plan.json; exactly one of plan and strategy. `launcher_world`: the world a launcher (torchrun)
+    already started (None: this call's ranks are spawned locally); `local_ranks`: how many of those
+    share this machine (default: all of them). `place(plan, module, optimizer=..., momentum=...,
+    example_inputs=...)`: returns a model-parallel plan with its placement filled in (the caller's
+    search, e.g. hybridpar.api.with_placement; the runtime never searches); without it such a plan
     must come with its placement."""
-    resume = {True: "yes", False: "no", None: "no"}.get(resume, resume)  # type: ignore[arg-type]
-    _check_counts(batch=batch, steps=steps, epochs=epochs, nproc=nproc, synthetic_size=synthetic_size,
-                  micro_batches=micro_batches)
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
-        raise UserError(f"workers must be an integer >= 0, got {workers!r}", param="workers")
-    _check_numbers(lr=lr, momentum=momentum, weight_decay=weight_decay, seed=seed,
-                   checkpoint_every=checkpoint_every)
-    if (strategy is None) == (plan is None):
-        raise UserError("give exactly one of strategy or plan", param="strategy")
-    if steps is not None and epochs is not None:
-        raise UserError("steps and epochs: give one, not both", param="steps")
-    if (checkpoint_every or resume != "no" or overwrite) and not checkpoint_dir:
-        raise UserError("checkpoint_every, resume and overwrite need checkpoint_dir", param="checkpoint_dir")
-    if bn_stats not in ("global", "local"):
-        raise UserError(f"bn_stats must be global or local, got {bn_stats!r}", param="bn_stats")
-    from hybridpar.train.optim import check_options
+    cfg = (config or TrainConfig()).with_options(**options)
+    if local_ranks is not None:
+        cfg = replace(cfg, data=replace(cfg.data, local_ranks=local_ranks))
+    cfg = cfg.check()
+    the_plan, world, batch, model, input_shape = _plan_and_world(cfg, launcher_world)
+    cfg = replace(cfg, model=model, batch=batch, parallel=replace(cfg.parallel, plan=the_plan, gpus=world))
+    m = _load_checked(model, input_shape, batch)
+    the_plan = _placed(cfg, m, place)
+    cfg = replace(cfg, parallel=replace(cfg.parallel, plan=the_plan))
+    _check_layout(m.loaded.module, the_plan, batch, cfg.parallel.micro_batches, cfg.optim.precision,
+                  tuple(m.loaded.example_inputs), cfg.parallel.bn_stats)
+    _check_sharding(cfg, the_plan)
+    n, data_bytes = _data_size(cfg.data.source, m.shape, m.spec, cfg.data.synthetic_size, cfg.seed, m.with_inputs)
+    if n < batch:
+        raise UserError(f"data {cfg.data.source} has {n} samples, fewer than batch {batch}", param="data")
+    if cfg.checkpoint.init_from is not None:
+        _check_init(m.loaded.module, cfg.checkpoint.init_from)
+    cfg = replace(cfg, input_shape=m.shape, steps=cfg.steps if cfg.epochs is not None or cfg.steps is not None
+                  else DEFAULT_STEPS)
+    cfg = replace(cfg, identity=run_identity(cfg))
+    if cfg.metrics.jsonl or cfg.metrics.tensorboard:
+        cfg = replace(cfg, metrics=replace(cfg.metrics, flops_per_step=_step_flops(m.loaded, batch),
+                                           peak_flops=_peak(the_plan, cfg.optim.precision)))
+    last = _checked_length(cfg, n)
+    per_rank = _rank_memory(cfg, m, data_bytes)
+    _check_memory(per_rank, local_ranks or world, launched=launcher_world is not None)
+    cfg, start, notes = _resume(cfg)
+    return RunSetup(cfg, world, start, last, notes, per_rank)
 
-    check_options(optimizer=optimizer, lr_schedule=lr_schedule, warmup_steps=warmup_steps, grad_clip=grad_clip,
-                  precision=precision)
-    _check_output_path(save, "save")
-    _check_output_path(metrics, "metrics")
-    _check_output_dir(tensorboard, "tensorboard")
-    if tensorboard is not None:
-        from hybridpar.train.metrics import tensorboard_missing
 
-        if why := tensorboard_missing():
-            raise UserError(f"tensorboard {tensorboard}: {why}", param="tensorboard")
-    window = parse_profile_steps(profile_steps)
-    if profile_dir is not None and window is None:
-        raise UserError("profile_dir needs profile_steps", param="profile_dir")
-    if window is not None:
-        profile_dir = profile_dir or (os.path.join(checkpoint_dir, "profile") if checkpoint_dir
-                                      else "hybridpar-profile")
-        _check_output_dir(profile_dir, "profile_dir")
-
-    the_plan, world, batch, model, input_shape = _plan_and_world(
-        model=model, input_shape=input_shape, strategy=strategy, plan=plan, nproc=nproc, batch=batch,
-        launcher_world=launcher_world)
+def _load_checked(model: str, input_shape, batch: int) -> _Loaded:
+    """The model loaded on meta and dry-run on one example sample (its input shape checked against
+    this machine's memory before and after loading)."""
     shape = _parse_shape(input_shape)
     if shape is not None:
         _check_sample_size(shape, batch)
@@ -121,175 +301,108 @@ def run_config(*, model: str | None = None, input_shape: str | tuple[int, ...] |
             raise
         loaded = with_inputs = _load_whole(model, shape)  # a forward that reads values: check it for real
         spec, act_bytes = _dry_run(loaded)
-    if the_plan.mp > 1:  # the graph the MP runtime runs (fx, else export): an untraceable model is one line here
-        from hybridpar.parallel.pipeline.engine import micro_batch_inputs
-        from hybridpar.parallel.pipeline.partition import trace
+    return _Loaded(loaded, with_inputs, shape, spec, act_bytes)
 
-        trace(loaded.module, micro_batch_inputs(loaded.example_inputs, the_plan.model_copy(update={"batch": batch}),
-                                                micro_batches))
-    if the_plan.mp > 1 and the_plan.placement is None:
-        if place is None:
-            raise UserError("plan: a model-parallel plan needs its placement before launch (write one with "
-                            "`hybridpar place --out` or `hybridpar plan --out`)", param="plan")
-        from hybridpar.cost.update import optimizer_kind
 
-        # priced with the update this run makes (its state in memory, its time in the step)
-        the_plan = place(the_plan, loaded.module, optimizer=optimizer_kind(optimizer, momentum),
-                         example_inputs=micro_batch_inputs(loaded.example_inputs,
-                                                           the_plan.model_copy(update={"batch": batch}), micro_batches))
-    _check_layout(loaded.module, the_plan, batch, micro_batches, precision, tuple(loaded.example_inputs), bn_stats)
-    n, data_bytes = _data_size(data, shape, spec, synthetic_size, seed, with_inputs)
-    sample_bytes = math.prod(shape) * (8 if spec.vocab is not None else 4)
-    if n < batch:
-        raise UserError(f"data {data} has {n} samples, fewer than batch {batch}", param="data")
-    if init_from is not None:
-        _check_init(loaded.module, init_from)
+def _placed(cfg: TrainConfig, m: _Loaded, place: Callable[..., Plan] | None) -> Plan:
+    """The run's plan; a model-parallel one traced as the MP runtime runs it (an untraceable model is
+    one line here) and given its placement by `place` when it has none."""
+    the_plan = cfg.plan
+    if the_plan.mp == 1:
+        return the_plan
+    from hybridpar.parallel.pipeline.engine import micro_batch_inputs
+    from hybridpar.parallel.pipeline.partition import trace
 
-    cfg = TrainConfig(model=model, plan=the_plan, data=data, batch=batch,
-                      steps=(10 if steps is None and epochs is None else steps) if epochs is None else None,
-                      epochs=epochs, lr=lr, momentum=momentum, weight_decay=weight_decay, seed=seed,
-                      shuffle=shuffle, init_from=init_from, save=save, input_shape=shape, bn_stats=bn_stats,
-                      synthetic_size=synthetic_size, micro_batches=micro_batches, gns=gns,
-                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume != "no",
-                      overwrite=overwrite, deterministic=deterministic, optimizer=optimizer,
-                      lr_schedule=lr_schedule, warmup_steps=warmup_steps, grad_clip=grad_clip, precision=precision,
-                      metrics=metrics, workers=workers, local_ranks=local_ranks, tensorboard=tensorboard,
-                      profile_steps=window, profile_dir=profile_dir if window else None)
-    cfg = replace(cfg, identity=run_identity(cfg))
-    if metrics or tensorboard:
-        cfg = replace(cfg, flops_per_step=_step_flops(loaded, batch), peak_flops=_peak(the_plan, precision))
-    last = total_steps(cfg, n)
+    examples = micro_batch_inputs(m.loaded.example_inputs, the_plan.model_copy(update={"batch": cfg.batch}),
+                                  cfg.parallel.micro_batches)
+    trace(m.loaded.module, examples)
+    if the_plan.placement is not None:
+        return the_plan
+    if place is None:
+        raise UserError("plan: a model-parallel plan needs its placement before launch (write one with "
+                        "`hybridpar place --out` or `hybridpar plan --out`)", param="plan")
+    if the_plan.input_shape is None and m.shape:  # the shape this run takes (--input-shape), for the placer
+        the_plan = the_plan.model_copy(update={"input_shape": list(m.shape)})
+    # priced with the update this run makes (its state in memory, its time in the step)
+    return place(the_plan, m.loaded.module, optimizer=cfg.optim.optimizer, momentum=cfg.optim.momentum,
+                 example_inputs=examples)
+
+
+def _checked_length(cfg: TrainConfig, n: int) -> int:
+    """The run's last step + 1; UserError for a run of no steps or a profiler window past its end."""
+    last = cfg.total_steps(n)
     if last < 1:
         raise UserError("nothing to train: 0 steps", param="steps")
+    window = cfg.metrics.profile_steps
     if window is not None and window[0] >= last:
         raise UserError(f"profile_steps {window[0]}:{window[1]}: the run has steps 0..{last - 1}",
                         param="profile_steps")
+    return last
 
-    predicted = _predicted_memory(loaded, the_plan, batch, optimizer, momentum, weight_decay)
-    if predicted is not None:  # the cost model's figure for this layout, plus the data set held whole
+
+def _rank_memory(cfg: TrainConfig, m: _Loaded, data_bytes: int) -> int:
+    """Bytes one rank's process needs: the cost model's figure for this layout plus the data set held
+    whole, else the coarser estimate from the model."""
+    batch, optim = cfg.batch, cfg.optim
+    predicted = _predicted_memory(m.loaded, cfg.plan, batch, optim.optimizer, optim.momentum, optim.weight_decay)
+    if predicted is not None:
         per_rank = int(predicted) + data_bytes
     else:
-        per_rank = estimate_rank_memory(loaded.module, the_plan, batch, data_bytes, act_bytes,
-                                        optimizer_slots=2 if optimizer == "adamw" else 1 if momentum else 0,
-                                        input_bytes=batch * sample_bytes)
-    if precision == "fp64":  # both figures count fp32 bytes; weights, grads, optimizer state, activations double
+        sample_bytes = math.prod(m.shape) * (8 if m.spec.vocab is not None else 4)
+        per_rank = estimate_rank_memory(m.loaded.module, cfg.plan, batch, data_bytes, m.act_bytes,
+                                        optimizer_slots=optim.state_slots, input_bytes=batch * sample_bytes)
+    if optim.precision == "fp64":  # both figures count fp32 bytes; weights, grads, optimizer state, activations double
         per_rank = 2 * (per_rank - data_bytes) + data_bytes
-    _check_memory(per_rank, local_ranks or world, launched=launcher_world is not None)
+    return per_rank
 
-    notes: list[str] = []
-    start = 0
-    if checkpoint_dir:
-        from hybridpar.train.checkpoint import check_checkpoint_dir
 
-        found = check_checkpoint_dir(checkpoint_dir, cfg.identity, resume, overwrite=overwrite)
-        notes = list(found.notes)
-        if found.resume_from is not None:
-            cfg = replace(cfg, resume_from=str(found.resume_from.path))
-            start = found.resume_from.step
-    return RunSetup(cfg, world, start, last, notes, per_rank)
+def _resume(cfg: TrainConfig) -> tuple[TrainConfig, int, list[str]]:
+    """(config with the checkpoint to resume from, first step, notes): the checkpoint directory's
+    verdict on whose run it holds and where a resume starts."""
+    ck = cfg.checkpoint
+    if not ck.dir:
+        return cfg, 0, []
+    from hybridpar.train.checkpoint import check_checkpoint_dir
+
+    found = check_checkpoint_dir(ck.dir, cfg.identity, ck.resume, overwrite=ck.overwrite)
+    if found.resume_from is None:
+        return cfg, 0, list(found.notes)
+    cfg = replace(cfg, checkpoint=replace(ck, resume_from=str(found.resume_from.path)))
+    return cfg, found.resume_from.step, list(found.notes)
 
 
 def run_identity(cfg: TrainConfig) -> dict:
     """What makes two runs the same run, whatever their layout or rank count: the model, its input,
     the data and its order, the optimizer's settings and the starting weights. The step count is not
     part of it (a longer run of the same settings continues the shorter one)."""
-    return {"model": cfg.model, "input_shape": list(cfg.input_shape or ()), "data": cfg.data,
-            "synthetic_size": cfg.synthetic_size if cfg.data == "synthetic" else None, "seed": cfg.seed,
-            "batch": cfg.batch, "shuffle": cfg.shuffle, "lr": cfg.lr, "momentum": cfg.momentum,
-            "weight_decay": cfg.weight_decay, "bn_stats": cfg.bn_stats, "init_from": cfg.init_from,
-            "optimizer": cfg.optimizer, "lr_schedule": cfg.lr_schedule, "warmup_steps": cfg.warmup_steps,
-            "grad_clip": cfg.grad_clip, "precision": cfg.precision}
+    d, o = cfg.data, cfg.optim
+    return {"model": cfg.model, "input_shape": list(cfg.input_shape or ()), "data": d.source,
+            "synthetic_size": d.synthetic_size if d.source == "synthetic" else None, "seed": cfg.seed,
+            "batch": cfg.batch, "shuffle": d.shuffle, "lr": o.lr, "momentum": o.momentum,
+            "weight_decay": o.weight_decay, "bn_stats": cfg.parallel.bn_stats, "init_from": cfg.checkpoint.init_from,
+            "optimizer": o.optimizer, "lr_schedule": o.lr_schedule, "warmup_steps": o.warmup_steps,
+            "grad_clip": o.grad_clip, "precision": o.precision}
 
 
 def claim_checkpoint_dir(setup: RunSetup) -> None:
     """Take the checkpoint directory's advisory lock for this process's lifetime (UserError when
     another run holds it). Call it in the process that outlives the ranks (the launcher's parent, or
     rank 0 under torchrun), after run_config and before starting work."""
-    if setup.config.checkpoint_dir:
+    if setup.config.checkpoint.dir:
         from hybridpar.train.checkpoint import lock_directory
 
-        lock_directory(setup.config.checkpoint_dir)
+        lock_directory(setup.config.checkpoint.dir)
 
 
 # -- the pieces ----------------------------------------------------------------------------------
 
-def _check_counts(**counts: int | None) -> None:
-    for name, v in counts.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise UserError(f"{name} must be an integer, got {v!r}", param=name)
-        if v is not None and v < 1:
-            raise UserError(f"{name} must be >= 1, got {v}", param=name)
-
-
-def _check_numbers(*, lr, momentum, weight_decay, seed, checkpoint_every) -> None:
-    for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise UserError(f"{name} must be a finite number, got {v!r}", param=name)
-    if lr <= 0:
-        raise UserError(f"lr must be > 0, got {lr}", param="lr")
-    if momentum < 0 or weight_decay < 0:
-        name = "momentum" if momentum < 0 else "weight_decay"
-        raise UserError(f"{name} must be >= 0, got {momentum if momentum < 0 else weight_decay}", param=name)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise UserError(f"seed must be an integer from 0 to 2**63-1, got {seed!r}", param="seed")
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
-        raise UserError(f"checkpoint_every must be >= 0, got {checkpoint_every!r}", param="checkpoint_every")
-
-
-def parse_profile_steps(spec: str | tuple[int, int] | None) -> tuple[int, int] | None:
-    """`A:B` (steps A..B-1, 0 <= A < B) as (A, B); UserError naming profile_steps otherwise."""
-    if spec is None:
-        return None
-    parts = list(spec) if isinstance(spec, (tuple, list)) else str(spec).split(":")
-    try:
-        if len(parts) != 2 or any(isinstance(p, (bool, float)) for p in parts):
-            raise ValueError
-        a, b = (int(str(p).strip()) for p in parts)
-    except ValueError:
-        raise UserError(f"profile_steps must be A:B with integers 0 <= A < B, got {spec!r}",
-                        param="profile_steps") from None
-    if a < 0 or b <= a:
-        raise UserError(f"profile_steps must be A:B with integers 0 <= A < B, got {spec!r}", param="profile_steps")
-    return a, b
-
-
-def _check_output_dir(path: str | None, param: str) -> None:
-    """A directory this run will write into: not an existing file, and it exists or can be made."""
-    if path is None:
-        return
-    p = Path(path)
-    if str(path) == "" or (p.exists() and not p.is_dir()):
-        raise UserError(f"{param} {path}: is not a directory", param=param)
-    existing = next((q for q in (p, *p.parents) if q.exists()), Path("."))
-    if not existing.is_dir():
-        raise UserError(f"{param} {path}: {existing} is not a directory", param=param)
-    from hybridpar.train.checkpoint import can_create_in
-
-    if not can_create_in(existing):
-        raise UserError(f"{param} {path}: not writable", param=param)
-
-
-def _check_output_path(path: str | None, param: str) -> None:
-    """A file this run will write: not a directory, and its folder exists (or can be made) and is
-    writable. Checked now, not after the training it would hold."""
-    if path is None:
-        return
-    p = Path(path)
-    if str(path) == "" or p.is_dir() or str(path).endswith(os.sep):
-        raise UserError(f"{param} {path}: is a directory, expected a file path", param=param)
-    parent = p.parent
-    existing = next((q for q in (parent, *parent.parents) if q.exists()), Path("."))
-    if not existing.is_dir():
-        raise UserError(f"{param} {path}: {existing} is not a directory", param=param)
-    from hybridpar.train.checkpoint import can_create_in
-
-    if not can_create_in(existing):
-        raise UserError(f"{param} {path}: not writable", param=param)
-
-
-def _plan_and_world(*, model, input_shape, strategy, plan, nproc, batch, launcher_world):
+def _plan_and_world(cfg: TrainConfig, launcher_world: int | None):
+    """(plan, ranks, batch, model, input shape): the caller's, else the plan's; UserError where they
+    disagree."""
     from hybridpar.plans import load_plan, parse_strategy
 
+    model, input_shape, batch = cfg.model, cfg.input_shape, cfg.batch
+    plan, strategy, gpus = cfg.parallel.plan, cfg.parallel.strategy, cfg.parallel.gpus
     if plan is not None:
         the_plan = plan if isinstance(plan, Plan) else load_plan(plan)
         where = "" if isinstance(plan, Plan) else f" ({plan})"
@@ -298,14 +411,14 @@ def _plan_and_world(*, model, input_shape, strategy, plan, nproc, batch, launche
         elif batch != the_plan.batch:
             raise UserError(f"batch {batch} disagrees with the plan's batch {the_plan.batch}{where}; leave it "
                             "out to use the plan's, or make a plan for this batch", param="batch")
-        if nproc is not None and nproc != the_plan.world_size:
-            raise UserError(f"nproc {nproc} disagrees with the plan: plan is for {the_plan.world_size} ranks{where}",
-                            param="nproc")
+        if gpus is not None and gpus != the_plan.world_size:
+            raise UserError(f"gpus {gpus} disagrees with the plan: plan is for {the_plan.world_size} ranks{where}",
+                            param="gpus")
         if launcher_world is not None and launcher_world != the_plan.world_size:
             raise UserError(f"the launcher started {launcher_world} ranks but the plan is for "
                             f"{the_plan.world_size}{where}", param="plan")
         world = the_plan.world_size
-        if launcher_world is None and nproc is None:
+        if launcher_world is None and gpus is None:
             _check_cores(world, "the plan is")
         model = model or the_plan.model
         if input_shape is None and the_plan.input_shape:
@@ -313,8 +426,8 @@ def _plan_and_world(*, model, input_shape, strategy, plan, nproc, batch, launche
     else:
         if model is None:
             raise UserError("model is required with strategy", param="model")
-        batch = 32 if batch is None else batch
-        world = launcher_world or nproc
+        batch = DEFAULT_BATCH if batch is None else batch
+        world = launcher_world or gpus
         strat = parse_strategy(strategy, world)
         if world is None:
             world = strat.world_size
@@ -330,8 +443,8 @@ def _check_cores(world: int, what: str) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if world > cores:
         raise UserError(f"{what} for {world} ranks but this machine has {cores} CPU cores: start the ranks with "
-                        f"torchrun on the cluster the plan is for, or ask for nproc {world} local processes "
-                        "explicitly", param="nproc")
+                        f"torchrun on the cluster the plan is for, or ask for gpus {world} local processes "
+                        "explicitly", param="gpus")
 
 
 def _parse_shape(shape) -> tuple[int, ...] | None:
@@ -453,6 +566,21 @@ def _shape_text(loaded) -> str:
     return ",".join(map(str, first.shape[1:])) if torch.is_tensor(first) else "?"
 
 
+def _check_sharding(cfg: TrainConfig, plan: Plan) -> None:
+    """zero=2|3 and recompute: what does not run yet, one line before any rank starts."""
+    from hybridpar.parallel.fsdp import sharding_refusal
+
+    layouts = [plan.default_layout, *plan.layers.values()]
+    why = sharding_refusal(layouts, plan.mp, cfg.parallel.recompute)
+    if why is not None:
+        raise UserError(why, param="recompute" if "recompute" in why.split(":")[0] else "strategy")
+    zero = max(lay.zero for lay in layouts)
+    if zero and (cfg.checkpoint.dir or cfg.checkpoint.init_from):
+        raise UserError(f"zero={zero}: checkpoints and --init-from of sharded (FSDP) parameters are not "
+                        "written or read yet; run without checkpoint_dir/init_from, or drop zero",
+                        param="checkpoint_dir" if cfg.checkpoint.dir else "init_from")
+
+
 def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision: str = "fp32", examples=(),
                   bn_stats: str = "global") -> None:
     if plan.mp == 1:
@@ -505,10 +633,10 @@ def _check_data_memory(data: str, nbytes: int) -> None:
 
 
 def _check_finite_data(data: str, ds) -> None:
-    x = getattr(ds, "x", None)
-    tensors = [x] if torch.is_tensor(x) else list(x.values()) if isinstance(x, dict) else list(x or ())
-    for t in tensors:
-        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    from hybridpar.train.data.files import held_inputs
+
+    for t in held_inputs(ds):  # data held in memory; files read on demand are checked as read
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise UserError(f"data {data}: the inputs hold NaN or Inf values", param="data")
 
 

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.errors import UserError
-from hybridpar.layout import piece_offsets, piece_sizes
 from hybridpar.parallel.api import parallelize
 from hybridpar.parallel.comm.collectives import all_reduce_
 from hybridpar.parallel.comm.log import CommLog
@@ -40,23 +39,18 @@ class Engine(Protocol):
     def param_bytes_by_type(self) -> dict[str, int]: ...
 
 
-def local_slice(t: torch.Tensor, grid, split_channels: bool = True) -> torch.Tensor:
-    """This rank's part of a global [N, C, ...] tensor: samples of its sample group and, when
-    split_channels, its channel piece (dim 1 split into G pieces). For layer-level tests and tools
-    that work on local pieces; parallelized models take the global batch."""
-    n = t.shape[0] // grid.sample
-    part = t[grid.s * n:(grid.s + 1) * n]
-    if split_channels and grid.g_size > 1:
-        part = part.narrow(1, piece_offsets(t.shape[1], grid.g_size)[grid.g],
-                           piece_sizes(t.shape[1], grid.g_size)[grid.g])
-    return part.contiguous()
-
-
-def task_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the global batch; sequence outputs [N, T, V] against [N, T] flattened."""
+def task_loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """`hybridpar train`'s loss: cross-entropy (mean over the batch, or its sum); sequence outputs
+    [N, T, V] against [N, T] flattened."""
     if out.dim() > 2 and y.dim() == out.dim() - 1:
         out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
-    return F.cross_entropy(out, y)
+    return F.cross_entropy(out, y, reduction=reduction)
+
+
+def task_loss_sum(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """task_loss summed over the samples: the model-parallel engine's loss of one micro-batch (it divides
+    by the global batch's target count, so micro-batches and replicas add up to the global mean)."""
+    return task_loss(out, y, reduction="sum")
 
 
 class ChannelFilterEngine:
@@ -86,8 +80,8 @@ class ChannelFilterEngine:
         finiteness check needs no collective of its own."""
         import torch.distributed as dist
 
-        return (self.state.meshes is None and not self.state.param_grid
-                and self.grid.replica_group.size == dist.get_world_size())
+        return (self.state.meshes is None and not self.state.param_grid and not getattr(self.state, "sharded", 0)
+                and self.grid.replica_group.size == dist.get_world_size())  # FSDP: each rank its own shard
 
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters (its shards; replicated DTensors count their local copy)."""
@@ -178,8 +172,9 @@ def make_engine(module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: 
     batch GPipe-style) or channel/filter/sample parallel (one micro-batch only). Other keyword
     arguments go to the chosen engine's constructor."""
     if isinstance(plan, Plan) and plan.mp > 1:
-        from hybridpar.parallel.pipeline.engine import MPEngine  # lazy: another helper's package
+        from hybridpar.parallel.pipeline.engine import MPEngine  # lazy: torch.fx and the p2p machinery
 
+        kwargs.setdefault("loss_fn", task_loss_sum)  # the trainer's loss, not one the engine owns
         return MPEngine(module, plan, bn_stats=bn_stats, micro_batches=micro_batches, **kwargs)
     if micro_batches != 1:
         raise UserError(f"micro_batches={micro_batches} needs a model-parallel plan (mp > 1)")

@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from hybridpar.errors import UserError
 
 
 def step_flops(module, example_inputs, batch: int) -> int:
@@ -159,3 +162,41 @@ def reset_peak_memory(device) -> None:
             f.write("5")  # Linux: reset VmHWM to the current RSS
     except OSError:
         pass
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The `[metrics]` section of a run: what it records as it goes. `jsonl`: one JSON record per step
+    (`--metrics FILE.jsonl`); `tensorboard`: the same as TensorBoard scalars in a directory (rank 0);
+    `profile_steps` (A, B or "A:B"): a torch.profiler trace of steps A..B-1 on rank 0 into
+    `profile_dir`; `log_every`: a progress line every N steps where stderr is not a terminal (0: none).
+    `flops_per_step` and `peak_flops` are filled in by run_config (for mfu)."""
+
+    jsonl: str | None = None
+    tensorboard: str | None = None
+    profile_steps: tuple[int, int] | str | None = None
+    profile_dir: str | None = None
+    log_every: int = 10
+    flops_per_step: int | None = None  # forward + backward FLOPs of one global batch (for mfu)
+    peak_flops: float | None = None  # one rank's peak FLOP/s for the run's precision (for mfu)
+
+    def checked(self, checkpoint_dir: str | None) -> MetricsConfig:
+        """This section with `profile_steps` parsed and `profile_dir` resolved (the checkpoint
+        directory's `profile`, else ./hybridpar-profile); UserError (with `param`) for a bad setting."""
+        from hybridpar.train.checks import check_output_dir, check_output_path, parse_profile_steps
+
+        if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 0:
+            raise UserError(f"log_every must be >= 0, got {self.log_every}", param="log_every")
+        check_output_path(self.jsonl, "metrics")
+        check_output_dir(self.tensorboard, "tensorboard")
+        if self.tensorboard is not None and (why := tensorboard_missing()):
+            raise UserError(f"tensorboard {self.tensorboard}: {why}", param="tensorboard")
+        window = parse_profile_steps(self.profile_steps)
+        if self.profile_dir is not None and window is None:
+            raise UserError("profile_dir needs `profile_steps`", param="profile_dir")
+        if window is None:
+            return replace(self, profile_steps=None, profile_dir=None)
+        profile_dir = self.profile_dir or (os.path.join(checkpoint_dir, "profile") if checkpoint_dir
+                                           else "hybridpar-profile")
+        check_output_dir(profile_dir, "profile_dir")
+        return replace(self, profile_steps=window, profile_dir=profile_dir)

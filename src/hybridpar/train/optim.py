@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -204,3 +205,40 @@ def autocast(precision: str, device: torch.device):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The `[optim]` section of a run: the optimizer and its settings, the learning-rate schedule,
+    gradient clipping and the numeric precision of the step."""
+
+    optimizer: str = "sgd"  # sgd | adamw | lars
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine | poly, after `warmup_steps` of linear warm-up
+    warmup_steps: int = 0
+    grad_clip: float | None = None  # clip the global gradient norm to this
+    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp64
+
+    def check(self) -> None:
+        """UserError (with `param`) for a setting the loop cannot run."""
+        for name in ("lr", "momentum", "weight_decay"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise UserError(f"{name} must be a finite number, got {v!r}", param=name)
+        if self.lr <= 0:
+            raise UserError(f"lr must be > 0, got {self.lr}", param="lr")
+        for name in ("momentum", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}", param=name)
+
+    def check_options(self) -> None:
+        """The choices and the schedule (check_options), after the run's other checks."""
+        check_options(optimizer=self.optimizer, lr_schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
+                      grad_clip=self.grad_clip, precision=self.precision)
+
+    @property
+    def state_slots(self) -> int:
+        """Buffers of the weights' size the optimizer keeps (AdamW: 2; SGD and LARS with momentum: 1)."""
+        return 2 if self.optimizer == "adamw" else 1 if self.momentum else 0

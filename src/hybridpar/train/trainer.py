@@ -25,56 +25,9 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.parallel.finite import finite_here as _finite_here
-from hybridpar.plans import Plan
+from hybridpar.train.config import TrainConfig
 
 NONFINITE_EXIT = 3  # exit status of `hybridpar train` when a step's loss or gradients are NaN/Inf
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    model: str
-    plan: Plan
-    data: str = "synthetic"
-    batch: int = 32
-    steps: int | None = 10
-    epochs: int | None = None
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    seed: int = 0
-    shuffle: bool = True
-    init_from: str | None = None
-    save: str | None = None
-    input_shape: tuple[int, ...] | None = None
-    bn_stats: str = "global"
-    synthetic_size: int = 1024
-    callbacks: tuple[str, ...] = ()  # "module:function" step callbacks, imported in every rank
-    # Hardening (hybridpar.train.checkpoint / faults / determinism):
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end when checkpoint_dir is set)
-    keep_checkpoints: int = 2
-    resume: bool = False  # continue from this run's newest complete checkpoint in checkpoint_dir, if any
-    resume_from: str | None = None  # the checkpoint directory to continue from (run_config resolves it)
-    overwrite: bool = False  # other runs' checkpoints in checkpoint_dir may be removed
-    identity: dict = field(default_factory=dict)  # what makes a run this run (run_config.run_identity)
-    deterministic: bool = False
-    micro_batches: int = 1  # GPipe micro-batches per replica (MP plans only)
-    gns: bool = False  # online gradient noise scale (hybridpar.train.grad_noise), one tiny allreduce/step
-    workers: int | None = None  # data loader processes per rank (None: runtime.data.default_workers)
-    local_ranks: int | None = None  # ranks sharing this machine (None: all), to share its cores among loaders
-    # Optimizer, schedule, clipping and precision (hybridpar.train.optim):
-    optimizer: str = "sgd"  # sgd | adamw | lars
-    lr_schedule: str = "constant"  # constant | cosine | poly, after `warmup_steps` of linear warm-up
-    warmup_steps: int = 0
-    grad_clip: float | None = None  # clip the global gradient norm to this
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
-    # Observability (hybridpar.train.metrics), used by `train()` on rank 0:
-    metrics: str | None = None  # JSON-lines file, one record per step as it happens
-    flops_per_step: int | None = None  # forward + backward FLOPs of one global batch (for mfu)
-    peak_flops: float | None = None  # one rank's peak FLOP/s for `precision` (for mfu)
-    tensorboard: str | None = None  # TensorBoard log directory: the `metrics` scalars of every step (rank 0)
-    profile_steps: tuple[int, int] | None = None  # (A, B): a torch.profiler trace of steps A..B-1 on rank 0
-    profile_dir: str | None = None  # where that trace goes (run_config: --profile-dir, checkpoint dir or default)
 
 
 @dataclass(frozen=True)
@@ -111,9 +64,8 @@ class TrainResult:
 
 
 def total_steps(cfg: TrainConfig, n_samples: int) -> int:
-    if cfg.epochs is not None:
-        return cfg.epochs * (n_samples // cfg.batch)
-    return int(cfg.steps or 0)
+    """Steps of the run over a data set of `n_samples` (TrainConfig.total_steps)."""
+    return cfg.total_steps(n_samples)
 
 
 def build_module(cfg: TrainConfig):
@@ -122,8 +74,8 @@ def build_module(cfg: TrainConfig):
 
     torch.manual_seed(cfg.seed)
     loaded = load_model(cfg.model, batch=1, input_shape=cfg.input_shape)
-    if cfg.init_from:
-        state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
+    if cfg.checkpoint.init_from:
+        state = torch.load(cfg.checkpoint.init_from, map_location="cpu", weights_only=True)
         loaded.module.load_state_dict(state)
     return loaded
 
@@ -168,20 +120,32 @@ def build_engine(cfg: TrainConfig, device, resume_from=None):
             from hybridpar.parallel.pipeline.engine import micro_batch_inputs
 
             at = cfg.plan.model_copy(update={"batch": cfg.batch})
-            extra["example_inputs"] = micro_batch_inputs(loaded.example_inputs, at, cfg.micro_batches)
-        engine = make_engine(to_precision(loaded.module.to(device), cfg.precision), cfg.plan,
-                             bn_stats=cfg.bn_stats, micro_batches=cfg.micro_batches, **extra)
+            extra["example_inputs"] = micro_batch_inputs(loaded.example_inputs, at, cfg.parallel.micro_batches)
+        engine = _recomputing(make_engine(to_precision(loaded.module.to(device), cfg.optim.precision), cfg.plan,
+                                          bn_stats=cfg.parallel.bn_stats, micro_batches=cfg.parallel.micro_batches,
+                                          **extra), cfg)
         return loaded, spec, engine, resumed
     mat = Materializer(build, record, cfg.seed, torch.device(device))
     # fp64: the meta model's dtypes first; the pieces are then made in float64 and get the build's
     # values converted (the materializer, --init-from and resume copy_ into them)
-    engine = make_engine(to_precision(meta.module, cfg.precision), cfg.plan, bn_stats=cfg.bn_stats,
-                         micro_batches=cfg.micro_batches, materialize=mat)
+    engine = _recomputing(make_engine(to_precision(meta.module, cfg.optim.precision), cfg.plan,
+                                      bn_stats=cfg.parallel.bn_stats, micro_batches=cfg.parallel.micro_batches,
+                                      materialize=mat), cfg)
     loaded = replace(mat.last_build, module=engine.module)  # the real example inputs; weights: the engine's
-    if cfg.init_from:
-        ckpt.load_init_pieces(cfg.init_from, engine)
+    if cfg.checkpoint.init_from:
+        ckpt.load_init_pieces(cfg.checkpoint.init_from, engine)
     resumed = ckpt.load_pieces(resume_from, engine) if resume_from else None
     return loaded, spec, engine, resumed
+
+
+def _recomputing(engine, cfg: TrainConfig):
+    """--recompute all: every block's forward recomputed in backward (hybridpar.parallel.fsdp; run_config
+    refused the layouts it does not run with)."""
+    if cfg.parallel.recompute != "none":
+        from hybridpar.parallel.fsdp import recompute_blocks
+
+        recompute_blocks(engine.module)
+    return engine
 
 
 def _import(spec: str) -> Callable:
@@ -194,128 +158,185 @@ def _import(spec: str) -> Callable:
 def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     """Train on this rank (torch.distributed already initialised). Returns the result on every rank
     (param bytes gathered from all ranks)."""
-    from hybridpar.train import checkpoint as ckpt
-    from hybridpar.train import faults
-    from hybridpar.train.data.loader import batches, default_workers, open_dataset
-    from hybridpar.train.launch import current_device
-    from hybridpar.train.metrics import peak_memory_bytes, reset_peak_memory
-    from hybridpar.train.optim import WholeNorms, autocast, cast_inputs, clip_grad_norm, lr_at, make_optimizer, set_lr
-
-    if cfg.deterministic:
-        from hybridpar.train.determinism import enable_determinism
-
-        enable_determinism(cfg.seed, dist.get_rank())
-    device = current_device()  # CUDA under torchrun+NCCL; batches move there step by step
-    info = _resume_point(cfg)
-    loaded, spec, engine, resumed = build_engine(cfg, device, info)
-    shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
-    ds = open_dataset(cfg.data, shape, num_classes=spec.num_classes, size=cfg.synthetic_size, seed=cfg.seed,
-                      vocab=spec.vocab, label_shape=spec.label_shape, example_inputs=loaded.example_inputs)
-    if hasattr(engine, "warm_up"):  # final shard shapes before the optimizer and checkpoints see them
-        engine.warm_up(shape)
-    probe = None
-    if cfg.gns:
-        from hybridpar.train.grad_noise import GradNoiseProbe
-
-        probe = GradNoiseProbe(engine, cfg.batch)
-    per_epoch = len(ds) // cfg.batch
-    gns_epochs: list[float | None] = []
-    norms = WholeNorms(engine) if cfg.optimizer == "lars" or cfg.grad_clip else None
-    opt = make_optimizer(cfg.optimizer, engine.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                         weight_decay=cfg.weight_decay, norms=norms)
-    start = ckpt.restore_training_state(resumed, engine, opt) if resumed else 0
-    callbacks = [_import(c) for c in cfg.callbacks]
-    rank = dist.get_rank()
-    infos: list[StepInfo] = []
-    last = total_steps(cfg, len(ds))
-    error, code = None, 0
-    last_saved = start or None  # the newest good checkpoint: the one resumed from, then each one written
-    workers = default_workers(ds, cfg.local_ranks or dist.get_world_size()) if cfg.workers is None else cfg.workers
-    feed = batches(ds, cfg.batch, start=start, stop=last, seed=cfg.seed, shuffle=cfg.shuffle, workers=workers,
-                   device=device)  # the same global batches on every rank, read by loader workers
-    tracer = _StepProfiler(cfg, device) if rank == 0 and cfg.profile_steps else None
+    run = _RankRun(cfg, queue)
+    feed = run.feed()  # the same global batches on every rank, read by loader workers
     for step, x, y in feed:
+        if not run.step(step, x, y):
+            break
+    feed.close()  # stops the loader's workers when the loop ended early
+    return run.finish()
+
+
+class _RankRun:
+    """One rank's run: the engine, optimizer and guards built from `cfg`, then one `step` per batch
+    (False: the run stops, `error` and `code` say why) and `finish` (the final weights and the result)."""
+
+    def __init__(self, cfg: TrainConfig, queue):
+        from hybridpar.train import checkpoint as ckpt
+        from hybridpar.train.data.loader import open_dataset
+        from hybridpar.train.guard import StateGuard
+        from hybridpar.train.launch import current_device
+        from hybridpar.train.optim import WholeNorms, make_optimizer
+
+        if cfg.deterministic:
+            from hybridpar.train.determinism import enable_determinism
+
+            enable_determinism(cfg.seed, dist.get_rank())
+        self.cfg, self.queue = cfg, queue
+        self.device = device = current_device()  # CUDA under torchrun+NCCL; batches move there step by step
+        loaded, spec, engine, resumed = build_engine(cfg, device, _resume_point(cfg))
+        self.engine = engine
+        shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
+        self.ds = open_dataset(cfg.data.source, shape, num_classes=spec.num_classes, size=cfg.data.synthetic_size,
+                               seed=cfg.seed, vocab=spec.vocab, label_shape=spec.label_shape,
+                               example_inputs=loaded.example_inputs)
+        if hasattr(engine, "warm_up"):  # final shard shapes before the optimizer and checkpoints see them
+            engine.warm_up(shape)
+        self.probe = None
+        if cfg.gns:
+            from hybridpar.train.grad_noise import GradNoiseProbe
+
+            self.probe = GradNoiseProbe(engine, cfg.batch)
+        self.per_epoch = len(self.ds) // cfg.batch
+        self.gns_epochs: list[float | None] = []
+        optim = cfg.optim
+        self.norms = WholeNorms(engine) if optim.optimizer == "lars" or optim.grad_clip else None
+        self.opt = make_optimizer(optim.optimizer, engine.parameters(), lr=optim.lr, momentum=optim.momentum,
+                                  weight_decay=optim.weight_decay, norms=self.norms)
+        self.start = ckpt.restore_training_state(resumed, engine, self.opt) if resumed else 0
+        self.guard = StateGuard.for_run(engine, self.opt, device, bn_stats=cfg.parallel.bn_stats,
+                                        max_loss_ratio=cfg.max_loss_ratio)
+        self.callbacks = [_import(c) for c in cfg.callbacks]
+        self.rank = dist.get_rank()
+        self.infos: list[StepInfo] = []
+        self.last = total_steps(cfg, len(self.ds))
+        self.error: str | None = None
+        self.code = 0
+        self.last_saved = self.start or None  # the newest good checkpoint: the one resumed from, then each one written
+        self.tracer = _StepProfiler(cfg, device) if self.rank == 0 and cfg.metrics.profile_steps else None
+
+    def feed(self):
+        from hybridpar.train.data.loader import batches, default_workers
+
+        cfg = self.cfg
+        workers = cfg.data.workers
+        if workers is None:
+            workers = default_workers(self.ds, cfg.data.local_ranks or dist.get_world_size())
+        return batches(self.ds, cfg.batch, start=self.start, stop=self.last, seed=cfg.seed, shuffle=cfg.data.shuffle,
+                       workers=workers, device=self.device)
+
+    def _stop(self, step: int, what: str, loss: float) -> bool:
+        self.error, self.code = _stop_message(self.cfg, step, what, loss, self.last_saved), NONFINITE_EXIT
+        return False
+
+    def step(self, step: int, x, y) -> bool:
+        """One training step; False when the run stops here."""
+        from hybridpar.train import faults
+        from hybridpar.train.optim import autocast, cast_inputs, clip_grad_norm, lr_at, set_lr
+
+        cfg, engine, device = self.cfg, self.engine, self.device
         faults.maybe_inject_failure(step)
-        if tracer is not None:
-            tracer.before(step)
-        x_loc, y_loc = engine.local_batch(cast_inputs(x, cfg.precision), y)
-        lr = lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, last)
-        set_lr(opt, lr)
+        if self.tracer is not None:
+            self.tracer.before(step)
+        x_loc, y_loc = engine.local_batch(cast_inputs(x, cfg.optim.precision), y)
+        lr = lr_at(step, cfg.optim.lr, cfg.optim.lr_schedule, cfg.optim.warmup_steps, self.last)
+        set_lr(self.opt, lr)
         t0 = time.perf_counter()
         try:
-            with autocast(cfg.precision, device):
+            with autocast(cfg.optim.precision, device):
                 loss = engine.train_step(x_loc, y_loc)
         except RuntimeError as err:  # a dead or unreachable peer: say so, never hang (timeouts in launch)
             raise (faults.peer_loss_error(err, step) if faults.is_peer_loss(err) else err) from err
-        bad = _nonfinite_step(loss, engine, device)
+        bad = _nonfinite_step(loss, engine, device) or self.guard.loss_exploded(loss)
         if bad:
-            error, code = _stop_message(cfg, step, bad, loss, last_saved), NONFINITE_EXIT
-            break
-        b_noise = probe.after_step() if probe is not None else None  # synced grads, before the update
-        gnorm = clip_grad_norm(engine.parameters(), cfg.grad_clip, norms) if cfg.grad_clip else None
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            return self._stop(step, bad, loss)
+        b_noise = self.probe.after_step() if self.probe is not None else None  # synced grads, before the update
+        gnorm = clip_grad_norm(engine.parameters(), cfg.optim.grad_clip, self.norms) if cfg.optim.grad_clip else None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        state_bad = self.guard.after_update()  # weights, buffers, optimizer state: never continue from NaN/Inf
+        if state_bad:
+            return self._stop(step, f"state:{state_bad}", loss)
         dt = time.perf_counter() - t0
-        if probe is not None and ((step + 1) % per_epoch == 0 or step + 1 == last):
-            gns_epochs.append(b_noise)  # a partial last epoch reports where it stopped
-        if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
-                                   or step + 1 == last):
+        if self.probe is not None and ((step + 1) % self.per_epoch == 0 or step + 1 == self.last):
+            self.gns_epochs.append(b_noise)  # a partial last epoch reports where it stopped
+        if not self._checkpoint(step):
+            return False
+        self._report(StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind(),
+                              engine.comm_log.step_seconds_by_kind(), b_noise, lr,
+                              _peak_memory(device) if self.rank == 0 else None, gnorm))
+        return True
+
+    def _checkpoint(self, step: int) -> bool:
+        """A checkpoint after `step` when one is due; False when writing it failed (on every rank)."""
+        from hybridpar.train import checkpoint as ckpt
+
+        ck = self.cfg.checkpoint
+        if not ck.dir or not ((ck.every and (step + 1) % ck.every == 0) or step + 1 == self.last):
+            return True
+        try:
+            ckpt.save_checkpoint(ck.dir, step + 1, self.engine, self.opt, meta=checkpoint_meta(self.cfg),
+                                 keep=ck.keep, overwrite=ck.overwrite)
+            self.last_saved = step + 1
+        except ckpt.CheckpointWriteError as err:  # every rank raises it together: stop cleanly
+            self.error, self.code = str(err), 1
+            return False
+        return True
+
+    def _report(self, info: StepInfo) -> None:
+        from hybridpar.train.metrics import reset_peak_memory
+
+        self.infos.append(info)
+        if self.tracer is not None:
+            self.tracer.after(info.step)
+        if info.step == self.start:
+            reset_peak_memory(self.device)  # from now on the steady state's peak
+        if self.rank == 0:
+            if self.queue is not None:
+                self.queue.put(info.to_dict())
+            for cb in self.callbacks:
+                cb(info, self.engine, self.opt)
+
+    def finish(self) -> TrainResult:
+        """After the last step: the profiler's trace, the queue drained, the final weights (`save`) and
+        the result with every rank's parameter and peak memory bytes."""
+        cfg, engine, device, infos, queue = self.cfg, self.engine, self.device, self.infos, self.queue
+        if self.tracer is not None:
+            self.tracer.close()  # a run that stopped inside the window still writes what it traced
+        if self.rank == 0 and hasattr(queue, "join_thread"):  # a multiprocessing queue (spawn): every StepInfo
+            queue.close()                                       # reaches the parent before this rank exits
+            queue.join_thread()
+        saved = None
+        if self.error is None and cfg.checkpoint.save:
             if not _all_finite(engine.parameters(), device):
-                error, code = _stop_message(cfg, step, "weights", loss, last_saved), NONFINITE_EXIT
-                break
-            try:
-                ckpt.save_checkpoint(cfg.checkpoint_dir, step + 1, engine, opt, meta=checkpoint_meta(cfg),
-                                     keep=cfg.keep_checkpoints, overwrite=cfg.overwrite)
-                last_saved = step + 1
-            except ckpt.CheckpointWriteError as err:  # every rank raises it together: stop cleanly
-                error, code = str(err), 1
-                break
-        info = StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind(),
-                        engine.comm_log.step_seconds_by_kind(), b_noise, lr,
-                        peak_memory_bytes(device) if rank == 0 else None, gnorm)
-        infos.append(info)
-        if tracer is not None:
-            tracer.after(step)
-        if step == start:
-            reset_peak_memory(device)  # from now on the steady state's peak
-        if rank == 0:
-            if queue is not None:
-                queue.put(info.to_dict())
-            for cb in callbacks:
-                cb(info, engine, opt)
-    feed.close()  # stops the loader's workers when the loop ended early
-    if tracer is not None:
-        tracer.close()  # a run that stopped inside the window still writes what it traced
-    if rank == 0 and hasattr(queue, "join_thread"):  # a multiprocessing queue (spawn): every StepInfo
-        queue.close()                                  # reaches the parent before this rank exits
-        queue.join_thread()
-    saved = None
-    if error is None and cfg.save:
-        if not _all_finite(engine.parameters(), device):
-            error, code = _stop_message(cfg, last - 1, "weights", infos[-1].loss if infos else math.nan,
-                                         last_saved), \
-                NONFINITE_EXIT
-        else:
-            state = engine.full_state_dict()
-            if rank == 0 and state is not None:
-                _save_weights(state, cfg.save)
-            saved = cfg.save
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (engine.param_bytes(), engine.param_bytes_by_type(), peak_memory_bytes(device)))
-    note = probe.reason if probe is not None else None
-    if probe is not None:
-        probe.close()
-    return TrainResult(infos, [p[0] for p in per_rank], [p[1] for p in per_rank],
-                       infos[-1].loss if infos else float("nan"), saved, dist.get_world_size(),
-                       gns_epochs, note, start, error, code, [p[2] for p in per_rank])
+                self._stop(self.last - 1, "weights", infos[-1].loss if infos else math.nan)
+            else:
+                state = engine.full_state_dict()
+                if self.rank == 0 and state is not None:
+                    _save_weights(state, cfg.checkpoint.save)
+                saved = cfg.checkpoint.save
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (engine.param_bytes(), engine.param_bytes_by_type(), _peak_memory(device)))
+        note = self.probe.reason if self.probe is not None else None
+        if self.probe is not None:
+            self.probe.close()
+        return TrainResult(infos, [p[0] for p in per_rank], [p[1] for p in per_rank],
+                           infos[-1].loss if infos else float("nan"), saved, dist.get_world_size(),
+                           self.gns_epochs, note, self.start, self.error, self.code, [p[2] for p in per_rank])
+
+
+def _peak_memory(device) -> int:
+    from hybridpar.train.metrics import peak_memory_bytes
+
+    return peak_memory_bytes(device)
 
 
 def profile_trace_path(cfg: TrainConfig) -> str | None:
     """The chrome trace `profile_steps` writes (None without profile_steps)."""
-    if not cfg.profile_steps:
+    if not cfg.metrics.profile_steps:
         return None
-    a, b = cfg.profile_steps
-    return os.path.join(cfg.profile_dir or "hybridpar-profile", f"trace-rank0-steps-{a}-{b}.json")
+    a, b = cfg.metrics.profile_steps
+    return os.path.join(cfg.metrics.profile_dir or "hybridpar-profile", f"trace-rank0-steps-{a}-{b}.json")
 
 
 class _StepProfiler:
@@ -324,7 +345,7 @@ class _StepProfiler:
     loop stops earlier)."""
 
     def __init__(self, cfg: TrainConfig, device):
-        self.first, self.stop = cfg.profile_steps
+        self.first, self.stop = cfg.metrics.profile_steps
         self.path = profile_trace_path(cfg)
         self.device, self.prof, self.step_ctx = device, None, None
 
@@ -365,10 +386,10 @@ def _resume_point(cfg: TrainConfig):
     set only `resume`) this run's newest complete one."""
     from hybridpar.train import checkpoint as ckpt
 
-    if cfg.resume_from:
-        return ckpt.checkpoint_info(cfg.resume_from)
-    if cfg.resume and cfg.checkpoint_dir:
-        return ckpt.latest_checkpoint(cfg.checkpoint_dir, owner=checkpoint_meta(cfg).get("run_id"))
+    if cfg.checkpoint.resume_from:
+        return ckpt.checkpoint_info(cfg.checkpoint.resume_from)
+    if cfg.checkpoint.resume != "no" and cfg.checkpoint.dir:
+        return ckpt.latest_checkpoint(cfg.checkpoint.dir, owner=checkpoint_meta(cfg).get("run_id"))
     return None
 
 
@@ -415,11 +436,13 @@ def _all_finite(params, device) -> bool:
 
 def _stop_message(cfg: TrainConfig, step: int, what: str, loss: float, last_saved: int | None) -> str:
     where = {"loss": f"the loss is {loss}", "gradients": f"the gradients are not finite (loss {loss:.4g})",
-             "weights": "the weights are not finite"}[what]
+             "weights": "the weights are not finite"}.get(what, what)
+    if what.startswith("state:"):  # hybridpar.train.guard: a tensor after the update
+        where = f"{what.removeprefix('state:')} is not finite after the update (loss {loss:.4g})"
     keep = "nothing was saved"
-    if cfg.checkpoint_dir:
-        keep += (f"; the last good checkpoint, step {last_saved}, is intact in {cfg.checkpoint_dir}"
-                 if last_saved else f"; no checkpoint was written to {cfg.checkpoint_dir}")
+    if cfg.checkpoint.dir:
+        keep += (f"; the last good checkpoint, step {last_saved}, is intact in {cfg.checkpoint.dir}"
+                 if last_saved else f"; no checkpoint was written to {cfg.checkpoint.dir}")
     return f"step {step}: {where}; training stopped ({keep}); lower lr or check the data"
 
 
@@ -428,8 +451,8 @@ def checkpoint_meta(cfg: TrainConfig) -> dict:
     (run_config.run_identity) and its digest decide whose checkpoints a directory holds."""
     from hybridpar.train.checkpoint import run_id
 
-    meta = {"model": cfg.model, "seed": cfg.seed, "batch": cfg.batch, "data": cfg.data, "shuffle": cfg.shuffle,
-            "plan": cfg.plan.model_dump(mode="json")}
+    meta = {"model": cfg.model, "seed": cfg.seed, "batch": cfg.batch, "data": cfg.data.source,
+            "shuffle": cfg.data.shuffle, "plan": cfg.plan.model_dump(mode="json")}
     if cfg.identity:
         meta.update(identity=cfg.identity, run_id=run_id(cfg.identity))
     return meta
@@ -453,7 +476,8 @@ def train(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Tr
     on `error`); TrainingFailed when a spawned rank dies or raises."""
     from hybridpar.train import launch
 
-    if (cfg.metrics or cfg.tensorboard) and (not launch.under_launcher() or os.environ.get("RANK") == "0"):
+    sinks = cfg.metrics.jsonl or cfg.metrics.tensorboard
+    if sinks and (not launch.under_launcher() or os.environ.get("RANK") == "0"):
         on_step = _with_metrics(cfg, on_step)
     try:
         return _train(cfg, on_step)
@@ -467,9 +491,9 @@ def _with_metrics(cfg: TrainConfig, on_step):
     as TensorBoard scalars)."""
     from hybridpar.train.metrics import MetricsFile, StepMetrics, TensorBoardLog
 
-    sinks = ([MetricsFile(cfg.metrics)] if cfg.metrics else []) + \
-        ([TensorBoardLog(cfg.tensorboard)] if cfg.tensorboard else [])
-    metrics = StepMetrics(cfg.flops_per_step, cfg.peak_flops, cfg.plan.world_size)
+    sinks = ([MetricsFile(cfg.metrics.jsonl)] if cfg.metrics.jsonl else []) + \
+        ([TensorBoardLog(cfg.metrics.tensorboard)] if cfg.metrics.tensorboard else [])
+    metrics = StepMetrics(cfg.metrics.flops_per_step, cfg.metrics.peak_flops, cfg.plan.world_size)
 
     class _Both:
         def __call__(self, info: dict) -> None:
@@ -521,5 +545,5 @@ def _train(cfg: TrainConfig, on_step):
             from hybridpar.errors import UserError
 
             raise UserError(lines[-1][len(refused):]) from None
-        hint = f" (continue with resume from {cfg.checkpoint_dir})" if cfg.checkpoint_dir else ""
+        hint = f" (continue with resume from {cfg.checkpoint.dir})" if cfg.checkpoint.dir else ""
         raise TrainingFailed(f"training failed: {lines[-1] if lines else err}{hint}") from None

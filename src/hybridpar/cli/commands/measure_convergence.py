@@ -29,9 +29,10 @@ def register(app: click.Group) -> None:
     @click.option("--out", type=click.Path(dir_okay=False), default=None,
                   help="write the fitted curve (JSON) for `hybridpar project --convergence`")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def measure_cmd(model: str, data: str, target: float, batches: str, seeds: int, max_epochs: float,
-                    base_lr: float, base_batch: int, max_lr: float, warmup_epochs: float, out: str | None,
-                    json_: bool) -> None:
+    def measure_cmd(  # noqa: PLR0913 - a click command: one parameter per flag
+            model: str, data: str, target: float, batches: str, seeds: int, max_epochs: float,
+            base_lr: float, base_batch: int, max_lr: float, warmup_epochs: float, out: str | None,
+            json_: bool) -> None:
         """Train MODEL on DATA to TARGET accuracy at each batch size; fit E(B) = E_min (1 + B/B_noise)."""
         from hybridpar.convergence.measure import LRRule, check_request, measure, measurement_json
 

@@ -8,7 +8,7 @@ import click
 
 from hybridpar.cli.options import batch_option, cluster_option, gpus_option
 from hybridpar.cli.output import console, err_console, human_bytes, print_json, table, time_columns
-from hybridpar.cost.memory import OPTIMIZERS
+from hybridpar.search.placer.config import OPTIMIZER_ALIASES, RUN_OPTIMIZERS
 
 SOLVER_CHOICES = ("ilp", "dp", "etf", "greedy", "single")
 
@@ -46,27 +46,31 @@ def register(app: click.Group) -> None:
     @click.option("--gap", type=float, default=None,
                   help="stop the ILP once within this relative gap of its proven bound, e.g. 0.01; "
                        "0 = search to a proof or the time limit  [default: 0.005]")
-    @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="momentum", show_default=True,
-                  help="what training steps with: its state in each device's memory, its update in the "
-                       "step (`train`'s --optimizer sgd --momentum 0 is sgd here)")
+    @click.option("--optimizer", type=click.Choice(RUN_OPTIMIZERS + OPTIMIZER_ALIASES), default=None,
+                  help="what training steps with, as `hybridpar train --optimizer` takes it: its state in each "
+                       "device's memory, its update in the step (old names: momentum = sgd with momentum, "
+                       "adam)  [default: sgd --momentum 0.9]")
+    @click.option("--momentum", type=float, default=None,
+                  help="as `train --momentum` (SGD keeps a momentum buffer when > 0)  [default: 0.9 without "
+                       "--optimizer, else 0]")
     @click.option("--gantt", type=click.Path(dir_okay=False), default=None, help="write the schedule as PNG")
     @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write the Plan as JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def place_cmd(model: str, cluster: str, gpus: int, solver: str, time_limit: float, batch: int | None,
-                  coarsen: int | None, time_chunks: int | None, input_shape: str | None, workers: int,
-                  gap: float | None, optimizer: str, gantt: str | None, out: str | None, json_: bool) -> None:
+    def place_cmd(  # noqa: PLR0913 - a click command: one parameter per flag
+            model: str, cluster: str, gpus: int, solver: str, time_limit: float, batch: int | None,
+            coarsen: int | None, time_chunks: int | None, input_shape: str | None, workers: int,
+            gap: float | None, optimizer: str, momentum: float, gantt: str | None, out: str | None,
+            json_: bool) -> None:
         """Place a model's graph on --gpus devices (ILP or a baseline) and predict the per-step time."""
-        from hybridpar.errors import UserError
+        from hybridpar.api import place
         from hybridpar.graph.models import parse_shape
-        from hybridpar.search.placer import place_model
+        from hybridpar.search.placer.config import PlacerConfig
 
-        devices = gpus
-        if workers < 1:
-            raise UserError(f"--workers must be >= 1, got {workers}")
-        with _progress(not json_ and err_console.is_terminal, f"placing {model} on {devices} device(s) with {solver}"):
-            outcome = place_model(model, cluster, devices, solver=solver, time_limit_s=time_limit, batch=batch,
-                                  coarsen=coarsen, input_shape=parse_shape(input_shape), workers=workers,
-                                  time_chunks=time_chunks, gap=gap, optimizer=optimizer)
+        config = PlacerConfig(solver=solver, time_limit_s=time_limit, batch=batch, coarsen=coarsen,
+                              input_shape=parse_shape(input_shape), workers=workers, time_chunks=time_chunks, gap=gap)
+        chosen = {k: v for k, v in (("optimizer", optimizer), ("momentum", momentum)) if v is not None}
+        with _progress(not json_ and err_console.is_terminal, f"placing {model} on {gpus} device(s) with {solver}"):
+            outcome = place(model, cluster, gpus, config, **chosen)
         if out:
             outcome.plan.save(out)
         if gantt:

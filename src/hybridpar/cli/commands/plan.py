@@ -124,14 +124,12 @@ def register(app: click.Group) -> None:
                        "--no-dry-run also prices layouts the runtime cannot run (a what-if)")
     @click.option("--out", "out", default=None, type=click.Path(dir_okay=False), help="write the Plan JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync, free_sample,
-                 time_share, optimizer, momentum, weight_decay, dry, out, json_) -> None:
+    def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync,  # noqa: PLR0913
+                 free_sample, time_share, optimizer, momentum, weight_decay, dry, out, json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
         from hybridpar.api import plan
 
         limit = parse_bytes(memory_limit)
-        if not (momentum >= 0 and weight_decay >= 0):  # NaN too
-            raise UserError(f"--momentum and --weight-decay must be >= 0, got {momentum} and {weight_decay}")
         shape = None
         if input_shape:  # graph.models imports torch: only a file model's shape needs it (zoo graphs are cached)
             from hybridpar.graph.models import parse_shape

@@ -27,8 +27,9 @@ def register(app: click.Group) -> None:
                   help="measure the runtime's own overhead again (else kept from the file once measured on "
                        "this host and torch: it does not depend on the model)")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def profile_cmd(out, ranks, model, batch, input_shape, splits, sizes, repeats, warmup, no_merge,
-                    remeasure_overhead, json_):
+    def profile_cmd(  # noqa: PLR0913 - a click command: one parameter per flag
+            out, ranks, model, batch, input_shape, splits, sizes, repeats, warmup, no_merge, remeasure_overhead,
+            json_):
         """Measure op times, matmul peak and gloo collectives (per kind and group size) on this machine."""
         from hybridpar.graph.models import parse_shape
         from hybridpar.profile.run import (

@@ -41,10 +41,11 @@ def register(app: click.Group) -> None:
     @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="write speedup vs GPUs (PNG)")
     @click.option("--no-cache", is_flag=True, help="recompute placements and plans (no on-disk cache)")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
-    def project_cmd(model: str, cluster: str, gpus: str, batch_per_gpu: int | None, curve_path: str | None,
-                    samples_per_epoch: int | None, mp_text: str, placer: str, placer_time_limit: float,
-                    time_chunks: bool, cf_max_gpus: int, dtype: str, budget: int | None, batch_options: str,
-                    plot: str | None, no_cache: bool, json_: bool) -> None:
+    def project_cmd(  # noqa: PLR0913 - a click command: one parameter per flag
+            model: str, cluster: str, gpus: str, batch_per_gpu: int | None, curve_path: str | None,
+            samples_per_epoch: int | None, mp_text: str, placer: str, placer_time_limit: float,
+            time_chunks: bool, cf_max_gpus: int, dtype: str, budget: int | None, batch_options: str,
+            plot: str | None, no_cache: bool, json_: bool) -> None:
         """Project time to target and speedup over one GPU for every strategy and GPU count."""
         from hybridpar.api import ProjectConfig, project
 

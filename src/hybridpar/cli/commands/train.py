@@ -9,143 +9,147 @@ from pathlib import Path
 
 import click
 
+from hybridpar.cli.options import gpus_option
 from hybridpar.cli.output import console, err_console, human_bytes, print_json, table
 from hybridpar.errors import UserError
 
+_OPTIONS = [
+    click.option("--model", "model", default=None, help="zoo name or path/to/file.py:factory (default: the plan's)"),
+    click.option("--input-shape", default=None, help="per-sample input shape C,H,W (file models)"),
+    click.option("--strategy", default=None, help="uniform layout, e.g. sample=2,channel=2"),
+    click.option("--plan", "plan", default=None, type=click.Path(), help="plan.json from `hybridpar plan`"),
+    gpus_option(default=None, aliases=("--nproc",),
+                help="ranks (devices) of the run: local ranks to spawn (default: the plan's or strategy's; ignored "
+                     "under torchrun)"),
+    click.option("--data", default="synthetic", show_default=True, help="synthetic | digits | path.pt | ..."),
+    click.option("--batch", type=int, default=None, help="global batch per step (default: the plan's, else 32)"),
+    click.option("--steps", type=int, default=None, help="SGD steps (default 10)"),
+    click.option("--epochs", type=int, default=None, help="passes over the data (instead of --steps)"),
+    click.option("--lr", type=float, default=0.1, show_default=True),
+    click.option("--momentum", type=float, default=0.0, show_default=True),
+    click.option("--weight-decay", type=float, default=0.0, show_default=True),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--no-shuffle", "no_shuffle", is_flag=True, help="step i uses samples i*B .. (i+1)*B-1 in file order"),
+    click.option("--init-from", type=click.Path(), default=None, help="state_dict of the undistributed model"),
+    click.option("--save", type=click.Path(), default=None, help="write final weights (undistributed layout)"),
+    click.option("--bn-stats", type=click.Choice(["global", "local"]), default="global", show_default=True,
+                 help="batch-norm statistics over the global batch (= serial) or each rank's samples"),
+    click.option("--recompute", type=click.Choice(["none", "all"]), default="none", show_default=True,
+                 help="all: recompute each block's activations in backward (keeps only block inputs)"),
+    click.option("--synthetic-size", type=int, default=1024, show_default=True,
+                 help="samples in --data synthetic"),
+    click.option("--workers", type=int, default=None,
+                 help="data loader processes per rank (default: none for data in memory, else the cores shared)"),
+    click.option("--checkpoint-dir", type=click.Path(), default=None,
+                 help="write sharded atomic checkpoints here (a directory every rank can reach; one run each)"),
+    click.option("--checkpoint-every", type=int, default=0, show_default=True,
+                 help="steps between checkpoints (0: only at the end)"),
+    click.option("--resume", type=click.Choice(["yes", "if-any"]), default=None, is_flag=False, flag_value="yes",
+                 help="continue from this run's newest good checkpoint in --checkpoint-dir (any layout or rank "
+                      "count; step 0 when there is none); --resume=if-any also starts at step 0 when every "
+                      "checkpoint there is damaged"),
+    click.option("--overwrite", is_flag=True,
+                 help="let this run replace checkpoints in --checkpoint-dir that are not its own"),
+    click.option("--deterministic", is_flag=True,
+                 help="deterministic kernels and seeding: bitwise-identical losses and weights across runs"),
+    click.option("--micro-batches", type=int, default=1, show_default=True,
+                 help="model-parallel plans (mp > 1) only: split each replica's batch into K GPipe "
+                      "micro-batches; batch-norm statistics are then per micro-batch"),
+    click.option("--gns/--no-gns", default=False, show_default=True,
+                 help="online gradient noise scale B_noise (McCandlish et al. 2018) from the per-sample-group "
+                      "and allreduced gradients, per step and per epoch; needs >1 sample group; adds one "
+                      "16-byte allreduce per step (comm kind 'gns')"),
+    click.option("--optimizer", type=click.Choice(["sgd", "adamw", "lars"]), default="sgd", show_default=True,
+                 help="lars: layer-wise trust ratios as in the MLPerf ResNet-50 reference"),
+    click.option("--lr-schedule", type=click.Choice(["constant", "cosine", "poly"]), default="constant",
+                 show_default=True, help="after the warm-up: constant, cosine to 0, or poly (power 2) to 0"),
+    click.option("--warmup-steps", type=int, default=0, show_default=True, help="linear warm-up steps"),
+    click.option("--grad-clip", type=float, default=None, help="clip the global gradient norm to this"),
+    click.option("--max-loss-ratio", type=float, default=None,
+                 help="stop (exit 3) when the loss exceeds R times its first value (default: off)"),
+    click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16", "fp64"]), default="fp32",
+                 show_default=True, help="bf16: autocast (CPU and CUDA); fp64: weights, buffers and inputs in "
+                                         "float64, for checking a layout against one process"),
+    click.option("--metrics", type=click.Path(), default=None,
+                 help="stream one JSON record per step to FILE.jsonl (loss, lr, samples/s, FLOP/s, mfu, memory, comm)"),
+    click.option("--tensorboard", type=click.Path(), default=None,
+                 help="also write those per-step scalars as TensorBoard events to DIR (rank 0; needs the "
+                      "tensorboard extra: pip install 'hybridpar[tensorboard]')"),
+    click.option("--profile-steps", default=None, metavar="A:B",
+                 help="write a torch.profiler chrome trace of steps A..B-1 on rank 0"),
+    click.option("--profile-dir", type=click.Path(), default=None,
+                 help="where --profile-steps writes its trace (default: CHECKPOINT_DIR/profile, else "
+                      "./hybridpar-profile)"),
+    click.option("--log-every", type=int, default=10, show_default=True,
+                 help="a progress line every N steps when stderr is not a terminal (0: none)"),
+    click.option("--config", "config", type=click.Path(), default=None,
+                 help="TOML file of train options: sections [parallel] [data] [optim] [checkpoint] [metrics], or "
+                      "keys as the flags (lr-schedule = \"cosine\"); flags override it"),
+    click.option("--json", "json_", is_flag=True, help="machine-readable output (per-step records)"),
+]
+
+
+def _with_options(fn):
+    for option in reversed(_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+@click.command("train")
+@_with_options
+def train_cmd(json_: bool, config: str | None, **options) -> None:
+    """Train a model with a sample/channel/filter (or MP) layout on torch.distributed.
+
+    Exit status: 0 done (or nothing left to do), 1 a rank failed, 2 bad input (nothing started),
+    3 a step's loss or gradients were NaN/Inf (nothing saved; the last good checkpoint is intact)."""
+    from hybridpar.api import with_placement
+    from hybridpar.train import launch
+    from hybridpar.train.config import TrainConfig, claim_checkpoint_dir, run_config
+
+    if config:
+        options = _with_config(config, options)
+    launched = launch.under_launcher()
+    setup = run_config(TrainConfig.from_options(**options),
+                       launcher_world=int(os.environ["WORLD_SIZE"]) if launched else None,
+                       local_ranks=_local_world() if launched else None,
+                       place=None if launched else with_placement)  # ranks must agree: no search there
+    rank0 = not launched or os.environ.get("RANK") == "0"
+    if rank0:
+        for note in setup.notes:
+            err_console.print(f"hybridpar: {note}", markup=False, highlight=False, soft_wrap=True)
+    if setup.nothing_to_do:
+        if rank0:
+            _nothing_to_do(setup, json_)
+        return
+    if rank0:
+        claim_checkpoint_dir(setup)
+    result = _run(setup, json_, setup.config.metrics.log_every)
+    if not rank0:  # another rank of a torchrun world: rank 0 reports
+        if result.error:
+            raise click.exceptions.Exit(result.exit_code or 1)
+        return
+    if result.error:
+        err_console.print(f"hybridpar: error: {result.error}", markup=False, highlight=False, soft_wrap=True)
+        raise click.exceptions.Exit(result.exit_code or 1)
+    _report(result, setup, json_)
+    _where_traces_went(setup.config)
+
 
 def register(app: click.Group) -> None:
-    @app.command("train")
-    @click.option("--model", "model", default=None, help="zoo name or path/to/file.py:factory (default: the plan's)")
-    @click.option("--input-shape", default=None, help="per-sample input shape C,H,W (file models)")
-    @click.option("--strategy", default=None, help="uniform layout, e.g. sample=2,channel=2")
-    @click.option("--plan", "plan", default=None, type=click.Path(), help="plan.json from `hybridpar plan`")
-    @click.option("--nproc", type=int, default=None,
-                  help="local ranks to spawn (default: the plan's or strategy's; ignored under torchrun)")
-    @click.option("--data", default="synthetic", show_default=True, help="synthetic | digits | path.pt | ...")
-    @click.option("--batch", type=int, default=None, help="global batch per step (default: the plan's, else 32)")
-    @click.option("--steps", type=int, default=None, help="SGD steps (default 10)")
-    @click.option("--epochs", type=int, default=None, help="passes over the data (instead of --steps)")
-    @click.option("--lr", type=float, default=0.1, show_default=True)
-    @click.option("--momentum", type=float, default=0.0, show_default=True)
-    @click.option("--weight-decay", type=float, default=0.0, show_default=True)
-    @click.option("--seed", type=int, default=0, show_default=True)
-    @click.option("--no-shuffle", "no_shuffle", is_flag=True, help="step i uses samples i*B .. (i+1)*B-1 in file order")
-    @click.option("--init-from", type=click.Path(), default=None, help="state_dict of the undistributed model")
-    @click.option("--save", type=click.Path(), default=None, help="write final weights (undistributed layout)")
-    @click.option("--bn-stats", type=click.Choice(["global", "local"]), default="global", show_default=True,
-                  help="batch-norm statistics over the global batch (= serial) or each rank's samples")
-    @click.option("--synthetic-size", type=int, default=1024, show_default=True,
-                  help="samples in --data synthetic")
-    @click.option("--workers", type=int, default=None,
-                  help="data loader processes per rank (default: none for data in memory, else the cores shared)")
-    @click.option("--checkpoint-dir", type=click.Path(), default=None,
-                  help="write sharded atomic checkpoints here (a directory every rank can reach; one run each)")
-    @click.option("--checkpoint-every", type=int, default=0, show_default=True,
-                  help="steps between checkpoints (0: only at the end)")
-    @click.option("--resume", type=click.Choice(["yes", "if-any"]), default=None, is_flag=False, flag_value="yes",
-                  help="continue from this run's newest good checkpoint in --checkpoint-dir (any layout or rank "
-                       "count; step 0 when there is none); --resume=if-any also starts at step 0 when every "
-                       "checkpoint there is damaged")
-    @click.option("--overwrite", is_flag=True,
-                  help="let this run replace checkpoints in --checkpoint-dir that are not its own")
-    @click.option("--deterministic", is_flag=True,
-                  help="deterministic kernels and seeding: bitwise-identical losses and weights across runs")
-    @click.option("--micro-batches", type=int, default=1, show_default=True,
-                  help="model-parallel plans (mp > 1) only: split each replica's batch into K GPipe "
-                       "micro-batches; batch-norm statistics are then per micro-batch")
-    @click.option("--gns/--no-gns", default=False, show_default=True,
-                  help="online gradient noise scale B_noise (McCandlish et al. 2018) from the per-sample-group "
-                       "and allreduced gradients, per step and per epoch; needs >1 sample group; adds one "
-                       "16-byte allreduce per step (comm kind 'gns')")
-    @click.option("--optimizer", type=click.Choice(["sgd", "adamw", "lars"]), default="sgd", show_default=True,
-                  help="lars: layer-wise trust ratios as in the MLPerf ResNet-50 reference")
-    @click.option("--lr-schedule", type=click.Choice(["constant", "cosine", "poly"]), default="constant",
-                  show_default=True, help="after the warm-up: constant, cosine to 0, or poly (power 2) to 0")
-    @click.option("--warmup-steps", type=int, default=0, show_default=True, help="linear warm-up steps")
-    @click.option("--grad-clip", type=float, default=None, help="clip the global gradient norm to this")
-    @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16", "fp64"]), default="fp32",
-                  show_default=True, help="bf16: autocast (CPU and CUDA); fp64: weights, buffers and inputs in "
-                                          "float64, for checking a layout against one process")
-    @click.option("--metrics", type=click.Path(), default=None,
-                  help="stream one JSON record per step to FILE.jsonl (loss, lr, samples/s, FLOP/s, mfu, memory, comm)")
-    @click.option("--tensorboard", type=click.Path(), default=None,
-                  help="also write those per-step scalars as TensorBoard events to DIR (rank 0; needs the "
-                       "tensorboard extra: pip install 'hybridpar[tensorboard]')")
-    @click.option("--profile-steps", default=None, metavar="A:B",
-                  help="write a torch.profiler chrome trace of steps A..B-1 on rank 0")
-    @click.option("--profile-dir", type=click.Path(), default=None,
-                  help="where --profile-steps writes its trace (default: CHECKPOINT_DIR/profile, else "
-                       "./hybridpar-profile)")
-    @click.option("--log-every", type=int, default=10, show_default=True,
-                  help="a progress line every N steps when stderr is not a terminal (0: none)")
-    @click.option("--config", "config", type=click.Path(), default=None,
-                  help="TOML file of train options (keys as the flags: lr-schedule = \"cosine\"); flags override it")
-    @click.option("--json", "json_", is_flag=True, help="machine-readable output (per-step records)")
-    def train_cmd(json_: bool, config: str | None, **options) -> None:
-        """Train a model with a sample/channel/filter (or MP) layout on torch.distributed.
-
-        Exit status: 0 done (or nothing left to do), 1 a rank failed, 2 bad input (nothing started),
-        3 a step's loss or gradients were NaN/Inf (nothing saved; the last good checkpoint is intact)."""
-        from hybridpar.api import with_placement
-        from hybridpar.train import launch
-        from hybridpar.train.config import claim_checkpoint_dir, run_config
-
-        if config:
-            options = _with_config(config, options)
-        no_shuffle, resume, log_every = options.pop("no_shuffle"), options.pop("resume"), options.pop("log_every")
-        if log_every < 0:
-            raise UserError(f"--log-every must be >= 0, got {log_every}")
-        _check_flag_combinations(options, resume)
-        launched = launch.under_launcher()
-        setup = run_config(**options, shuffle=not no_shuffle, resume=resume or "no",
-                           launcher_world=int(os.environ["WORLD_SIZE"]) if launched else None,
-                           local_ranks=_local_world() if launched else None,
-                           place=None if launched else with_placement)  # ranks must agree: no search there
-        rank0 = not launched or os.environ.get("RANK") == "0"
-        if rank0:
-            for note in setup.notes:
-                err_console.print(f"hybridpar: {note}", markup=False, highlight=False, soft_wrap=True)
-        if setup.nothing_to_do:
-            if rank0:
-                _nothing_to_do(setup, json_)
-            return
-        if rank0:
-            claim_checkpoint_dir(setup)
-        result = _run(setup, json_, log_every)
-        if not rank0:  # another rank of a torchrun world: rank 0 reports
-            if result.error:
-                raise click.exceptions.Exit(result.exit_code or 1)
-            return
-        if result.error:
-            err_console.print(f"hybridpar: error: {result.error}", markup=False, highlight=False, soft_wrap=True)
-            raise click.exceptions.Exit(result.exit_code or 1)
-        _report(result, setup, json_)
-        _where_traces_went(setup.config)
+    app.add_command(train_cmd)
 
 
 def _where_traces_went(cfg) -> None:
     """One stderr line each for the TensorBoard log and the profiler trace this run wrote."""
     from hybridpar.train.trainer import profile_trace_path
 
-    lines = [f"TensorBoard events in {cfg.tensorboard}"] if cfg.tensorboard else []
+    lines = [f"TensorBoard events in {cfg.metrics.tensorboard}"] if cfg.metrics.tensorboard else []
     trace = profile_trace_path(cfg)
     if trace and Path(trace).exists():
-        a, b = cfg.profile_steps
+        a, b = cfg.metrics.profile_steps
         lines.append(f"profiler trace of steps {a}..{b - 1} (chrome trace) in {trace}")
     for line in lines:
         err_console.print(f"hybridpar: {line}", markup=False, highlight=False, soft_wrap=True)
-
-
-def _check_flag_combinations(options: dict, resume: str | None) -> None:
-    """Flags that go together or exclude each other, in the command line's words."""
-    if (options["strategy"] is None) == (options["plan"] is None):
-        raise UserError("give exactly one of --strategy or --plan")
-    if options["steps"] is not None and options["epochs"] is not None:
-        raise UserError("give --steps or --epochs, not both")
-    if (options["checkpoint_every"] or resume or options["overwrite"]) and not options["checkpoint_dir"]:
-        raise UserError("--checkpoint-every, --resume and --overwrite need --checkpoint-dir")
-    if options["profile_dir"] and not options["profile_steps"]:
-        raise UserError("--profile-dir needs --profile-steps")
 
 
 def _local_world() -> int:
@@ -235,38 +239,69 @@ class _Progress:
         return False
 
 
+_ALIASES = {"nproc": "gpus", "devices": "gpus"}  # old spellings of a flag, still read in a config file
+
+
 def _with_config(path: str, options: dict) -> dict:
-    """Options from a TOML file (top level, or a [train] table) where the command line gave none."""
+    """Options from a TOML file where the command line gave none: keys as the flags at the top level
+    or in a [train] table, and the sections [parallel] [data] [optim] [checkpoint] [metrics] with the
+    fields of the run's config objects (hybridpar.train.config.TrainConfig)."""
     import tomllib
 
-    from click.core import ParameterSource
-
-    ctx = click.get_current_context()
     try:
         doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"--config {path}: file not found") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as err:
         raise UserError(f"--config {path}: not a TOML file ({err})") from None
-    table = doc["train"] if isinstance(doc.get("train"), dict) else doc
-    params = {p.name: p for p in ctx.command.params}
     out = dict(options)
-    for key, value in table.items():
-        name = str(key).replace("-", "_")
-        if name in ("config", "json", "json_"):
-            raise UserError(f"--config {path}: {key!r} cannot be set in a config file")
-        param = params.get(name)
-        if param is None or name not in out:
-            raise UserError(f"--config {path}: unknown option {key!r}")
-        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
-            continue  # the command line wins
-        if name == "resume" and isinstance(value, bool):
-            value = "yes" if value else None
-        try:
-            out[name] = param.type_cast_value(ctx, value)
-        except click.BadParameter as err:
-            raise UserError(f"--config {path}: {key}: {err.message}") from None
+    for key, value in _flat_keys(path, doc):
+        _set_from_file(path, out, key, value)
     return out
+
+
+def _flat_keys(path: str, doc: dict) -> list[tuple[str, object]]:
+    """(flat option name, value) of every key in the file; a section's keys are named as the flags."""
+    from hybridpar.train.config import SECTIONS, flat_name
+
+    root = doc["train"] if isinstance(doc.get("train"), dict) else doc
+    items = list(root.items())
+    if root is not doc:  # [train] with the sections beside it
+        items += [(k, v) for k, v in doc.items() if k in SECTIONS and isinstance(v, dict)]
+    pairs: list[tuple[str, object]] = []
+    for key, value in items:
+        if str(key) not in SECTIONS or not isinstance(value, dict):
+            pairs.append((str(key).replace("-", "_"), value))
+            continue
+        for k, v in value.items():
+            name = flat_name(str(key), str(k))
+            if name is None:
+                raise UserError(f"--config {path}: unknown option {k!r} in [{key}]")
+            pairs.append(("no_shuffle", not v) if name == "shuffle" else (name, v))
+    return pairs
+
+
+def _set_from_file(path: str, out: dict, name: str, value) -> None:
+    """out[name] = value cast as its flag casts it, unless the command line gave that flag."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    params = {p.name: p for p in ctx.command.params}
+    key = name
+    name = _ALIASES.get(name, name)
+    if name in ("config", "json", "json_"):
+        raise UserError(f"--config {path}: {key!r} cannot be set in a config file")
+    param = params.get(name)
+    if param is None or name not in out:
+        raise UserError(f"--config {path}: unknown option {key!r}")
+    if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+        return  # the command line wins
+    if name == "resume" and isinstance(value, bool):
+        value = "yes" if value else None
+    try:
+        out[name] = param.type_cast_value(ctx, value)
+    except click.BadParameter as err:
+        raise UserError(f"--config {path}: {key}: {err.message}") from None
 
 
 def _report(result, setup, json_: bool) -> None:

@@ -18,10 +18,12 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from hybridpar.layout.runs import BUCKET_BYTES  # one rule: the planner prices these buckets
 from hybridpar.parallel.comm.collectives import all_reduce_
@@ -49,18 +51,23 @@ class GradSync:
     which their gradient is Partial (`mesh_groups[dim_name]`, or `mesh_groups[(name, name, ...)]`
     for several: their union), then laid out like the parameter.
     `average_over`: divide by the number of sample groups (DDP's convention, for per-rank losses).
-    `overlap=False`: full buckets wait for the end of backward instead of starting during it."""
+    `overlap=False`: full buckets wait for the end of backward instead of starting during it.
+    `ordered=True`: buckets are filled at the end of backward in parameter order, not in the order
+    gradients became ready (spatial layouts: a rank whose piece of a layer's output is empty
+    finishes that layer's gradients at another point of its backward than its peers, and buckets
+    filled in ready order would then sum different parameters' gradients into each other)."""
 
     def __init__(self, params: Iterable[torch.Tensor], group_of: GroupOf,
                  mesh_groups: dict[str | tuple[str, ...], Group], log: CommLog, *, average_over: int = 1,
-                 bucket_bytes: int = BUCKET_BYTES, overlap: bool = True):
+                 bucket_bytes: int = BUCKET_BYTES, overlap: bool = True, ordered: bool = False):
         self.params = [p for p in params if p.requires_grad]
+        self.ordered = ordered
         self.group_of, self.mesh_groups, self.log = group_of, mesh_groups, log
         self.average_over, self.bucket_bytes, self.overlap = average_over, bucket_bytes, overlap
         self.enabled = True
         self._open: dict[int, _Bucket] = {}
         self._full: list[_Bucket] = []  # overlap=False: full buckets, started at the end of backward
-        self._inflight: list[tuple[object, _Bucket, torch.Tensor, torch.Tensor | None]] = []
+        self._inflight: list[tuple[Any, _Bucket, torch.Tensor, torch.Tensor | None]] = []
         self._seen: set[int] = set()
         self._alone: list[torch.Tensor] = []  # parameters whose group is this rank alone (no collective)
         self._queued = False
@@ -104,16 +111,21 @@ class GradSync:
             self.started_in_backward = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         self._seen.add(id(p))
-        if isinstance(p, DTensor):
-            return  # few and small (norm weights, scales): reduced by placement at the end
+        if isinstance(p, DTensor) or self.ordered:
+            return  # DTensors: few and small (norm weights, scales), reduced by placement at the end
+        self._add(p)
+
+    def _add(self, p: torch.Tensor) -> None:
         group = self.group_of(p)
         if group is None or group.size == 1:
             self._alone.append(p)  # nothing to sum; still averaged (its samples span every group's loss)
             return
+        grad = p.grad
+        assert grad is not None  # a post-accumulate-grad hook: accumulated
         b = self._open.setdefault(id(group), _Bucket(group))
         b.params.append(p)
-        b.grads.append(p.grad)
-        b.nbytes += p.grad.numel() * p.grad.element_size()
+        b.grads.append(grad)
+        b.nbytes += grad.numel() * grad.element_size()
         if b.nbytes >= self.bucket_bytes:
             full = self._open.pop(id(group))
             if self.overlap:
@@ -121,6 +133,12 @@ class GradSync:
                 self.started_in_backward += 1
             else:
                 self._full.append(full)
+
+    def _add_in_order(self) -> None:
+        """ordered=True: this backward's gradients into buckets, in parameter order."""
+        for p in self.params:
+            if id(p) in self._seen and not isinstance(p, DTensor):
+                self._add(p)
 
     def _launch(self, b: _Bucket) -> None:
         rider = self._rider
@@ -139,6 +157,8 @@ class GradSync:
 
     def _finish(self) -> None:
         self._queued = False
+        if self.ordered:
+            self._add_in_order()
         # Parameters autograd never reached (unused in this forward) still take part, as zeros, so
         # every rank issues the same collectives (and the bytes match the cost model's).
         for p in self.params:
@@ -169,7 +189,8 @@ class GradSync:
         self._inflight.clear()
         if self.average_over > 1:
             for p in self._alone:
-                p.grad.div_(self.average_over)
+                if p.grad is not None:
+                    p.grad.div_(self.average_over)
         self._alone.clear()
         self._reduce_dtensor_grads()
         self._seen.clear()
@@ -180,9 +201,8 @@ class GradSync:
         channel_filter) (an embedding's or a norm's under a channel/filter layout: each rank summed
         its own samples' share of the rows) is one sum over the whole mesh, not a sum over each dim
         in turn (which sent its bytes twice, in two collectives per parameter)."""
-        from torch.distributed.tensor import Replicate
-
-        done, by_dims = [], {}
+        done: list[tuple[DTensor, DTensor, torch.Tensor, list[Placement]]] = []
+        by_dims: dict[tuple[tuple[str, ...], torch.dtype], list[torch.Tensor]] = {}
         for p in self.params:
             if not isinstance(p, DTensor):
                 continue
@@ -194,6 +214,7 @@ class GradSync:
                 continue
             local = g.to_local()
             names = g.device_mesh.mesh_dim_names
+            assert names is not None  # our meshes name their dims
             dims = tuple(names[d] for d, pl in enumerate(g.placements)
                          if pl.is_partial() and self.mesh_groups[names[d]].size > 1)
             if dims:  # same order on every rank: placements are the same everywhere

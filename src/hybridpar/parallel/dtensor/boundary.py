@@ -1,68 +1,42 @@
-"""Global semantics: the DeviceMesh of a layout, and the boundary between DTensors (what user code
-between layers sees: whole tensors, global shapes) and local pieces (what our distributed layer
-algorithms compute on).
+"""Global semantics: the boundary between DTensors (what user code between layers sees: whole
+tensors, global shapes) and local pieces (what our distributed layer algorithms compute on).
 
-The mesh is named (sample, channel, filter) as in hybridpar.layout; activations live on its
-(sample, channel_filter) view, channel and filter flattened, because every layout with the same
-G = P_C*P_F chains without a move (their boundary pieces are the same G channel pieces).
+The mesh (hybridpar.parallel.mesh.build_meshes) is named (sample, channel, filter) as in
+hybridpar.layout; activations live on its (sample, channel_filter) view, channel and filter
+flattened, because every layout with the same G = P_C*P_F chains without a move (their boundary
+pieces are the same G channel pieces), laid out by the layout vocabulary's `activation_placements`.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
+import copy
+from functools import lru_cache
 from math import prod
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map_only
 
-from hybridpar.layout import LayerLayout, piece_offsets, piece_sizes
-
-ACT_DIMS = ("sample", "channel_filter")
-
-
-@dataclass
-class Meshes:
-    """The world's mesh for one layout and its activation view."""
-
-    full: object  # DeviceMesh (sample, channel, filter)
-    act: object  # DeviceMesh (sample, channel_filter)
-
-    @property
-    def sample(self) -> int:
-        return self.act.size(0)
-
-    @property
-    def g_size(self) -> int:
-        return self.act.size(1)
+from hybridpar.layout import LayerLayout, activation_placements, piece_offsets, piece_sizes
+from hybridpar.parallel.comm.collectives import all_gather_dim
+from hybridpar.parallel.mesh import ACT_DIMS, Meshes, ProcessGrid, build_meshes, to_dtensor_placements
 
 
-_MESHES: dict[tuple, Meshes] = {}
+@lru_cache(maxsize=256)
+def _boundary(sample: int, g_size: int, dim: int, spatial: tuple[tuple[str, int], ...] = (),
+              ndim: int | None = None) -> tuple[Placement, ...]:
+    named = activation_placements(LayerLayout(sample=sample, channel=g_size, **dict(spatial)), dim, ndim)
+    return tuple(to_dtensor_placements(named, ("sample", *(n for n, _ in spatial), "channel_filter")))
 
 
-def build_meshes(layout: LayerLayout, device_type: str) -> Meshes:
-    """Collective: every rank calls it (DeviceMesh creates process groups). One per layout and world:
-    later models on the same layout reuse it (process groups are costly to create)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = (layout.sample, layout.channel, layout.filter, device_type, id(dist.group.WORLD))
-    if key in _MESHES:
-        return _MESHES[key]
-
-    full = init_device_mesh(device_type, (layout.sample, layout.channel, layout.filter),
-                            mesh_dim_names=("sample", "channel", "filter"))
-    full["channel", "filter"]._flatten("channel_filter")  # DeviceMesh's own way to name a joint dim
-    with warnings.catch_warnings():  # "slicing a flattened dim ... will be deprecated": still the way in 2.13
-        warnings.simplefilter("ignore", UserWarning)
-        _MESHES[key] = Meshes(full, full[ACT_DIMS])
-    return _MESHES[key]
-
-
-def boundary_placements(meshes: Meshes, dim: int = 1) -> list:
-    """An activation between layers: samples over `sample`, channels (`dim`) over channel_filter."""
-    return [Shard(0), Shard(dim) if meshes.g_size > 1 else Replicate()]
+def boundary_placements(meshes: Meshes, dim: int = 1, ndim: int | None = None) -> list[Placement]:
+    """An activation between layers: samples over `sample`, channels (`dim`) over channel_filter, and
+    with spatial splits an `ndim`-dim activation's spatial dims over theirs (hybridpar.layout.placements)."""
+    if not meshes.spatial:
+        return list(_boundary(meshes.sample, meshes.g_size, dim))
+    sizes = tuple((n, meshes.act.size(1 + i)) for i, n in enumerate(meshes.spatial))
+    return list(_boundary(meshes.sample, meshes.g_size, dim, sizes, ndim))
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:
@@ -99,8 +73,6 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: DTensor) -> torch.Tensor:
-        import copy
-
         ctx.spec = copy.copy(x._spec)
         ctx.set_materialize_grads(False)
         local = x._local_tensor
@@ -108,8 +80,6 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        import copy
-
         if g is None:
             return None
         spec = ctx.spec
@@ -146,8 +116,6 @@ _SPECS: dict[tuple, tuple] = {}  # (mesh id, placements, global shape, dtype) ->
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, spec) -> DTensor:
-        import copy
-
         ctx.spec = spec
         ctx.set_materialize_grads(False)
         # a fresh spec object per tensor, as DTensor's own code keeps them (sharding propagation may
@@ -202,15 +170,17 @@ def channel_piece(n: int, meshes: Meshes) -> tuple[int, int]:
 def distribute_input(x, meshes: Meshes, *, sample_shard: bool):
     """A user input (the global batch, same on every rank; or, with sample_shard, this rank's samples)
     as a DTensor split on samples and whole on channel_filter: no communication at all."""
+    rest = [Replicate()] * (meshes.act.ndim - 1)  # spatial dims too: our spatial layers take their pieces
+
     def one(t: torch.Tensor):
         if t.dim() == 0:
-            return DTensor.from_local(t, meshes.act, [Replicate(), Replicate()], run_check=False)
+            return DTensor.from_local(t, meshes.act, [Replicate(), *rest], run_check=False)
         if sample_shard:
             shape = (t.shape[0] * meshes.sample, *t.shape[1:])
             local = t
         else:
             shape, local = tuple(t.shape), t[local_rows(t.shape[0], meshes)]
-        return from_local(local, meshes, [Shard(0), Replicate()], shape)
+        return from_local(local, meshes, [Shard(0), *rest], shape)
     if isinstance(x, tuple) and all(type(t) is torch.Tensor for t in x):  # the common case, without pytree
         return tuple(one(t) for t in x)
     if isinstance(x, dict) and not x:
@@ -224,9 +194,7 @@ class _GatherWhole(torch.autograd.Function):
     the backward is this rank's slice of the gradient, with no communication."""
 
     @staticmethod
-    def forward(ctx, local, grid, cdim: int, channels: int, n: int, samples: bool = True):
-        from hybridpar.parallel.comm.collectives import all_gather_dim
-
+    def forward(ctx, local, grid: ProcessGrid, cdim: int, channels: int, n: int, samples: bool = True):
         ctx.cdim, ctx.channels, ctx.n, ctx.grid, ctx.samples = cdim, channels, n, grid, samples
         t = local
         if cdim >= 0:
@@ -239,9 +207,6 @@ class _GatherWhole(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d):
-        from hybridpar.parallel.dtensor.rules import replicate_plain_tensors
-
-        replicate_plain_tensors()  # the backward's thread (a device thread on CUDA) mixes them too
         grid = ctx.grid
         if grid.sample > 1 and ctx.samples:
             d = d.narrow(0, piece_offsets(ctx.n, grid.sample)[grid.s], piece_sizes(ctx.n, grid.sample)[grid.s])
@@ -254,13 +219,15 @@ class _GatherWhole(torch.autograd.Function):
 def gather_output(out, meshes: Meshes, grid, *, sample_shard: bool):
     """The model's outputs as ordinary tensors: whole (same on every rank), or this rank's samples."""
     def one(t: DTensor):
-        p0, p1 = t.placements
+        if meshes.spatial:  # spatial pieces made whole first (DTensor's gather); samples and channels below
+            t = _whole_spatially(t, meshes)
+        p0, p1 = t.placements[0], t.placements[-1]
         if sample_shard and t.dim() > 0 and p0 == Shard(0):
             if isinstance(p1, Shard) or p1 == Replicate():
                 cdim = p1.dim if isinstance(p1, Shard) else -1
                 local = t.to_local(grad_placements=t.placements)
                 return _GatherWhole.apply(local, grid, cdim, t.shape[cdim] if cdim >= 0 else 0, t.shape[0], False)
-            return t.redistribute(meshes.act, [Shard(0), Replicate()]).to_local()
+            return t.redistribute(meshes.act, [Shard(0), *[Replicate()] * (meshes.act.ndim - 1)]).to_local()
         if t.dim() > 0 and p0 in (Shard(0), Replicate()) and (isinstance(p1, Shard) or p1 == Replicate()) \
                 and (p0 == Shard(0) or grid.sample == 1):
             cdim = p1.dim if isinstance(p1, Shard) else -1
@@ -272,8 +239,16 @@ def gather_output(out, meshes: Meshes, grid, *, sample_shard: bool):
     return tree_map_only(DTensor, one, out)
 
 
+def _whole_spatially(t: DTensor, meshes: Meshes) -> DTensor:
+    """`t` with every spatial mesh dim Replicate (a Partial one summed)."""
+    places = list(t.placements)
+    for i in range(1, 1 + len(meshes.spatial)):
+        places[i] = Replicate()
+    return t if places == list(t.placements) else t.redistribute(meshes.act, places)
+
+
 def replicate_param(p: torch.Tensor, meshes: Meshes) -> DTensor:
-    return DTensor.from_local(p.detach(), meshes.act, [Replicate(), Replicate()], run_check=False)
+    return DTensor.from_local(p.detach(), meshes.act, [Replicate()] * meshes.act.ndim, run_check=False)
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ def _group_size(name: str) -> int:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return dist.get_world_size(_resolve_process_group(name))
+    return dist.get_world_size(_resolve_process_group(name))  # type: ignore[arg-type]  # a GroupName is a str
 
 
 class DTensorCommLog(TorchDispatchMode):
@@ -74,15 +74,28 @@ _ACTIVE: list[DTensorCommLog] = []  # the recorders entered, innermost last
 
 
 def watched(priced: bool = False):
-    """Context manager for the collectives of DTensor's custom op handlers (hybridpar.parallel.
-    dtensor_rules): they run inside a dispatch, where the active recorder is off the mode stack and
-    would not see them; a recorder of the same log and records watches them there (no-op if none).
-    `priced`: its records are marked as moves the planner prices itself."""
-    from contextlib import nullcontext
+    """Context manager for the collectives our DTensor rules issue (hybridpar.parallel.dtensor.rules),
+    marked `priced` when the planner prices them itself. Where the active recorder is on the dispatch
+    mode stack (our rules run from a torch-function mode or an autograd Function), it sees them: only
+    the mark changes for the duration. Inside a dispatch (a custom op handler) it is off the stack and
+    would not see them: a recorder of the same log and records watches them there. No-op if none."""
+    from contextlib import contextmanager, nullcontext
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     if not _ACTIVE:
         return nullcontext()
     outer = _ACTIVE[-1]
+    if any(mode is outer for mode in _get_current_dispatch_mode_stack()):
+        @contextmanager
+        def marked():
+            before, outer.priced = outer.priced, priced
+            try:
+                yield outer
+            finally:
+                outer.priced = before
+
+        return marked()
     inner = DTensorCommLog(outer.log, outer.tracker, priced)
     inner.records = outer.records
     return inner

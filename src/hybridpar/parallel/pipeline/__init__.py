@@ -1,7 +1,11 @@
-"""Model-parallel (placement) and hybrid DP x MP execution of a Plan on torch.distributed."""
+"""Model-parallel (placement) and hybrid DP x MP execution of a Plan on torch.distributed: the
+engine `hybridpar train` drives (MPEngine) and the user's own loop (module.parallelize_mp, reached
+through hybridpar.parallelize)."""
 
-from hybridpar.parallel.pipeline.engine import MPEngine, check_mp_plan, loss_sum
+from hybridpar.parallel.pipeline.engine import MPEngine, check_mp_plan
 from hybridpar.parallel.pipeline.layout import HybridLayout
+from hybridpar.parallel.pipeline.module import MPState, parallelize_mp
 from hybridpar.parallel.pipeline.partition import Partition, Transfer, partition_module
 
-__all__ = ["HybridLayout", "MPEngine", "Partition", "Transfer", "check_mp_plan", "loss_sum", "partition_module"]
+__all__ = ["HybridLayout", "MPEngine", "MPState", "Partition", "Transfer", "check_mp_plan",
+           "parallelize_mp", "partition_module"]

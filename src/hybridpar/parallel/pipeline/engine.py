@@ -6,33 +6,30 @@ parameters, full_state_dict, comm_log.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from hybridpar.errors import UserError
+from hybridpar.graph.models import rebatch
 from hybridpar.graph.runnable import is_exported
+from hybridpar.parallel.comm.grad_sync import BUCKET_BYTES, GradSync
+from hybridpar.parallel.comm.log import CommLog
 from hybridpar.parallel.finite import finite_here
-from hybridpar.parallel.pipeline.comm import CommLog
 from hybridpar.parallel.pipeline.executor import crossings, message_count, meta_copy, meta_values, run_forward
-from hybridpar.parallel.pipeline.grad_sync import BUCKET_BYTES, GradSync
 from hybridpar.parallel.pipeline.layout import HybridLayout, dp_group
-from hybridpar.parallel.pipeline.norm import has_batch_norm, sync_batch_norms
+from hybridpar.parallel.pipeline.norm import has_batch_norm, sync_batch_norms, unreachable_batch_norms
 from hybridpar.parallel.pipeline.p2p import Link
 from hybridpar.parallel.pipeline.partition import Partition, partition_module
 from hybridpar.parallel.pipeline.placement import resolve_placement
-from hybridpar.parallel.pipeline.state import gather_state
+from hybridpar.parallel.state import ShardInfo, gather_full_state
 from hybridpar.plans import Plan
-
-
-def loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy; sequence outputs [N, T, V] against targets [N, T] are flattened."""
-    if logits.dim() > 2 and y.dim() == logits.dim() - 1:
-        logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-    return F.cross_entropy(logits, y, reduction="sum")
 
 
 def _default_device() -> torch.device:
@@ -52,14 +49,22 @@ class MPEngine:
     pre-posted receives, as NCCL needs; gloo gets non-blocking, pre-posted, lazy receives.
     bn_stats="global" (default) computes batch-norm statistics over the global batch (all replicas),
     "local" over each replica's samples. overlap_grad_sync: allreduce gradient buckets across
-    replicas during backward (else after it), in buckets of about grad_bucket_bytes.
+    replicas during backward (else after it), in buckets of about grad_bucket_bytes
+    (hybridpar.parallel.comm.grad_sync.GradSync, the package's one gradient sync and bucket rule).
     example_inputs: one forward's inputs (a micro-batch of a replica: `micro_batch_inputs`), for a
-    model torch.fx cannot trace, which then runs on torch.export's graph at their shapes."""
+    model torch.fx cannot trace, which then runs on torch.export's graph at their shapes.
+    loss_fn(outputs, targets): the caller's loss of one micro-batch, summed over its samples (the engine
+    divides by the global batch's target count); `outputs` is the model's output (its first tensor
+    when it returns a tuple or dict); the engine owns no loss (hybridpar train gives its own).
+    Inputs (`local_batch`, `train_step`): a tensor, a tuple of the model's positional inputs, or a
+    dict of its keyword inputs; every tensor with the batch's leading size is split by samples.
+    The user's own loop runs on the same engine: hybridpar.parallelize (pipeline.module)."""
 
     def __init__(self, module: nn.Module, plan: Plan, *, micro_batches: int = 1,
                  device: torch.device | None = None, ordered_p2p: bool | None = None,
                  bn_stats: str = "global", overlap_grad_sync: bool = True,
-                 grad_bucket_bytes: int = BUCKET_BYTES, example_inputs: tuple | None = None):
+                 grad_bucket_bytes: int = BUCKET_BYTES, example_inputs: tuple | None = None,
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None):
         if not dist.is_initialized():
             raise RuntimeError("MPEngine needs torch.distributed initialised (launch.init())")
         if dist.get_world_size() != plan.world_size:
@@ -71,6 +76,7 @@ class MPEngine:
         if micro_batches < 1:
             raise UserError(f"micro_batches must be >= 1, got {micro_batches}")
         self.plan = plan
+        self.loss_fn = loss_fn
         self.micro_batches = micro_batches
         self.layout = HybridLayout(plan.dp, plan.mp, dist.get_rank())
         self.device = device or _default_device()
@@ -78,6 +84,7 @@ class MPEngine:
         self.step_grads_finite: bool | None = None  # every rank's gradients finite, agreed in the last step
         ordered = dist.get_backend() != "gloo" if ordered_p2p is None else ordered_p2p
         module.train()  # trace the training graph (a forward may branch on self.training)
+        self.signature = _signature(module)
         # the loss in the weights' precision (the same on every rank: the whole module decides): an fp64
         # run reports, and is checked on, float64 losses
         wide = any(p.dtype == torch.float64 for p in module.parameters())
@@ -95,7 +102,9 @@ class MPEngine:
         self._group = dp_group(self.layout)
         # same decision on every rank (it gates a check in local_batch)
         self._sync_bn = self._group is not None and bn_stats == "global" and has_batch_norm(module)
-        if self._sync_bn:
+        if self._group is not None and bn_stats == "global":
+            _refuse_unreachable_norms(self.partition.gm, plan)
+        if self._sync_bn and self._group is not None:
             sync_batch_norms(module, self.partition, self.layout, self._group, self.comm_log)
         full = module.state_dict(keep_vars=True)
         owner = self.partition.owner_of_key
@@ -104,13 +113,14 @@ class MPEngine:
         self._take_over(module)
         self._params = [p for k, p in module.named_parameters() if owner[k] == self.layout.device]
         self._placeholder = nn.Parameter(torch.empty(0, device=self.device))
-        self._grad_sync = None if self._group is None else GradSync(
-            self._params, self._group, plan.dp, self.comm_log, overlap=overlap_grad_sync,
+        group = self._group
+        self._grad_sync = None if group is None else GradSync(
+            self._params, lambda _p: group, {}, self.comm_log, overlap=overlap_grad_sync,
             bucket_bytes=grad_bucket_bytes)
         lay = self.layout
         self.link = Link(rank_of_device=lambda d: lay.rank_of(lay.replica, d), log=self.comm_log,
                          prepost=not ordered)
-        self._cross_cache: dict[tuple, tuple[dict, int]] = {}
+        self._cross_cache: dict[tuple, tuple[dict, int, dict[str, object]]] = {}
         self._global_count: int | None = None
 
     # -- set-up -----------------------------------------------------------------------------
@@ -118,7 +128,8 @@ class MPEngine:
         """Free the weights other devices own; move ours to this rank's device."""
         owned = {id(t) for t in self._local_state.values()}
         for mod in module.modules():
-            for store in (mod._parameters, mod._buffers):
+            stores: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)
+            for store in stores:
                 for name, t in list(store.items()):
                     if t is None:
                         continue
@@ -141,16 +152,28 @@ class MPEngine:
                     continue  # a constant torch.export lifted: the graph's own
                 if isinstance(value, torch.Tensor) and getattr(holder, field, None) is not value:
                     if field in holder._parameters or field in holder._buffers:
-                        (holder._parameters if field in holder._parameters else holder._buffers)[field] = value
+                        table: dict[str, Any] = holder._parameters if field in holder._parameters else holder._buffers
+                        table[field] = value
                     else:
                         setattr(holder, field, value)
 
     def _crossings(self, inputs: tuple) -> tuple[dict, int]:
+        cross, n, _outs = self._shapes(inputs)
+        return cross, n
+
+    def _shapes(self, inputs: tuple) -> tuple[dict, int, dict[str, object]]:
+        """(crossings, their message count, every output node's value on meta) for inputs shaped so."""
         key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
         if key not in self._cross_cache:
-            cross = crossings(self.partition, meta_values(self.partition, self._meta, inputs))
-            self._cross_cache[key] = (cross, message_count(cross))
+            values = meta_values(self.partition, self._meta, inputs)
+            cross = crossings(self.partition, values)
+            outs = {n: values[n] for n in self.partition.output_nodes if n in values}
+            self._cross_cache[key] = (cross, message_count(cross), outs)
         return self._cross_cache[key]
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple:
+        """The graph's inputs (one per placeholder, in order) for `model(*args, **kwargs)`."""
+        return bind_inputs(self.partition.gm, self.signature, args, kwargs)
 
     # -- the Engine contract -----------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -159,46 +182,57 @@ class MPEngine:
         skip it), because torch.optim rejects an empty parameter list."""
         return iter(self._params or [self._placeholder])
 
-    def local_batch(self, x_global: torch.Tensor, y_global: torch.Tensor):
-        """This replica's contiguous slice of the global batch (every device of a replica gets it)."""
-        if len(x_global) < self.layout.dp:
-            raise UserError(f"global batch {len(x_global)} smaller than dp={self.layout.dp}")
-        if self._sync_bn and len(x_global) % self.layout.dp:
-            raise UserError(f"global batch {len(x_global)} must divide evenly over dp={self.layout.dp} "
-                            "replicas for global batch-norm statistics")
+    def local_batch(self, x_global, y_global: torch.Tensor):
+        """This replica's contiguous slice of the global batch (every device of a replica gets it).
+        x_global: a tensor, a tuple or a dict of inputs (every tensor with the batch's leading size is split)."""
+        n = batch_rows(x_global)
+        self.check_batch(n)
         self._global_count = y_global.numel()
         k = self.layout.replica
-        return torch.tensor_split(x_global, self.layout.dp)[k], torch.tensor_split(y_global, self.layout.dp)[k]
+        return split_rows(x_global, n, self.layout.dp)[k], torch.tensor_split(y_global, self.layout.dp)[k]
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward, loss (summed cross-entropy / global target count), backward, gradient
-        allreduce across replicas. Returns the global-batch mean loss on every rank."""
+    def check_batch(self, n: int) -> None:
+        """UserError (the same on every rank) for a global batch of `n` samples this plan cannot split."""
+        if n < self.layout.dp:
+            raise UserError(f"global batch {n} smaller than dp={self.layout.dp}")
+        if self._sync_bn and n % self.layout.dp:
+            raise UserError(f"global batch {n} must divide evenly over dp={self.layout.dp} "
+                            "replicas for global batch-norm statistics")
+
+    def train_step(self, x, y: torch.Tensor) -> float:
+        """Forward, loss (`loss_fn`, summed / global target count), backward, gradient allreduce across
+        replicas. Returns the global-batch mean loss on every rank. x: a tensor, tuple or dict of inputs."""
         self.comm_log.mark_step()
         # nn.Module's own train(): torch.export's module refuses train(); its graph is the training one
         nn.Module.train(self.partition.gm)
         count = self._global_count or y.numel() * self.layout.dp
-        mbs = min(self.micro_batches, len(x))
-        xs, ys = torch.tensor_split(x, mbs), torch.tensor_split(y, mbs)
+        n = batch_rows(x)
+        mbs = min(self.micro_batches, n)
+        xs, ys = split_rows(x, n, mbs), torch.tensor_split(y, mbs)
         loss_local = torch.zeros((), device=self.device, dtype=self._loss_dtype)
         roots = []
         msg_base = 0
         for xm, ym in zip(xs, ys):
-            cross, n_msgs = self._crossings((xm,))
-            out, token = run_forward(self.partition, self.layout.device, self.link, (xm,), cross,
+            inputs = self.bind(*as_call(xm))
+            cross, n_msgs = self._crossings(inputs)
+            out, token = run_forward(self.partition, self.layout.device, self.link, inputs, cross,
                                      msg_base, self.device)
             msg_base += n_msgs
-            loss = loss_sum(out, ym.to(self.device)) / count if out is not None else None
+            if self.loss_fn is None:
+                raise UserError("MPEngine.train_step needs the caller's loss_fn")
+            loss = self.loss_fn(out, ym.to(self.device)) / count if out is not None else None
             if loss is not None:
                 loss_local += loss.detach()
             roots.append((loss, token))
         for i, (loss, token) in reversed(list(enumerate(roots))):  # GPipe order: last micro-batch first
-            if i == 0 and self._grad_sync is not None:
-                self._grad_sync.arm()  # this backward leaves the final gradients
+            # only the first micro-batch's backward (the last to run) leaves the final gradients: the
+            # gradient sync runs in it, its buckets overlapping that backward, done when it returns
+            sync = self._grad_sync
+            quiet = sync.no_sync() if sync is not None and i > 0 else nullcontext()
             tensors = [token] if loss is None else [loss, token]
-            torch.autograd.backward(tensors, [torch.zeros_like(token) if t is token else None for t in tensors])
+            with quiet:
+                torch.autograd.backward(tensors, [torch.zeros_like(token) if t is token else None for t in tensors])
         self.link.wait_all()
-        if self._grad_sync is not None:
-            self._grad_sync.finish()
         # only each replica's loss device contributes; this rank's gradients' finiteness goes with it,
         # so the train loop's check needs no collective of its own (step_grads_finite)
         bad = 0.0 if finite_here([p.grad for p in self._params if p.grad is not None]) else 1.0
@@ -217,8 +251,14 @@ class MPEngine:
         return dict(self._local_state)
 
     def full_state_dict(self):
-        """The undistributed model's state_dict (on CPU) on rank 0; None on other ranks."""
-        return gather_state(self._local_state, self._schema, self.layout, self.comm_log, self.device)
+        """The undistributed model's state_dict (on CPU) on rank 0; None on other ranks. Collective:
+        every rank calls it; replica 0's owner of each entry contributes it whole."""
+        mine = self.layout.replica == 0
+        empty = torch.empty(0)
+        local = {k: self._local_state.get(k, empty) for k in self._schema}
+        shards = {k: ShardInfo(tuple(shape), ()) if mine and owner == self.layout.device else None
+                  for k, (owner, shape, _dtype) in self._schema.items()}
+        return gather_full_state(local, shards, self.comm_log)
 
     # -- reporting ---------------------------------------------------------------------------
     def param_bytes(self) -> int:
@@ -242,8 +282,6 @@ class MPEngine:
 def micro_batch_inputs(example_inputs: tuple, plan: Plan, micro_batches: int = 1) -> tuple:
     """The example inputs at the batch one forward of a replica takes (what torch.export specialises
     an exported graph to)."""
-    from hybridpar.graph.models import rebatch
-
     return rebatch(tuple(example_inputs), max(1, plan.batch // plan.dp // max(1, micro_batches)))
 
 
@@ -258,8 +296,6 @@ def _like_weights(inputs: tuple, module: nn.Module) -> tuple:
 def _check_exported(module: nn.Module, plan: Plan, bn_stats: str) -> None:
     """What an exported graph cannot run as the fx one does: its batch norm is ATen ops, which the
     global statistics' module swap does not reach, and its shapes are fixed to one micro-batch."""
-    from hybridpar.parallel.pipeline.norm import has_batch_norm
-
     if plan.dp > 1 and bn_stats == "global" and has_batch_norm(module):
         raise UserError("model parallelism on torch.export's graph (the model is not torch.fx-traceable) cannot "
                         "compute batch-norm statistics over the global batch; use bn_stats='local' or dp=1")
@@ -287,8 +323,6 @@ def check_mp_plan(module: nn.Module, plan: Plan, batch: int, example_inputs: tup
     _check_layouts(plan)
     if batch < plan.dp:
         raise UserError(f"global batch {batch} smaller than dp={plan.dp}")
-    from hybridpar.parallel.pipeline.norm import has_batch_norm
-
     if plan.dp > 1 and batch % plan.dp and has_batch_norm(module):
         raise UserError(f"global batch {batch} must divide evenly over dp={plan.dp} replicas for global "
                         "batch-norm statistics")
@@ -298,3 +332,69 @@ def check_mp_plan(module: nn.Module, plan: Plan, batch: int, example_inputs: tup
     if is_exported(part.gm):
         _check_exported(module, plan, bn_stats)
         check_exported_batch(plan, batch, micro_batches)
+    if plan.dp > 1 and bn_stats == "global":
+        _refuse_unreachable_norms(part.gm, plan)
+
+
+def _refuse_unreachable_norms(gm: fx.GraphModule, plan: Plan) -> None:
+    bad = unreachable_batch_norms(gm)
+    if bad:
+        raise UserError(f"mp={plan.mp} x sample={plan.dp}: the model computes batch-norm statistics with "
+                        f"F.batch_norm in its own forward ({bad[0]}), which would see each replica's samples "
+                        "only; use an nn.BatchNorm module, bn_stats='local', or dp=1")
+
+
+def _signature(module: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def as_call(x) -> tuple[tuple, dict]:
+    """(args, kwargs) of a model call from a batch's inputs: a tensor, a tuple/list of positional
+    inputs, or a dict of keyword inputs."""
+    if isinstance(x, dict):
+        return (), dict(x)
+    if isinstance(x, (tuple, list)):
+        return tuple(x), {}
+    return (x,), {}
+
+
+def bind_inputs(gm: fx.GraphModule, signature: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple:
+    """One value per placeholder of `gm`, in order, for a call `model(*args, **kwargs)`: by parameter
+    name on torch.fx's graph (defaults filled in), as the flattened inputs on torch.export's."""
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if is_exported(gm) or signature is None:
+        flat = tree_flatten((tuple(args), dict(kwargs)))[0]
+        if len(flat) != len(holders):
+            raise UserError(f"the model's graph takes {len(holders)} input(s), got {len(flat)}")
+        return tuple(flat)
+    bound = signature.bind(*args, **kwargs).arguments  # a TypeError as the model's own call would raise
+    out = []
+    for node in holders:
+        name = str(node.target).lstrip("*")
+        if name in bound:
+            out.append(bound[name])
+        elif node.args:
+            out.append(node.args[0])
+        else:
+            raise TypeError(f"forward() missing required argument: {name!r}")
+    return tuple(out)
+
+
+def batch_rows(x) -> int:
+    """The batch's sample count: the leading size of its first tensor with at least one dimension."""
+    n = next((t.shape[0] for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.dim()), None)
+    if n is None:
+        raise UserError("the model's inputs hold no tensor with a batch dimension")
+    return n
+
+
+def split_rows(x, n: int, parts: int) -> list:
+    """`x` (a tensor or a tuple/list/dict of inputs) cut into `parts` contiguous pieces of samples
+    (torch.tensor_split's sizes): every tensor whose leading size is `n` is cut, the rest is kept whole."""
+    def piece(k: int):
+        return tree_map_only(torch.Tensor, lambda t: torch.tensor_split(t, parts)[k]
+                             if t.dim() and t.shape[0] == n else t, x)
+    return [piece(k) for k in range(parts)]

@@ -4,7 +4,7 @@ of the activations that cross to or from its device."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx, nn
@@ -48,7 +48,8 @@ def meta_values(part: Partition, meta_module: nn.Module, inputs: tuple) -> dict[
     gm = fx.GraphModule(meta_module, part.gm.graph)
     gm.train(part.gm.training)
     interp = _LocalInterpreter(gm, torch.device("meta"), exported=is_exported(part.gm))
-    interp.run(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs])
+    with torch.enable_grad():  # which values carry a gradient (Crossing.diff), whatever the caller's mode
+        interp.run(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs])
     return {n.name: v for n, v in interp.env.items()}
 
 
@@ -93,9 +94,15 @@ class _LocalInterpreter(fx.Interpreter):
 
 
 def run_forward(part: Partition, device: int, link: Link, inputs: tuple, cross: dict[int, Crossing],
-                msg_base: int, torch_device: torch.device) -> tuple[object | None, torch.Tensor]:
+                msg_base: int, torch_device: torch.device, *, all_outputs: bool = False
+                ) -> tuple[object | None, torch.Tensor]:
     """Forward of one (micro-)batch on this device. Returns (the model output if this device
-    computes it else None, the last token of this rank's p2p chain)."""
+    computes it else None, the last token of this rank's p2p chain); with `all_outputs`, the first is
+    {fx node name: value} of every node of the model's output this device holds (its own, and the
+    inputs: a placeholder is everywhere). Without autograd recording (torch.no_grad), no gradient
+    transfer is prepared: none will come."""
+    if not torch.is_grad_enabled():
+        cross = {i: replace(c, diff=(False,) * len(c.diff)) for i, c in cross.items()}
     interp = _LocalInterpreter(part.gm, torch_device, exported=is_exported(part.gm))
     env = interp.env
     nodes = part.nodes
@@ -130,6 +137,10 @@ def run_forward(part: Partition, device: int, link: Link, inputs: tuple, cross: 
             nxt = next(ev, None)
         for gone in drops.get(i, ()):  # as eager frees it (Partition.drops_of)
             env.pop(gone, None)
+    if all_outputs:
+        wanted = set(part.output_nodes)
+        return {n.name: env[n] for n in nodes if n.name in wanted and n in env
+                and part.device_of.get(n.name) in (device, None)}, token
     out_node = next(n for n in nodes if n.name == part.output_node)
     output = env[out_node] if part.output_device == device else None
     return output, token

@@ -1,6 +1,7 @@
-"""Rank layout of hybrid DP x MP: D replicas of an M-device placement on D*M ranks.
+"""Rank layout of hybrid DP x MP: D replicas of an M-stage placement on D*M ranks, the mesh
+(sample, stage) of hybridpar.parallel.mesh.MeshDims.hybrid.
 
-Rank r is device r % M of replica r // M, so the devices of one replica are consecutive ranks
+Rank r is stage (device) r % M of replica r // M, so the devices of one replica are consecutive ranks
 (one node of a cluster when M divides the GPUs per node: activations ride the fast links) and the
 data-parallel group of device d is {d, M + d, 2M + d, ...}.
 """
@@ -9,10 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
-from hybridpar.layout import LayerLayout
-from hybridpar.layout.groups import shard_groups
+from hybridpar.parallel.mesh import STAGE_DIM, Group, MeshDims, new_groups
 
 
 @dataclass(frozen=True)
@@ -29,23 +27,26 @@ class HybridLayout:
     def device(self) -> int:
         return self.rank % self.mp
 
+    @property
+    def dims(self) -> MeshDims:
+        return MeshDims.hybrid(self.dp, self.mp)
+
     def rank_of(self, replica: int, device: int) -> int:
         return replica * self.mp + device
 
     def dp_ranks(self, device: int) -> list[int]:
-        """Ranks holding the same weights (device `device` of every replica): the shard groups of the
-        layout vocabulary, with the M devices of a replica in the place of a sample group's G ranks."""
-        return list(shard_groups(LayerLayout(sample=self.dp, filter=self.mp))[device])
+        """Ranks holding the same weights (device `device` of every replica): the mesh's groups over
+        its sample dim."""
+        return list(self.dims.groups("sample")[device])
+
+    def stage_ranks(self) -> list[int]:
+        """This rank's replica: its M stages."""
+        return list(self.dims.group_of(self.rank, STAGE_DIM))
 
 
-def dp_group(layout: HybridLayout):
+def dp_group(layout: HybridLayout) -> Group | None:
     """This rank's gradient-allreduce group. Every rank creates every group, in the same order,
     as torch.distributed requires; None when there is a single replica."""
     if layout.dp == 1:
         return None
-    mine = None
-    for d in range(layout.mp):
-        g = dist.new_group(layout.dp_ranks(d))
-        if d == layout.device:
-            mine = g
-    return mine
+    return new_groups(layout.dims.groups("sample"))[tuple(layout.dp_ranks(layout.device))]

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hybridpar.parallel.pipeline.comm import CommLog, p2p_tag
+from hybridpar.parallel.comm.log import CommLog
+
+
+def p2p_tag(phase: str, peer: int) -> str:
+    """The CommLog tag of a transfer: both ends log it ("send"/"recv", group size 2), so a rank's
+    totals are its own traffic."""
+    return f"{phase}:dev{peer}"
 
 
 @dataclass
@@ -50,7 +56,7 @@ class Link:
 @dataclass
 class _Incoming:
     buf: torch.Tensor
-    work: object | None
+    work: dist.Work | None
     blocking: Callable[[], object] | None
 
     def wait(self) -> torch.Tensor:

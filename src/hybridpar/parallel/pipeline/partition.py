@@ -44,6 +44,7 @@ class Partition:
     output_node: str
     output_device: int
     owner_of_key: Mapping[str, int]
+    output_nodes: tuple[str, ...] = ()  # every fx node the model's output holds (tuple/dict outputs), in order
 
     @cached_property
     def nodes(self) -> tuple[fx.Node, ...]:
@@ -76,10 +77,10 @@ class Partition:
                 last[node] = max(last.get(node, -1), t.send_pos)
             elif t.dst == device:
                 last.setdefault(node, t.recv_pos)
-        keep = by_name[self.output_node]
+        keep = {by_name[self.output_node], *(by_name[n] for n in self.output_nodes)}
         plan: dict[int, list[fx.Node]] = {}
         for n, i in last.items():
-            if n is not keep and n.op != "placeholder":  # inputs: the caller holds them anyway
+            if n not in keep and n.op != "placeholder":  # inputs: the caller holds them anyway
                 plan.setdefault(i, []).append(n)
         return {i: tuple(v) for i, v in plan.items()}
 
@@ -164,6 +165,7 @@ def _state_owners(module: nn.Module, gm: fx.GraphModule, device: Mapping[str, in
         else:
             continue
         dev = device[node.name]
+        assert dev is not None  # place_nodes gives every node a device
         for name, t in tensors:
             prev = owner_by_id.setdefault(id(t), (dev, node.name))
             if prev[0] != dev:
@@ -216,6 +218,14 @@ def _output_node(gm: fx.GraphModule) -> fx.Node:
     return value
 
 
+def output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """Every fx node the graph's output holds (a tensor, or tuples/lists/dicts of them), in order."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    found: list[fx.Node] = []
+    fx.node.map_arg(out.args[0], lambda n: found.append(n) if n not in found else None)
+    return found
+
+
 def partition_module(module: nn.Module, placement: Mapping[str, int] | None, mp: int, *,
                      lazy_recv: bool = True, example_inputs: tuple | None = None) -> Partition:
     """Trace `module` and split it over `mp` devices following `placement`. `example_inputs`, at the
@@ -241,4 +251,5 @@ def partition_module(module: nn.Module, placement: Mapping[str, int] | None, mp:
     out_node = _output_node(gm)
     return Partition(gm=gm, mp=mp, device_of=device, transfers=tuple(_transfers(gm, device, lazy_recv)),
                      output_node=out_node.name, output_device=device[out_node.name] or 0,
-                     owner_of_key=_state_owners(module, gm, device))
+                     owner_of_key=_state_owners(module, gm, device),
+                     output_nodes=tuple(n.name for n in output_nodes(gm)))

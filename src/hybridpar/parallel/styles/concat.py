@@ -3,8 +3,9 @@
 Each input is split into G pieces of its own channel count, but the concatenated tensor must be split
 into G pieces of the total, so rank g's output piece is made of parts several ranks hold: one
 all-to-all in the sample group moves exactly those parts (its backward is the inverse move).
-`parallelize` installs `ChannelCatMode` around the model's forward (a TorchFunctionMode), so the
-user's `torch.cat(..., dim=1)` calls are caught without tracing. The runtime's own code never calls
+`parallelize` installs `ChannelCatMode` around the model's forward (a TorchFunctionMode, our
+scoped DTensor rules with the concatenation added: hybridpar.parallel.dtensor.rules), so the user's
+`torch.cat(..., dim=1)` calls are caught without tracing. The runtime's own code never calls
 torch.cat along dim 1 inside a forward (it copies into preallocated buffers), so only model code
 is intercepted."""
 
@@ -13,11 +14,16 @@ from __future__ import annotations
 from math import prod
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import tree_map_only
 
 from hybridpar.layout import held, needed
 from hybridpar.layout import inter as _inter
 from hybridpar.parallel.comm.collectives import all_to_all_flat
+from hybridpar.parallel.dtensor.boundary import boundary_placements, from_local
+from hybridpar.parallel.dtensor.rules import DTensorRules
+from hybridpar.parallel.mesh import Meshes, ProcessGrid
 
 _CATS = {torch.cat, torch.concat, torch.concatenate}
 
@@ -92,12 +98,13 @@ class _ChannelCat(torch.autograd.Function):
         return (None, None, None, None, *_from_piece(d.contiguous(), c_sizes, group, log, f"{tag}:bwd"))
 
 
-class ChannelCatMode(TorchFunctionMode):
-    """Active during a parallelized model's forward: torch.cat along dim 1 of DTensors that are
-    channel-split at the layer boundary becomes the distributed concatenation (one all-to-all of
-    exactly the channels that change hands) instead of DTensor's gather-everything rule."""
+class ChannelCatMode(DTensorRules):
+    """Active during a parallelized model's forward only: our DTensor rules, and torch.cat along dim 1
+    of DTensors that are channel-split at the layer boundary becomes the distributed concatenation
+    (one all-to-all of exactly the channels that change hands) instead of DTensor's gather-everything
+    rule."""
 
-    def __init__(self, grid, meshes):
+    def __init__(self, grid: ProcessGrid, meshes: Meshes):
         super().__init__()
         self.grid, self.meshes = grid, meshes
         self.calls = 0
@@ -105,10 +112,6 @@ class ChannelCatMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _CATS and self.grid.g_size > 1:
-            from torch.distributed.tensor import DTensor
-
-            from hybridpar.parallel.dtensor.boundary import boundary_placements
-
             tensors = args[0] if args else kwargs.get("tensors")
             dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
             places = boundary_placements(self.meshes)
@@ -116,25 +119,30 @@ class ChannelCatMode(TorchFunctionMode):
                     and all(isinstance(t, DTensor) and tuple(t.placements) == tuple(places) for t in tensors)
                     and tensors[0].dim() >= 2 and dim % tensors[0].dim() == 1):
                 return self._cat(list(tensors))
+        rules = super().__torch_function__
         try:
-            return func(*args, **kwargs)
+            return rules(func, types, args, kwargs)
         except (RuntimeError, NotImplementedError) as err:
-            # DTensor refuses some ops on its placements ("Cannot flatten unevenly sharded tensor",
-            # no strategy for this sharding) before computing anything: serve them on inputs
-            # gathered on channel_filter, then on whole inputs. What still fails is the op's own error.
+            # DTensor refuses some ops on its placements before computing anything: a view of a tensor
+            # sharded unevenly ("Cannot flatten unevenly sharded tensor": torch.chunk's pieces of a
+            # channel count the ranks do not divide), or an op whose strategies cover only some
+            # shardings. Those are not ops without a strategy (a registered rule serves those:
+            # dtensor.rules.serve_replicated), but torch's own strategies refusing one sharding, and
+            # a registered rule would replace torch's strategy for every sharding; DTensor raises them
+            # as plain RuntimeErrors, so its message is the only thing that tells them from the op's
+            # own errors. Served on inputs gathered on channel_filter, then on whole inputs; what
+            # still fails is the op's own error.
             if not _is_sharding_refusal(err):
                 raise
             for level in ("channel_filter", "all"):
                 try:
-                    return func(*_gathered(args, level), **_gathered(kwargs, level))
+                    return rules(func, types, _gathered(args, level), _gathered(kwargs, level))
                 except (RuntimeError, NotImplementedError) as again:
                     if not _is_sharding_refusal(again):
                         raise
             raise
 
     def _cat(self, tensors) -> torch.Tensor:
-        from hybridpar.parallel.dtensor.boundary import boundary_placements, from_local
-
         k = self.calls
         self.calls += 1
         group, log = self.grid.sample_group, self.grid.comm_log
@@ -152,9 +160,6 @@ def _is_sharding_refusal(err: BaseException) -> bool:
 
 
 def _gathered(tree, level: str):
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.utils._pytree import tree_map_only
-
     def one(t: DTensor) -> DTensor:
         places = [Replicate()] * len(t.placements) if level == "all" else \
             [*t.placements[:-1], Replicate()]
@@ -162,14 +167,13 @@ def _gathered(tree, level: str):
     return tree_map_only(DTensor, one, tree)
 
 
-def install(module: torch.nn.Module, grid, meshes) -> None:
-    """Run `module`'s forward under ChannelCatMode (forward pre-hook enters it, forward hook leaves),
+def install(module: torch.nn.Module, grid: ProcessGrid, meshes: Meshes) -> None:
+    """Run `module`'s forward under ChannelCatMode (forward pre-hook enters it, forward hook leaves,
+    also when the forward raises: outside the forward, DTensor is stock),
     with scaled_dot_product_attention pinned to its math kernel: the dry run (on meta tensors, where
     SDPA always decomposes into bmm/softmax) validates that one, while CPU would pick its flash
     kernel, whose backward has no DTensor strategy and whose output strides break DTensor's
     view of a reshape (both measured on HF BEiT/CLIP, torch 2.13: crashes after the ranks started)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     mode = ChannelCatMode(grid, meshes)
     pinned: list = []
 
@@ -181,9 +185,11 @@ def install(module: torch.nn.Module, grid, meshes) -> None:
         pinned.append(ctx)
 
     def leave(_m, _inputs, _output):
+        if not pinned:  # the forward failed before entering (a pre-hook raised)
+            return
         while pinned:
             pinned.pop().__exit__(None, None, None)
         mode.__exit__(None, None, None)
 
     module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave)
+    module.register_forward_hook(leave, always_call=True)

@@ -86,25 +86,25 @@ class DistConvFunction(torch.autograd.Function):
         dy_p = all_gather_dim(dy.contiguous(), 1, comm.channel_group, comm.row_sizes, comm.log,
                               f"{comm.name}:bwd")
         if w_loc.numel() == 0:  # empty shard: nothing flows through it (aten rejects 0 filters)
-            dxg, dw = torch.zeros_like(xg), torch.zeros_like(w_loc)
-            dx = reduce_scatter_dim(dxg, 1, comm.filter_group, comm.gather_sizes, comm.log,
-                                    f"{comm.name}:bwd") if need_dx else None
-            return dx, dw, None, None
+            dxg, dw0 = torch.zeros_like(xg), torch.zeros_like(w_loc)
+            dx0 = reduce_scatter_dim(dxg, 1, comm.filter_group, comm.gather_sizes, comm.log,
+                                     f"{comm.name}:bwd") if need_dx else None
+            return dx0, dw0, None, None
         # under autocast the forward ran in a lower precision (dy arrives in it): so does the
         # backward, as autocast's own conv backward does; gradients go back in the inputs' dtypes
         low = dy_p.dtype
         args = (list(geo.stride), list(geo.padding), list(geo.dilation), False, [0, 0], 1)
         xl, wl = xg.to(low), w_loc.to(low)
-        dx = dw = None
+        pending = None
+        dw: torch.Tensor | None = None
         if need_dx:  # the input gradient first: its reduce-scatter runs while the weight gradient computes
             dxg = torch.ops.aten.convolution_backward(dy_p, xl, wl, None, *args, [True, False, False])[0]
-            dx = reduce_scatter_dim(dxg.to(xg.dtype), 1, comm.filter_group, comm.gather_sizes, comm.log,
-                                    f"{comm.name}:bwd", async_op=True)
+            pending = reduce_scatter_dim(dxg.to(xg.dtype), 1, comm.filter_group, comm.gather_sizes, comm.log,
+                                         f"{comm.name}:bwd", async_op=True)
         if need_dw:
             dw = torch.ops.aten.convolution_backward(dy_p, xl, wl, None, *args, [False, True, False])[1]
             dw = dw.to(w_loc.dtype)
-        if dx is not None:
-            dx = dx.wait()
+        dx = pending.wait() if pending is not None else None
         return dx, dw, None, None
 
 
@@ -121,7 +121,12 @@ def conv_geometry(conv: nn.Conv2d) -> ConvGeometry:
 
                 raise UserError("padding='same' with an even receptive field is not supported distributed")
             pad = tuple(t // 2 for t in tot)
-    return ConvGeometry(tuple(conv.stride), tuple(pad), tuple(conv.dilation))
+    return ConvGeometry(_pair(conv.stride), _pair(pad), _pair(conv.dilation))
+
+
+def _pair(v) -> tuple[int, int]:
+    a, b = v
+    return int(a), int(b)
 
 
 class DistConv2d(nn.Module):
@@ -236,16 +241,3 @@ def weight_block(full: torch.Tensor, pos: GridPos, in_sizes, out_sizes) -> torch
     if in_sizes is None:
         return rows.contiguous()
     return torch.cat([rows[:, o:o + n] for o, n in ranges(in_sizes, pos.in_piece_ids())], 1).contiguous()
-
-
-def exchange_sizes(n: int, group: Group, log: CommLog, tag: str, device=None) -> list[int]:
-    """One-time all-gather of each rank's extent (a setup exchange, not per-step traffic).
-    `device`: where the backend wants tensors (CUDA under NCCL)."""
-    import torch.distributed as dist
-
-    if group.size == 1:
-        return [n]
-    out = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(group.size)]
-    dist.all_gather(out, torch.tensor([n], dtype=torch.long, device=device), group=group.pg)
-    log.record("allgather", group.size, 8 * group.size, tag, setup=True)
-    return [int(t.item()) for t in out]

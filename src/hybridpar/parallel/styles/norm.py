@@ -128,17 +128,31 @@ class DistBatchNorm(nn.Module):
         else:
             self.running_mean = self.running_var = self.num_batches_tracked = None
 
+    rows_comm: NormComm | None = None  # spatial layouts: the sample replicas only (see forward)
+
     def forward(self, x):
         if self.meshes is None:
             return self._local_forward(x, x.shape[0] * self.comm.replica_group.size)
         from hybridpar.parallel.dtensor.boundary import boundary_placements, from_local, runtime_code, to_local
 
         with runtime_code():
-            places = boundary_placements(self.meshes)
-            y = self._local_forward(to_local(x, self.meshes, places), x.shape[0])
-            return from_local(y, self.meshes, places, x.shape)
+            meshes = self.meshes
+            places = boundary_placements(meshes, ndim=x.dim())
+            if not meshes.spatial:
+                y = self._local_forward(to_local(x, meshes, places), x.shape[0])
+                return from_local(y, meshes, places, x.shape)
+            # spatial splits: statistics over the samples' spatial pieces (comm's stats group); a tensor
+            # with no dim for some split (BatchNorm1d on [N, F]) is whole on those ranks: its statistics
+            # go over the sample replicas only and its parameters' gradients count once
+            copies = math.prod(meshes.act.size(1 + i) for i in range(len(meshes.spatial))
+                               if not places[1 + i].is_shard())
+            count = x.shape[0] * math.prod(x.shape[2:])
+            y = self._local_forward(to_local(x, meshes, places), x.shape[0], count=count,
+                                    comm=self.comm if copies == 1 else self.rows_comm, copies=copies)
+            return from_local(y, meshes, places, x.shape)
 
-    def _local_forward(self, x: torch.Tensor, global_n: int) -> torch.Tensor:
+    def _local_forward(self, x: torch.Tensor, global_n: int, *, count: int | None = None,
+                       comm: NormComm | None = None, copies: int = 1) -> torch.Tensor:
         if x.dim() < 2:
             raise ValueError(f"{self.comm.name}: batch norm needs [N, C, ...] input, got {x.dim()}-D")
         if x.shape[1] == 0:  # an empty channel piece: so are its replicas' (same position), no statistics
@@ -147,12 +161,19 @@ class DistBatchNorm(nn.Module):
         if not use_batch:
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False,
                                 0.0, self.eps)
-        if self.stats == "local" or self.comm.replica_group.size == 1:
+        comm = comm or self.comm
+        weight, bias = self.weight, self.bias
+        if copies > 1:  # computed alike on `copies` ranks of the stats group: each gradient counts once
+            from hybridpar.parallel.styles.spatial_layers import scale_grad
+
+            weight, bias = scale_grad(weight, 1.0 / copies), scale_grad(bias, 1.0 / copies)
+        if self.stats == "local" or comm.replica_group.size == 1:
             momentum = self._momentum()
-            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True,
+            return F.batch_norm(x, self.running_mean, self.running_var, weight, bias, True,
                                 momentum, self.eps)
-        count = global_n * math.prod(x.shape[2:])  # samples x positions per channel, whole batch
-        y, mean, var = GlobalBatchNormFunction.apply(x, self.weight, self.bias, self.eps, self.comm, count)
+        if count is None:
+            count = global_n * math.prod(x.shape[2:])  # samples x positions per channel, whole batch
+        y, mean, var = GlobalBatchNormFunction.apply(x, weight, bias, self.eps, comm, count)
         if self.track_running_stats:
             self._update_running(mean.detach(), var.detach(), count)
         return y

@@ -18,19 +18,25 @@ def batchnorm_style(name: str, m: nn.Module, lay: LayerLayout, state):
     from hybridpar.parallel.state import ShardInfo
     from hybridpar.parallel.styles.norm import DistBatchNorm, NormComm
 
+    assert isinstance(m, nn.modules.batchnorm._BatchNorm)  # style_for's choice
     outer = state.grid
-    if outer.g_size == 1 and outer.sample == 1:
+    if outer.g_size == 1 and outer.sample == 1 and outer.spatial == 1:
         return None
-    rng = tuple(ranges(piece_sizes(m.num_features, outer.g_size), [outer.g]))
+    features = m.num_features
+    rng = tuple(ranges(piece_sizes(features, outer.g_size), [outer.g]))
     off, n = rng[0]
-    new = DistBatchNorm(m, slice(off, off + n), NormComm(outer.replica_group, outer.comm_log, name), state.bn_stats)
+    # statistics over every rank holding this channel piece: the sample replicas and, with spatial
+    # splits, their spatial pieces (the grid's stats group)
+    new = DistBatchNorm(m, slice(off, off + n), NormComm(outer.stats_group, outer.comm_log, name), state.bn_stats)
+    if outer.spatial > 1:
+        new.rows_comm = NormComm(outer.replica_group, outer.comm_log, name)
     vec = {"weight", "bias", "running_mean", "running_var"}
-    state.shard_fns[name] = lambda: {a: ShardInfo((m.num_features,), (rng,)) for a in vec
+    state.shard_fns[name] = lambda: {a: ShardInfo((features,), (rng,)) for a in vec
                                      if getattr(new, a, None) is not None}
     return new
 
 
-def _weight_pieces(m: nn.Module, lay: LayerLayout, state):
+def _weight_pieces(m: nn.Conv2d | nn.Linear, lay: LayerLayout, state):
     key = (lay.sample, lay.g_size)
     grid = state.grids[key]
     pos = grid.pos(lay.channel, lay.filter)
@@ -39,7 +45,7 @@ def _weight_pieces(m: nn.Module, lay: LayerLayout, state):
     return key, grid, pos, w, b, out_sizes
 
 
-def conv_style(name: str, m: nn.Module, lay: LayerLayout, state):
+def conv_style(name: str, m: nn.Conv2d, lay: LayerLayout, state):
     """Conv2d on a P_C x P_F grid (stationary-x/y/w); another (S, G) than the model's default
     redistributes its input in and its output back."""
     from hybridpar.parallel.state import ShardInfo
@@ -58,6 +64,7 @@ def conv_style(name: str, m: nn.Module, lay: LayerLayout, state):
     bias_rng = tuple(ranges(out_sizes, [pos.g]))
     bb = b[bias_rng[0][0]:bias_rng[0][0] + bias_rng[0][1]].clone() if b is not None else None
     boundary = (Split(outer.sample, outer.g_size), Split(grid.sample, G)) if off_default else None
+    assert isinstance(m, nn.Conv2d)  # style_for's choice
     new = DistConv2d(weight_block(w, pos, in_sizes, out_sizes), bb, conv_geometry(m), comm, boundary)
     w_shape, b_shape = tuple(w.shape), (tuple(b.shape) if b is not None else None)
     state.shard_fns[name] = lambda: {"weight": ShardInfo(w_shape, (rows, cols)),
@@ -67,7 +74,7 @@ def conv_style(name: str, m: nn.Module, lay: LayerLayout, state):
     return new
 
 
-def linear_style(name: str, m: nn.Module, lay: LayerLayout, state):
+def linear_style(name: str, m: nn.Linear, lay: LayerLayout, state):
     """Linear as a 1x1 distributed convolution over its last dim (channel: row-, filter: column-parallel)."""
     from hybridpar.parallel.state import ShardInfo
     from hybridpar.parallel.styles.conv import DistLinear
@@ -108,8 +115,18 @@ PARALLEL_STYLES = {
 }
 
 
-def style_for(m: nn.Module):
-    """The builder for `m`, or None (a grouped/depthwise conv or another padding mode: not ours)."""
+def style_for(m: nn.Module, lay: LayerLayout | None = None):
+    """The builder for `m`, or None (a grouped/depthwise conv or another padding mode: not ours).
+    Under a layout with spatial splits: convolutions, transposed convolutions, pooling and upsampling
+    get hybridpar.parallel.styles.spatial_layers' wrappers; batch norm its global statistics."""
+    if lay is not None and lay.spatial > 1:
+        from hybridpar.parallel.styles.spatial_layers import spatial_style, spatial_wraps
+
+        if spatial_wraps(m):
+            return spatial_style
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm):
+            return batchnorm_style
+        return None
     if isinstance(m, nn.Conv2d) and not splits_as_conv(m):
         return None
     style = PARALLEL_STYLES.get(type(m))

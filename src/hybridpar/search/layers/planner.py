@@ -57,6 +57,7 @@ from hybridpar.search.layers.layer_cost import (
 from hybridpar.search.layers.layer_graph import LayerGraph, Vertex, build_layer_graph
 from hybridpar.search.layers.layout_ilp import solve
 from hybridpar.search.layers.sp_dp import INF, ChoiceProblem
+from hybridpar.search.options import with_options
 
 GRAD_WEIGHTS = (1.0, 0.5, 0.0)
 
@@ -574,6 +575,43 @@ def _outside_grad_bytes(lg: LayerGraph, opts: list[VertexOptions], choice: Seque
     return out
 
 
+def _grad_sync_time(grad_sync: str, costs, buckets, by_key: dict, backward: tuple, ctx: CostContext
+                    ) -> tuple[float, float]:
+    """(gradient allreduce seconds, step seconds) after backward. `backward`: (when each vertex's
+    backward ends in backward order, backward's end, when the communication stream is free)."""
+    done, t, comm_free = backward
+    if grad_sync == "overlap":
+        return sum(c.grad_sync_s for c in costs), max(t, comm_free)
+    if grad_sync != "buckets":
+        grad = sum(ctx.comm_time(grad_allreduce(b, key)) for key, b in by_key.items())
+        return grad, t + grad
+    grad, step = 0.0, t  # as hybridpar.parallel.comm.grad_sync runs it
+    for key, b, i in buckets:
+        dt = ctx.comm_time(grad_allreduce(b, key))
+        grad += dt
+        if i is None:  # replicated DTensor parameters: summed after backward, blocking
+            step += dt
+        else:  # launched when its last gradient is ready, after the buckets before it
+            comm_free = max(comm_free, done[i] if i < len(done) else t) + dt
+    return grad, max(step, comm_free + step - t)
+
+
+def _per_layer(lg: LayerGraph, opts: list[VertexOptions], costs, redist: list[float], d0, ctx: CostContext) -> dict:
+    """Each layer's (and each prefix node's) times and memory, keyed by module name."""
+    per_layer = {}
+    for n in lg.prefix:  # before the first layer (an embedding, recurrent layers), on the first vertex's ranks
+        nt = node_time(n, d0, ctx)
+        nbytes_held = dist_memory([n], d0, ctx).persistent_bytes
+        if nt.fwd_s or nt.bwd_s or nbytes_held:
+            per_layer[n.module or n.name] = {"fwd_s": nt.fwd_s, "bwd_s": nt.bwd_s, "comm_s": 0.0, "grad_sync_s": 0.0,
+                                             "memory_bytes": nbytes_held}
+    for vo, c, r in zip(opts, costs, redist):
+        key = vo.vertex.node.module or vo.vertex.name
+        per_layer[key] = {"fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.comm_fwd_s + c.comm_bwd_s + r,
+                          "grad_sync_s": c.grad_sync_s, "memory_bytes": c.memory_bytes}
+    return per_layer
+
+
 def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Sequence[int], ctx: CostContext,
                            grad_sync: str = "flat") -> tuple[Prediction, StepBreakdown]:
     """Step time: forward in order, backward in reverse, then the weight-gradient allreduce.
@@ -610,22 +648,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
             by_key[c.grad_key] = by_key.get(c.grad_key, 0) + c.grad_bytes
     for key, b in _outside_grad_bytes(lg, opts, choice, ctx).items():
         by_key[key] = by_key.get(key, 0) + b
-    if grad_sync == "overlap":
-        grad = sum(c.grad_sync_s for c in costs)
-        step = max(t, comm_free)
-    elif grad_sync == "buckets":  # as hybridpar.parallel.comm.grad_sync runs it
-        grad, step = 0.0, t
-        for key, b, i in buckets:
-            dt = ctx.comm_time(grad_allreduce(b, key))
-            grad += dt
-            if i is None:  # replicated DTensor parameters: summed after backward, blocking
-                step += dt
-            else:  # launched when its last gradient is ready, after the buckets before it
-                comm_free = max(comm_free, done[i] if i < len(done) else t) + dt
-        step = max(step, comm_free + step - t)
-    else:
-        grad = sum(ctx.comm_time(grad_allreduce(b, key)) for key, b in by_key.items())
-        step = t + grad
+    grad, step = _grad_sync_time(grad_sync, costs, buckets, by_key, (done, t, comm_free), ctx)
     if grad_sync != "flat" and ctx.cluster.device.comm_takes_compute:
         step = t + grad  # the exchanges run on the cores backward runs on: nothing hides (DeviceSpec)
     d0 = opts[0].dist(choice[0])
@@ -651,17 +674,7 @@ def predict_with_breakdown(lg: LayerGraph, opts: list[VertexOptions], choice: Se
     rank_mem = step_memory(held, framework_bytes=ctx.framework_bytes, io_bytes=io_bytes(lg.graph, ctx.batch, ctx.elem),
                            optimizer=ctx.optimizer, weight_decay=ctx.weight_decay, extra_transient_bytes=redist_tmp)
     mem = int(rank_mem.total_bytes)
-    per_layer = {}
-    for n in lg.prefix:  # before the first layer (an embedding, recurrent layers), on the first vertex's ranks
-        nt = node_time(n, d0, ctx)
-        nbytes_held = dist_memory([n], d0, ctx).persistent_bytes
-        if nt.fwd_s or nt.bwd_s or nbytes_held:
-            per_layer[n.module or n.name] = {"fwd_s": nt.fwd_s, "bwd_s": nt.bwd_s, "comm_s": 0.0, "grad_sync_s": 0.0,
-                                             "memory_bytes": nbytes_held}
-    for vo, c, r in zip(opts, costs, redist):
-        key = vo.vertex.node.module or vo.vertex.name
-        per_layer[key] = {"fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.comm_fwd_s + c.comm_bwd_s + r,
-                          "grad_sync_s": c.grad_sync_s, "memory_bytes": c.memory_bytes}
+    per_layer = _per_layer(lg, opts, costs, redist, d0, ctx)
     pred = Prediction(step_time_s=step, compute_s=compute, comm_s=comm, exposed_comm_s=max(0.0, step - compute),
                       memory_bytes=[mem] * ctx.ranks, comm_bytes=nbytes, per_layer=per_layer)
     layer_comm = sum(c.comm_fwd_s + c.comm_bwd_s for c in costs)
@@ -680,14 +693,46 @@ class _Setup:
     model_name: str
 
 
-def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: float | None,
-           dtype: str, input_shape: tuple[int, ...] | None, calibration,
-           time_share: float | None = None, optimizer: str = "sgd", momentum: float = 0.0,
-           weight_decay: float = 0.0) -> _Setup:
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Everything `plan_model` takes besides the model, the cluster, the device count and the batch.
+
+    `memory_limit`: bytes per device (None: the device's memory). `strategy`: evaluate this uniform
+    layout instead of searching. `grad_sync`: buckets | flat | overlap. `free_sample`: every layer may
+    choose its own sample degree (a projection-only space). `time_share`: the measured slowdown of each
+    rank's compute with all ranks running (None: the cluster's). `optimizer`/`momentum`/`weight_decay`:
+    the training run's, in `hybridpar train`'s words. `runnable_only`: only layouts the runtime can run
+    (False prices any layout, a what-if). `calibration`: a Calibration to price with (None: this
+    machine's file)."""
+
+    memory_limit: float | None = None
+    strategy: str | None = None
+    dtype: str = "fp32"
+    input_shape: tuple[int, ...] | None = None
+    grad_sync: str = "buckets"
+    free_sample: bool = False
+    calibration: object | None = None
+    time_share: float | None = None
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    runnable_only: bool = True
+
+    @classmethod
+    def of(cls, config: PlannerConfig | None = None, options: dict | None = None) -> PlannerConfig:
+        """`config` (default: the defaults) with `options` (keyword arguments of plan_model) over it."""
+        return with_options(cls, config, options)
+
+
+def _setup(model, cluster: str | Cluster, gpus: int, batch: int, cfg: PlannerConfig) -> _Setup:
+    memory_limit, dtype, input_shape, time_share = cfg.memory_limit, cfg.dtype, cfg.input_shape, cfg.time_share
     if gpus < 1:
         raise UserError(f"gpus must be >= 1, got {gpus}", param="gpus")
     if batch < 1:
         raise UserError(f"batch must be >= 1, got {batch}", param="batch")
+    if not (cfg.momentum >= 0 and cfg.weight_decay >= 0):  # NaN too
+        raise UserError(f"momentum and `weight_decay` must be >= 0, got {cfg.momentum} and {cfg.weight_decay}",
+                        param="momentum")
     # the least the plan does: one collective over all ranks (before enumerating layouts of `gpus`)
     budget.check(f"plan on {gpus:,} GPUs", budget.collective_estimate(gpus), "plan fewer GPUs")
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=gpus)
@@ -702,8 +747,8 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, memory_limit: f
     if not any(v.is_weight for v in lg.vertices):
         raise UserError(f"model {name!r} has no conv2d or linear layer to decompose")
     capacity = float(memory_limit) if memory_limit is not None else float(cl.device.memory_bytes)
-    ctx = CostContext(cl, batch, gpus, dtype, calibration, optimizer=optimizer, momentum=momentum,
-                      weight_decay=weight_decay)
+    ctx = CostContext(cl, batch, gpus, dtype, cfg.calibration, optimizer=cfg.optimizer, momentum=cfg.momentum,
+                      weight_decay=cfg.weight_decay)
     ctx.kept = frozenset(kept_activations(lg.graph))
     return _Setup(lg, ctx, capacity, shape, cl.name, name)
 
@@ -776,13 +821,11 @@ def _search_space(s: _Setup, layouts: Sequence[LayerLayout], even_only: bool, gr
     return best
 
 
-def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch: int = 32, *,
-               memory_limit: float | None = None, strategy: str | None = None, dtype: str = "fp32",
-               input_shape: Sequence[int] | None = None, grad_sync: str = "buckets", free_sample: bool = False,
-               calibration=None, time_share: float | None = None,
-               progress: Callable[[str], None] | None = None, optimizer: str = "sgd", momentum: float = 0.0,
-               weight_decay: float = 0.0, runnable_only: bool = True) -> PlanResult:
-    """Plan `model` on `gpus` devices of `cluster` at global batch `batch` (or evaluate `strategy`).
+def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch: int = 32,
+               config: PlannerConfig | None = None, *, progress: Callable[[str], None] | None = None,
+               **options) -> PlanResult:
+    """Plan `model` on `gpus` devices of `cluster` at global batch `batch` (or evaluate a strategy) with
+    `config` (a PlannerConfig; keyword `options` are its fields, over it).
 
     By default the space is the runtime's: one sample degree S for the model, each layer choosing
     channel x filter = gpus / S (no redistribution between layers). `free_sample` lets every layer
@@ -794,21 +837,40 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
     its plain SGD), for the optimizer state in the per-device memory (hybridpar.cost.memory).
     `runnable_only`: plan and evaluate only layouts hybridpar's runtime can run, else a UserError with
     the reason (cost.layout_comm.layout_refusal); False prices any layout (a what-if; the CLI's
-    --no-dry-run)."""
+    --no-dry-run). `progress(message)` is told each search space as it starts."""
     import time
 
     t0 = time.perf_counter()
-    s = _setup(model, cluster, gpus, batch, memory_limit, dtype,
-               tuple(input_shape) if input_shape else None, calibration, time_share, optimizer, momentum,
-               weight_decay)
-    if strategy is not None:
+    cfg = PlannerConfig.of(config, options)
+    s = _setup(model, cluster, gpus, batch, cfg)
+    spaces = _runnable_spaces(s, cfg, gpus, batch)
+    baseline, base_brk, note = _data_parallel(s, cfg, gpus, batch)
+    if cfg.strategy is not None:
+        plan, rows, pred, brk, opts, choice = _plan_fixed(s, cfg, gpus, batch)
+        return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0, brk, base_brk,
+                          _gradients(s, opts, choice))
+    choice, pred, method, opts, brk = _best_of_spaces(s, cfg, spaces, progress)
+    notes = [f"optimiser: {method}"] + ([note] if note else [])
+    notes += sorted({f"WHAT-IF, the runtime cannot run it: {r}" for r in (
+        layout_refusal(s.lg.graph, lay) for lay in _chosen_layouts(opts, choice)) if r})
+    if cfg.free_sample and len({lay.sample for lay in _chosen_layouts(opts, choice)}) > 1:
+        notes.append("layers use different sample degrees: the runtime needs one (plan for projection only)")
+    plan, rows = _to_plan(s, opts, choice, pred, None, notes)
+    pruned = {vo.vertex.node.module or vo.vertex.name: vo.pruned for vo in opts if vo.pruned}
+    return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0, brk, base_brk,
+                      _gradients(s, opts, choice))
+
+
+def _runnable_spaces(s: _Setup, cfg: PlannerConfig, gpus: int, batch: int) -> dict[str, list[LayerLayout]]:
+    """The layout spaces to search, less the layouts the runtime cannot run (cost.layout_comm.layout_refusal:
+    the --strategy check's rule too); UserError with the first refusal when none is left."""
+    if cfg.strategy is not None:
         spaces = {"fixed": [LayerLayout(sample=gpus)]}
-    elif free_sample:
+    elif cfg.free_sample:
         spaces = {"free": [lay for lay in all_layouts(gpus) if batch % lay.sample == 0]}
     else:
         spaces = {f"S={k}": v for k, v in runtime_layouts(gpus, batch).items()}
-    # only layouts the runtime can run (cost.layout_comm.layout_refusal: the --strategy check's rule too)
-    refusals = {k: [runnable_only and layout_refusal(s.lg.graph, lay) for lay in v] for k, v in spaces.items()}
+    refusals = {k: [cfg.runnable_only and layout_refusal(s.lg.graph, lay) for lay in v] for k, v in spaces.items()}
     runnable = {k: [lay for lay, r in zip(v, refusals[k]) if not r] for k, v in spaces.items()}
     first = next((r for rs in refusals.values() for r in rs if r), None)
     if first and not any(runnable.values()):
@@ -817,64 +879,65 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
     budget.check(f"plan of {s.model_name} on {gpus:,} GPUs at batch {batch:,}",
                  budget.layer_plan_estimate(len(s.lg.vertices), gpus, spaces),
                  "plan fewer GPUs (and project larger counts with hybridpar project)")
-    baseline, base_brk, note = None, None, ""
-    if batch % gpus:
-        note = f"data parallelism needs the batch ({batch}) divisible by {gpus}"
-    else:
-        try:
-            _, _, baseline, base_brk = _evaluate_uniform(s, LayerLayout(sample=gpus), grad_sync)
-            if baseline.memory_bytes and baseline.memory_bytes[0] > s.capacity:
-                note = (f"data parallelism needs {_size(baseline.memory_bytes[0])} per device, "
-                        f"over the {_size(s.capacity)} limit")
-                baseline, base_brk = None, None
-        except InfeasibleError as err:
-            note = f"data parallelism infeasible: {err}"
-    if strategy is not None:
-        strat = parse_strategy(strategy, gpus)
-        if strat.mp != 1:
-            raise UserError("strategy: the per-layer planner evaluates channel/filter/sample layouts; "
-                            "mp>1 is for the placer (`hybridpar place`)", param="strategy")
-        reason = layout_problem(strat.layout, batch, 1 << 30, 1 << 30)
-        if reason:
-            raise UserError(f"strategy {strategy!r}: {reason}")
-        refusal = layout_refusal(s.lg.graph, strat.layout)
-        if refusal and runnable_only:
-            raise UserError(refusal)
-        opts, choice, pred, brk = _evaluate_uniform(s, strat.layout, grad_sync)
-        notes = [f"fixed layout {strat.layout.to_strategy()} evaluated (not searched)"]
-        notes += [f"WHAT-IF, the runtime cannot run it: {refusal}"] if refusal else []
-        if pred.memory_bytes[0] > s.capacity:
-            notes.append(f"over the memory limit: {_size(pred.memory_bytes[0])} per device")
-        plan, rows = _to_plan(s, opts, choice, pred, strat.layout.to_strategy(), notes)
-        return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0, brk, base_brk,
-                          _gradients(s, opts, choice))
+    return spaces
 
+
+def _data_parallel(s: _Setup, cfg: PlannerConfig, gpus: int, batch: int):
+    """(prediction, breakdown, note) of data parallelism over `gpus`: the baseline, or (None, None, why)."""
+    if batch % gpus:
+        return None, None, f"data parallelism needs the batch ({batch}) divisible by {gpus}"
+    try:
+        _, _, baseline, base_brk = _evaluate_uniform(s, LayerLayout(sample=gpus), cfg.grad_sync)
+    except InfeasibleError as err:
+        return None, None, f"data parallelism infeasible: {err}"
+    if baseline.memory_bytes and baseline.memory_bytes[0] > s.capacity:
+        return None, None, (f"data parallelism needs {_size(baseline.memory_bytes[0])} per device, "
+                            f"over the {_size(s.capacity)} limit")
+    return baseline, base_brk, ""
+
+
+def _plan_fixed(s: _Setup, cfg: PlannerConfig, gpus: int, batch: int):
+    """(plan, rows, prediction, breakdown, options, choice) of the uniform layout `cfg.strategy`."""
+    strat = parse_strategy(cfg.strategy, gpus)
+    if strat.mp != 1:
+        raise UserError("strategy: the per-layer planner evaluates channel/filter/sample layouts; "
+                        "mp>1 is for the placer (`hybridpar place`)", param="strategy")
+    reason = layout_problem(strat.layout, batch, 1 << 30, 1 << 30)
+    if reason:
+        raise UserError(f"strategy {cfg.strategy!r}: {reason}")
+    refusal = layout_refusal(s.lg.graph, strat.layout)
+    if refusal and cfg.runnable_only:
+        raise UserError(refusal)
+    opts, choice, pred, brk = _evaluate_uniform(s, strat.layout, cfg.grad_sync)
+    notes = [f"fixed layout {strat.layout.to_strategy()} evaluated (not searched)"]
+    notes += [f"WHAT-IF, the runtime cannot run it: {refusal}"] if refusal else []
+    if pred.memory_bytes[0] > s.capacity:
+        notes.append(f"over the memory limit: {_size(pred.memory_bytes[0])} per device")
+    plan, rows = _to_plan(s, opts, choice, pred, strat.layout.to_strategy(), notes)
+    return plan, rows, pred, brk, opts, choice
+
+
+def _best_of_spaces(s: _Setup, cfg: PlannerConfig, spaces: dict[str, list[LayerLayout]],
+                    progress: Callable[[str], None] | None):
+    """(choice, prediction, method, options, breakdown): the fastest plan over every space that fits;
+    InfeasibleError naming why when none does."""
     best, reasons = None, []
     for key, layouts in spaces.items():
         if progress:
             progress(f"optimising {key}")
         try:
-            found = _search_space(s, layouts, even_only=free_sample, grad_sync=grad_sync)
+            found = _search_space(s, layouts, even_only=cfg.free_sample, grad_sync=cfg.grad_sync)
         except InfeasibleError as err:
             reasons.append(f"{key}: {err}")
             continue
         if found is None:
             reasons.append(f"{key}: over the memory limit")
         elif best is None or found[1].step_time_s < best[1].step_time_s:
-            best = (found[0], found[1], found[2] if free_sample else f"{key}, {found[2]}", found[3], found[4])
+            best = (found[0], found[1], found[2] if cfg.free_sample else f"{key}, {found[2]}", found[3], found[4])
     if best is None:
         raise InfeasibleError(f"no decomposition of {s.model_name} fits {_size(s.capacity)} per device "
-                              f"on {gpus} devices at batch {batch} ({'; '.join(reasons[:3])})")
-    choice, pred, method, opts, brk = best
-    notes = [f"optimiser: {method}"] + ([note] if note else [])
-    notes += sorted({f"WHAT-IF, the runtime cannot run it: {r}" for r in (
-        layout_refusal(s.lg.graph, lay) for lay in _chosen_layouts(opts, choice)) if r})
-    if free_sample and len({lay.sample for lay in _chosen_layouts(opts, choice)}) > 1:
-        notes.append("layers use different sample degrees: the runtime needs one (plan for projection only)")
-    plan, rows = _to_plan(s, opts, choice, pred, None, notes)
-    pruned = {vo.vertex.node.module or vo.vertex.name: vo.pruned for vo in opts if vo.pruned}
-    return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0, brk, base_brk,
-                      _gradients(s, opts, choice))
+                              f"on {s.ctx.ranks} devices at batch {s.ctx.batch} ({'; '.join(reasons[:3])})")
+    return best
 
 
 def _gradients(s: _Setup, opts: list[VertexOptions], choice: Sequence[int]) -> tuple[ParamGradient, ...]:
@@ -891,7 +954,8 @@ def evaluate_plan(plan: Plan, *, grad_sync: str = "buckets", time_share: float |
     if plan.mp != 1:
         raise UserError("evaluate_plan: channel/filter/sample plans only (mp = 1)")
     shape = tuple(plan.input_shape) if plan.input_shape else None
-    s = _setup(plan.model, plan.cluster, plan.world_size, plan.batch, None, "fp32", shape, calibration, time_share)
+    s = _setup(plan.model, plan.cluster, plan.world_size, plan.batch,
+               PlannerConfig(input_shape=shape, calibration=calibration, time_share=time_share))
     opts = []
     whole, sources, inputs_from = _whole_outputs(s.lg), _sources(s.lg), _inputs_from(s.lg)
     whole_in, joined = _whole_inputs(s.lg), _joined_convs(s.lg)
@@ -913,7 +977,7 @@ def planned_grad_buckets(model, strategy: str, *, gpus: int, batch: int, cluster
     """(sample groups, ranks per sample group, bytes) of each gradient bucket the prediction of
     uniform `strategy` prices, in launch order (`grad_bucket_schedule`), to set beside what
     hybridpar.parallel.comm.grad_sync.GradSync launches (GradSync.buckets)."""
-    s = _setup(model, cluster, gpus, batch, None, "fp32", tuple(input_shape) if input_shape else None, None)
+    s = _setup(model, cluster, gpus, batch, PlannerConfig(input_shape=tuple(input_shape) if input_shape else None))
     opts, choice, _, _ = _evaluate_uniform(s, parse_strategy(strategy, gpus).layout, "buckets")
     return [(k.sample, k.channel * k.filter, b) for k, b, _ in grad_bucket_schedule(s.lg, opts, choice, s.ctx,
                                                                                  bucket_bytes)]

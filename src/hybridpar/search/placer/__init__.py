@@ -1,7 +1,8 @@
 """DLPlacer: device placement for model parallelism (ILP + baselines), its schedule and Gantt chart.
 
-`place_model(model, cluster, devices, ...)` is the entry point (also `hybridpar.place`); the solvers
-work on the abstract `PlacementProblem` so they can be used and tested without a model.
+`place_model(model, cluster, gpus, config)` is the entry point (also `hybridpar.place`; `config` is a
+PlacerConfig, or its fields given as keywords); the solvers work on the abstract `PlacementProblem` so
+they can be used and tested without a model.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def solve(problem: PlacementProblem, solver: str = "ilp", *, time_limit_s: float
 
 
 def place_model(*args, **kwargs):
-    """Place a model (zoo name, nn.Module or Graph) on `devices` devices of a cluster; see api.place_model."""
+    """Place a model (zoo name, nn.Module or Graph) on `gpus` devices of a cluster; see api.place_model."""
     from hybridpar.search.placer.api import place_model as _place
 
     return _place(*args, **kwargs)

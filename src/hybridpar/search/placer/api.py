@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hybridpar.cluster import Cluster, load_cluster
-from hybridpar.cost.memory import OPTIMIZERS
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import Plan, Prediction
@@ -20,10 +19,12 @@ from hybridpar.search.placer.adapter import (
     runtime_leaves,
     tie_shared_modules,
 )
+from hybridpar.search.placer.config import PlacerConfig, optimizer_cost_name
 from hybridpar.search.placer.problem import PlacementProblem
 from hybridpar.search.placer.result import PlacementResult
 from hybridpar.search.placer.unroll import has_recurrence, unroll
 
+DEFAULT_CLUSTER = "localhost"  # one default everywhere (hybridpar.api.DEFAULT_CLUSTER)
 DEFAULT_BATCH = 32  # per data-parallel worker (one MP group), when the caller gives none
 # Coarse nodes the ILP sees by default. 64 rather than 32: Inception-V3's best placement within the
 # projection's 5 s (1.25x / 1.44x on 2 / 4 V100s) beats the proven optimum at 32 nodes (1.11x / 1.15x);
@@ -142,101 +143,124 @@ FREE_ORDER_NOTE = ("WHAT-IF (free order): priced with each device free to run an
                    "slower than this prediction where the placement needs reordering")
 
 
-def build_problem(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, batch: int | None = None,
-                  coarsen: int | None = None, input_shape=None, dtype: str = "fp32",
-                  mem_capacity_bytes: float | None = None, time_chunks: int | None = None,
-                  free_order: bool = False, optimizer: str = "momentum",
-                  ) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
-    """The placement problem of a model; `time_chunks` K >= 2 splits recurrent nodes into K tied time
-    chunks, a what-if the runtime does not run (None: the default, off; 0: off). Priced in the MP
-    runtime's program order (schedule.program_schedule) unless `free_order` or time chunks ask for a
-    free schedule (DLPlacer's, the runtime does not run it: a what-if). `optimizer` (a name of
-    hybridpar.cost.memory.OPTIMIZERS) sets the optimizer state each device holds and the update's time.
-    The returned coarse graph has one node per task."""
-    if devices < 1:
-        raise UserError(f"devices must be >= 1, got {devices}", param="devices")
-    if optimizer not in OPTIMIZERS:
-        raise UserError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}", param="optimizer")
-    if coarsen is not None and coarsen < 2:
-        raise UserError(f"coarsen must be >= 2 nodes, got {coarsen}", param="coarsen")
-    batch = DEFAULT_BATCH if batch is None else batch
-    if batch < 1:
-        raise UserError(f"batch must be >= 1, got {batch}", param="batch")
-    if time_chunks is not None and time_chunks < 0:
-        raise UserError(f"time_chunks must be >= 0 (0 = off), got {time_chunks}", param="time_chunks")
-    cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, devices)
-    if devices > cl.gpus_per_node:
-        # model parallelism sends activations at every cut: keep the group on one node's links
-        raise UserError(f"devices {devices}: an MP group must fit in one node of {cl.name!r} "
-                        f"({cl.gpus_per_node} devices)", param="devices")
-    fine, name = model_graph(model, batch, input_shape)
-    chunks = time_chunks or 0  # off by default (what_if_note)
-    coarse = _coarse(fine, coarsen or DEFAULT_COARSEN, chunks if chunks >= 2 else 0)
-    prob = problem_from_graph(coarse, fine, cl, tuple(range(devices)), dtype=dtype, optimizer=optimizer,
-                              mem_capacity_bytes=mem_capacity_bytes,
-                              program_order=not free_order and "time_chunks" not in dict(coarse.meta))
+def build_problem(model, cluster: str | Cluster = DEFAULT_CLUSTER, gpus: int = 2, config: PlacerConfig | None = None,
+                  **options) -> tuple[PlacementProblem, Graph, Graph, Cluster, str]:
+    """The placement problem of a model over `gpus` devices (`devices=` is the old name, still
+    accepted) with `config` (a PlacerConfig; keyword `options` are its fields, over it). Its
+    `time_chunks` K >= 2 splits recurrent nodes into K tied time chunks, a what-if the runtime does not
+    run (None: the default, off; 0: off). Priced in the MP runtime's program order
+    (schedule.program_schedule) unless `free_order` or time chunks ask for a free schedule (DLPlacer's,
+    the runtime does not run it: a what-if). `optimizer`/`momentum` (`hybridpar train`'s words) set the
+    optimizer state each device holds and the update's time. The returned coarse graph has one node per
+    task."""
+    gpus = options.pop("devices", gpus)
+    cfg = PlacerConfig.of(config, options)
+    cl = _checked_cluster(cluster, gpus, cfg)
+    batch = DEFAULT_BATCH if cfg.batch is None else cfg.batch
+    fine, name = model_graph(model, batch, cfg.input_shape)
+    chunks = cfg.time_chunks or 0  # off by default (what_if_note)
+    coarse = _coarse(fine, cfg.coarsen or DEFAULT_COARSEN, chunks if chunks >= 2 else 0)
+    prob = problem_from_graph(coarse, fine, cl, tuple(range(gpus)), dtype=cfg.dtype, optimizer=cfg.optimizer_kind,
+                              mem_capacity_bytes=cfg.mem_capacity_bytes,
+                              program_order=not cfg.free_order and "time_chunks" not in dict(coarse.meta))
     return prob, coarse, fine, cl, name
 
 
-def place_model(model, cluster: str | Cluster = "dgx1-v100", devices: int = 2, *, solver: str = "ilp",
-                time_limit_s: float = 30.0, batch: int | None = None, coarsen: int | None = None,
-                input_shape=None, dtype: str = "fp32", workers: int = 2,
-                mem_capacity_bytes: float | None = None, time_chunks: int | None = None,
-                seed: int = 0, free_order: bool = False, gap: float | None = None,
-                optimizer: str = "momentum") -> PlaceOutcome:
-    """Place `model` over `devices` devices (0..devices-1) of `cluster` at `batch` samples per step.
+def _checked_cluster(cluster: str | Cluster, gpus: int, cfg: PlacerConfig) -> Cluster:
+    """The cluster, after refusing (UserError naming the option) what no placement can have."""
+    if gpus < 1:
+        raise UserError(f"gpus must be >= 1, got {gpus}", param="gpus")
+    optimizer_cost_name(cfg.optimizer, cfg.momentum)  # refuses an unknown optimizer
+    if cfg.coarsen is not None and cfg.coarsen < 2:
+        raise UserError(f"coarsen must be >= 2 nodes, got {cfg.coarsen}", param="coarsen")
+    if cfg.batch is not None and cfg.batch < 1:
+        raise UserError(f"batch must be >= 1, got {cfg.batch}", param="batch")
+    if cfg.time_chunks is not None and cfg.time_chunks < 0:
+        raise UserError(f"time_chunks must be >= 0 (0 = off), got {cfg.time_chunks}", param="time_chunks")
+    cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus)
+    if gpus > cl.gpus_per_node:
+        # model parallelism sends activations at every cut: keep the group on one node's links
+        raise UserError(f"gpus {gpus}: an MP group must fit in one node of {cl.name!r} "
+                        f"({cl.gpus_per_node} devices)", param="gpus")
+    return cl
+
+
+def _check_search(cfg: PlacerConfig, gpus: int) -> None:
+    from hybridpar.search.placer import SOLVERS
+
+    if cfg.solver not in SOLVERS:
+        raise UserError(f"unknown solver {cfg.solver!r}; choose one of {', '.join(SOLVERS)}")
+    if not math.isfinite(cfg.time_limit_s):
+        raise UserError(f"time_limit_s must be a finite number > 0, got {cfg.time_limit_s}", param="time_limit_s")
+    if cfg.time_limit_s <= 0:
+        raise UserError(f"time_limit_s must be > 0, got {cfg.time_limit_s}", param="time_limit_s")
+    if isinstance(cfg.workers, bool) or not isinstance(cfg.workers, int) or cfg.workers < 1:
+        raise UserError(f"workers must be >= 1, got {cfg.workers}", param="workers")
+    if cfg.gap is not None and not (math.isfinite(cfg.gap) and 0.0 <= cfg.gap < 1.0):
+        raise UserError(f"gap must be >= 0 and < 1, got {cfg.gap}", param="gap")
+    if isinstance(gpus, int) and gpus > 0:
+        budget.check(f"placement on {gpus:,} devices", budget.placer_tables_estimate(gpus),
+                     "place on fewer devices")
+
+
+def place_model(model, cluster: str | Cluster = DEFAULT_CLUSTER, gpus: int = 2, config: PlacerConfig | None = None,
+                **options) -> PlaceOutcome:
+    """Place `model` over `gpus` devices (0..gpus-1; `devices=` is the old name, still accepted) of
+    `cluster` with `config` (a PlacerConfig; keyword `options` are its fields, over it: solver,
+    time_limit_s, batch, coarsen, optimizer, ...).
 
     Returns the placement (solver result with schedule and gap), the one-device step for the speedup,
-    every baseline's step, and a Plan (mp=devices, placement keyed by module name). The ILP's answer
+    every baseline's step, and a Plan (mp=gpus, placement keyed by module name). The ILP's answer
     depends only on the inputs, `time_limit_s` (deterministic time), `workers`, `seed` and `gap` (the
     ILP stops within this relative gap of its proven bound; None: ilp.DEFAULT_GAP). Priced in
     the MP runtime's program order; `free_order` prices DLPlacer's free schedule (a labelled what-if)."""
-    from hybridpar.search.placer import BASELINES, SOLVERS, solve
+    from hybridpar.search.placer import solve
 
-    if solver not in SOLVERS:
-        raise UserError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    if not math.isfinite(time_limit_s):
-        raise UserError(f"time_limit_s must be a finite number > 0, got {time_limit_s}", param="time_limit_s")
-    if time_limit_s <= 0:
-        raise UserError(f"time_limit_s must be > 0, got {time_limit_s}", param="time_limit_s")
-    if gap is not None and not (math.isfinite(gap) and 0.0 <= gap < 1.0):
-        raise UserError(f"gap must be >= 0 and < 1, got {gap}", param="gap")
-    if isinstance(devices, int) and devices > 0:
-        budget.check(f"placement on {devices:,} devices", budget.placer_tables_estimate(devices),
-                     "place on fewer devices")
-    prob, coarse, fine, cl, name = build_problem(model, cluster, devices, batch=batch, coarsen=coarsen,
-                                                 input_shape=input_shape, dtype=dtype,
-                                                 mem_capacity_bytes=mem_capacity_bytes, time_chunks=time_chunks,
-                                                 free_order=free_order, optimizer=optimizer)
-    if solver == "ilp":
-        budget.check(f"placement of {len(prob.tasks):,} tasks on {devices:,} devices",
-                     budget.placer_ilp_estimate(len(prob.tasks), devices),
+    gpus = options.pop("devices", gpus)
+    cfg = PlacerConfig.of(config, options)
+    _check_search(cfg, gpus)
+    prob, coarse, fine, cl, name = build_problem(model, cluster, gpus, cfg)
+    if cfg.solver == "ilp":
+        budget.check(f"placement of {len(prob.tasks):,} tasks on {gpus:,} devices",
+                     budget.placer_ilp_estimate(len(prob.tasks), gpus),
                      "coarsen the graph (--coarsen N) or place on fewer devices")
-    result = solve(prob.one_rank_busy() if solver == "single" else prob, solver, time_limit_s=time_limit_s,
-                   workers=workers, seed=seed, gap=gap)
+    result = solve(prob.one_rank_busy() if cfg.solver == "single" else prob, cfg.solver,
+                   time_limit_s=cfg.time_limit_s, workers=cfg.workers, seed=cfg.seed, gap=cfg.gap)
+    baselines = _baselines(prob)
+    k = dict(coarse.meta).get("time_chunks", 0)
+    notes = ((what_if_note(k),) if k else ()) + ((FREE_ORDER_NOTE,) if cfg.free_order and not k else ())
+    plan = _outcome_plan(name, cl, gpus, cfg, result, coarse, fine)
+    if notes and not k:
+        plan = plan.model_copy(update={"notes": [*plan.notes, *notes]})
+    return PlaceOutcome(result, one_process_step_s(prob), "single" in baselines, baselines, plan, coarse, len(fine),
+                        notes)
+
+
+def _baselines(prob: PlacementProblem) -> dict[str, float]:
+    """Every baseline's predicted step (those that fit)."""
+    from hybridpar.search.placer import BASELINES
+
     baselines: dict[str, float] = {}
     for bname, fn in BASELINES.items():
         with contextlib.suppress(InfeasibleError):  # a baseline that does not fit is left out
             # everything on device 0 computes alone: priced without the group's time share
             baselines[bname] = fn(prob.one_rank_busy() if bname == "single" else prob).step_time_s
-    single = baselines.get("single")  # None: does not fit on one device; timed anyway, flagged
-    single_time = one_process_step_s(prob)
+    return baselines
+
+
+def _outcome_plan(name: str, cl: Cluster, gpus: int, cfg: PlacerConfig, result: PlacementResult, coarse: Graph,
+                  fine: Graph) -> Plan:
+    """The Plan of a placement: mp = gpus, placement keyed by module name, the prediction and notes."""
     bd = result.breakdown
-    plan = Plan(model=name, input_shape=list(input_shape) if input_shape else None, cluster=cl.name,
-                world_size=devices, batch=DEFAULT_BATCH if batch is None else batch, dp=1, mp=devices,
-                placement=placement_by_module(coarse, result.assignment, fine), strategy=f"mp={devices}",
+    chunks = dict(coarse.meta).get("time_chunks")
+    return Plan(model=name, input_shape=list(cfg.input_shape) if cfg.input_shape else None, cluster=cl.name,
+                world_size=gpus, batch=DEFAULT_BATCH if cfg.batch is None else cfg.batch, dp=1, mp=gpus,
+                placement=placement_by_module(coarse, result.assignment, fine), strategy=f"mp={gpus}",
                 predicted=Prediction(step_time_s=result.step_time_s, compute_s=bd.compute_s, comm_s=bd.comm_s,
                                      exposed_comm_s=bd.exposed_comm_s, idle_s=bd.idle_s,
                                      memory_bytes=[int(x) for x in result.memory_bytes]),
                 notes=[f"placer: {result.solver} ({result.status}"
                        + (f", gap {result.gap:.2%}" if result.gap is not None else "") + ")",
                        f"graph coarsened {len(fine)} -> {len(coarse)} nodes"
-                       + (f" ({dict(coarse.meta)['time_chunks']} time chunks per recurrent node)"
-                          if "time_chunks" in dict(coarse.meta) else ""),
-                       *([what_if_note(dict(coarse.meta)["time_chunks"])] if "time_chunks" in dict(coarse.meta)
-                         else [])])
-    k = dict(coarse.meta).get("time_chunks", 0)
-    notes = ((what_if_note(k),) if k else ()) + ((FREE_ORDER_NOTE,) if free_order and not k else ())
-    if notes and not k:
-        plan = plan.model_copy(update={"notes": [*plan.notes, *notes]})
-    return PlaceOutcome(result, single_time, single is not None, baselines, plan, coarse, len(fine), notes)
+                       + (f" ({chunks} time chunks per recurrent node)" if chunks is not None else ""),
+                       *([what_if_note(chunks)] if chunks is not None else [])])

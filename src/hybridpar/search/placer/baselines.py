@@ -28,6 +28,21 @@ def place_single(problem: PlacementProblem) -> PlacementResult:
     return evaluate(problem, assignment, "single", solve_time_s=time.perf_counter() - t0)
 
 
+def _cuttable(problem: PlacementProblem) -> list[bool]:
+    """cuttable[c]: a stage boundary may sit before task c (it may not split a tie group, the time
+    chunks of one module)."""
+    n = len(problem.tasks)
+    root = problem.tie_root
+    last_of: dict[int, int] = {}
+    for u in range(n):
+        last_of[root[u]] = u
+    cuttable = [True] * (n + 1)
+    for u in range(n):
+        for c in range(root[u] + 1, last_of[root[u]] + 1):
+            cuttable[c] = False
+    return cuttable
+
+
 def place_dp(problem: PlacementProblem) -> PlacementResult:
     """Contiguous stages s = 0..k-1 on devices 0..k-1 (k <= M), minimising the max stage time
     (compute + sending its outputs to the next stage and their gradients back). Tie groups must be
@@ -48,15 +63,7 @@ def place_dp(problem: PlacementProblem) -> PlacementResult:
         return comp
 
     inf = math.inf
-    # a stage boundary may not split a tie group (the time chunks of one module)
-    root = problem.tie_root
-    last_of: dict[int, int] = {}
-    for u in range(n):
-        last_of[root[u]] = u
-    cuttable = [True] * (n + 1)
-    for u in range(n):
-        for c in range(root[u] + 1, last_of[root[u]] + 1):
-            cuttable[c] = False
+    cuttable = _cuttable(problem)
     best = [[inf] * (n + 1) for _ in range(m + 1)]
     cut = [[0] * (n + 1) for _ in range(m + 1)]
     best[0][0] = 0.0

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hybridpar.search.placer.cpsat import build_model, run
 from hybridpar.search.placer.problem import PlacementProblem, Task
 from hybridpar.search.placer.schedule import Op, build_ops, program_schedule, replay
 from hybridpar.toposort import topological_order
@@ -196,30 +197,12 @@ def solve_decomposed(problem: PlacementProblem, q: Callable[[float], int], *, bu
     (their bound is then 0 and they offer no placement). None when the graph does not split, or when
     its largest segment holds more than `max_share` of the tasks: solving that one M^2 times costs
     more than solving the whole graph once (GNMT without time chunks: 30 of 34 tasks)."""
-    from hybridpar.search.placer.ilp import build_model, run
-
     sp = split(problem)
     if sp is None or max(len(seg.tasks) for seg in sp.segments) > max_share * len(problem.tasks):
         return None
     m = problem.num_devices
     subs = [subproblem(problem, seg) for seg in sp.segments]
-    group = _automorphisms(problem)
-
-    def canon(d_in: int | None, d_out: int) -> tuple[tuple[int | None, int], list[int]]:
-        """The representative of (d_in, d_out) under the device symmetries, and the relabelling from
-        the representative's device labels to the actual ones."""
-        if group is None:  # all devices interchangeable
-            if d_in is None:
-                return (None, 0), _relabel(m, {0: d_out})
-            if d_in == d_out:
-                return (0, 0), _relabel(m, {0: d_in})
-            return (0, 1), _relabel(m, {0: d_in, 1: d_out})
-        g = min(group, key=lambda g: (-1 if d_in is None else g[d_in], g[d_out]))
-        inv = [0] * m
-        for a, b in enumerate(g):
-            inv[b] = a
-        return (None if d_in is None else g[d_in], g[d_out]), inv
-
+    canon = _Canon(m, _automorphisms(problem))
     # one solve per distinct (segment content, representative boundary pair): identical modules
     # (Inception-V3's Mixed_6c and 6d) are solved once
     sigs = [_signature(sub) for sub in subs]
@@ -230,43 +213,87 @@ def solve_decomposed(problem: PlacementProblem, q: Callable[[float], int], *, bu
                 (r_in, r_out), _ = canon(d_in, d_out)
                 jobs.setdefault((sigs[k], r_in, r_out), (k, r_in, r_out))
     share = budget / max(len(jobs), 1)
-    solved: dict[tuple, _Part] = {}
-    for key, (k, d_in, d_out) in jobs.items():
-        sub = subs[k]
-        last = len(sub.tasks) - 1
-        fixed = {last: d_out} if d_in is None else {0: d_in, last: d_out}
-        if deadline is not None and time.perf_counter() > deadline:
-            solved[key] = _Part(INF, 0.0, None, {}, 0)
-            continue
-        fdur = [[q(t.fwd_s[d]) for d in range(m)] for t in sub.tasks]
-        bdur = [[q(t.bwd_s[d]) for d in range(m)] for t in sub.tasks]
-        horizon = sum(max(f) + max(b) for f, b in zip(fdur, bdur)) + 2 * sum(
-            max((q(sub.transfer_s(t.out_bytes, a, b)) for a in range(m) for b in range(m) if a != b), default=0)
-            for t in sub.tasks)
-        mdl = build_model(sub, q, horizon, fixed=fixed, symmetry=False)
-        wall = 10 * share + 1 if deadline is None else max(deadline - time.perf_counter(), 1e-3)
-        sol = run(mdl, sub, det_time=share, wall_s=wall, workers=1, seed=seed)
-        if sol.status == "infeasible":
-            solved[key] = _Part(INF, INF, None, {}, 0)
-        elif sol.assignment is None:
-            solved[key] = _Part(INF, float(sol.bound), None, {}, 0)
-        else:
-            index = {t.name: i for i, t in enumerate(sub.tasks)}
-            starts = {}
-            for name, st in sol.starts.items():
-                kind, _, rest = name.partition(":")
-                task, _, dev = rest.rpartition("@") if "@" in rest else (rest, "", "-1")
-                starts[(kind, index[task], int(dev))] = st
-            fwd_end = sol.starts[f"fwd:{sub.tasks[last].name}"] + fdur[last][d_out]
-            solved[key] = _Part(float(sol.objective), float(max(sol.bound, 0)), sol.assignment, starts, fwd_end)
+    solved = {key: _solve_part(subs[k], q, d_in, d_out, (share, seed, deadline))
+              for key, (k, d_in, d_out) in jobs.items()}
 
     def part(k: int, d_in: int | None, d_out: int) -> tuple[_Part, list[int]]:
         """The solved part for actual devices (d_in, d_out) and the relabelling from its labels."""
         (r_in, r_out), perm = canon(d_in, d_out)
         return solved[(sigs[k], r_in, r_out)], perm
 
-    # dynamic programme over the exit device of each segment, for the bound and for the placement
-    nseg = len(sp.segments)
+    lower, upper, exits = _join(len(sp.segments), m, part)
+    proven = sum(1 for p in solved.values() if p.objective == p.bound and p.objective < INF)
+    note = (f"decomposition: {len(sp.segments)} segments at articulation nodes, {len(solved)} segment solves "
+            f"({proven} proven optimal)")
+    lower_int = 0 if lower == INF else int(math.ceil(lower))
+    if upper == INF:
+        return Decomposed(lower_int, INF, None, {}, proven, len(solved), note)
+    chosen = [part(k, None if k == 0 else exits[k - 1], exits[k]) for k in range(len(sp.segments))]
+    assignment, keys = _joined_schedule(problem, sp, chosen)
+    if sp.side:
+        assignment = _place_side(problem, assignment, sp.side, keys, q)
+    return Decomposed(lower_int, upper, assignment, keys, proven, len(solved), note)
+
+
+class _Canon:
+    """The representative of a boundary device pair (d_in, d_out) under the device symmetries
+    (`group`: None when all devices are interchangeable), and the relabelling from the
+    representative's device labels to the actual ones."""
+
+    def __init__(self, m: int, group):
+        self.m, self.group = m, group
+
+    def __call__(self, d_in: int | None, d_out: int) -> tuple[tuple[int | None, int], list[int]]:
+        m = self.m
+        if self.group is None:  # all devices interchangeable
+            if d_in is None:
+                return (None, 0), _relabel(m, {0: d_out})
+            if d_in == d_out:
+                return (0, 0), _relabel(m, {0: d_in})
+            return (0, 1), _relabel(m, {0: d_in, 1: d_out})
+        g = min(self.group, key=lambda g: (-1 if d_in is None else g[d_in], g[d_out]))
+        inv = [0] * m
+        for a, b in enumerate(g):
+            inv[b] = a
+        return (None if d_in is None else g[d_in], g[d_out]), inv
+
+
+def _solve_part(sub: PlacementProblem, q: Callable[[float], int], d_in: int | None, d_out: int,
+                limits: tuple[float, int, float | None]) -> _Part:
+    """One segment solved exactly with its entry on `d_in` (None: no entry) and its exit on `d_out`.
+    `limits`: (deterministic seconds, seed, wall-clock deadline or None); past the deadline the part
+    is skipped (bound 0, no placement)."""
+    share, seed, deadline = limits
+    m = sub.num_devices
+    last = len(sub.tasks) - 1
+    fixed = {last: d_out} if d_in is None else {0: d_in, last: d_out}
+    if deadline is not None and time.perf_counter() > deadline:
+        return _Part(INF, 0.0, None, {}, 0)
+    fdur = [[q(t.fwd_s[d]) for d in range(m)] for t in sub.tasks]
+    bdur = [[q(t.bwd_s[d]) for d in range(m)] for t in sub.tasks]
+    horizon = sum(max(f) + max(b) for f, b in zip(fdur, bdur)) + 2 * sum(
+        max((q(sub.transfer_s(t.out_bytes, a, b)) for a in range(m) for b in range(m) if a != b), default=0)
+        for t in sub.tasks)
+    mdl = build_model(sub, q, horizon, fixed=fixed, symmetry=False)
+    wall = 10 * share + 1 if deadline is None else max(deadline - time.perf_counter(), 1e-3)
+    sol = run(mdl, sub, det_time=share, wall_s=wall, workers=1, seed=seed)
+    if sol.status == "infeasible":
+        return _Part(INF, INF, None, {}, 0)
+    if sol.assignment is None:
+        return _Part(INF, float(sol.bound), None, {}, 0)
+    index = {t.name: i for i, t in enumerate(sub.tasks)}
+    starts = {}
+    for name, st in sol.starts.items():
+        kind, _, rest = name.partition(":")
+        task, _, dev = rest.rpartition("@") if "@" in rest else (rest, "", "-1")
+        starts[(kind, index[task], int(dev))] = st
+    fwd_end = sol.starts[f"fwd:{sub.tasks[last].name}"] + fdur[last][d_out]
+    return _Part(float(sol.objective), float(max(sol.bound, 0)), sol.assignment, starts, fwd_end)
+
+
+def _join(nseg: int, m: int, part) -> tuple[float, float, list[int]]:
+    """(lower bound, best step, exit device of each segment): a dynamic programme over the exit
+    device of each segment, for the bound and for the placement."""
     lb = {d: part(0, None, d)[0].bound for d in range(m)}
     ub = {d: part(0, None, d)[0].objective for d in range(m)}
     back: list[dict[int, int | None]] = [{d: None for d in range(m)}]
@@ -278,32 +305,27 @@ def solve_decomposed(problem: PlacementProblem, q: Callable[[float], int], *, bu
             new_ub[d2], arg[d2] = min(cands)
         lb, ub = new_lb, new_ub
         back.append(arg)
-    lower = min(lb.values())
     upper, last_dev = min((v, d) for d, v in ub.items())
-    proven = sum(1 for p in solved.values() if p.objective == p.bound and p.objective < INF)
-    note = (f"decomposition: {nseg} segments at articulation nodes, {len(solved)} segment solves "
-            f"({proven} proven optimal)")
-    lower_int = 0 if lower == INF else int(math.ceil(lower))
-    if upper == INF:
-        return Decomposed(lower_int, INF, None, {}, proven, len(solved), note)
-    # walk back the chosen exit devices, then join the parts' schedules
-    exits = [0] * nseg
+    exits = [0] * nseg  # walk back the chosen exit devices
     exits[-1] = last_dev
     for k in range(nseg - 1, 0, -1):
         exits[k - 1] = back[k][exits[k]]
+    return min(lb.values()), upper, exits
+
+
+def _joined_schedule(problem: PlacementProblem, sp, chosen: list[tuple[_Part, list[int]]]
+                     ) -> tuple[list[int], dict[str, float]]:
+    """(assignment, op start by name) of the chosen parts joined: forwards segment after segment,
+    then backwards in reverse."""
     assignment = [-1] * len(problem.tasks)
-    chosen: list[tuple[_Part, list[int]]] = []
-    for k, seg in enumerate(sp.segments):
-        p, perm = part(k, None if k == 0 else exits[k - 1], exits[k])
-        chosen.append((p, perm))
+    for seg, (p, perm) in zip(sp.segments, chosen):
         offset = 0 if seg.entry is None else 1
         for i, t in enumerate(seg.tasks):
             assignment[t] = perm[p.assignment[offset + i]]
     total_fwd = sum(p.fwd_end for p, _ in chosen)
     keys: dict[str, float] = {}
     fwd_off, bwd_off = 0, total_fwd + sum(p.objective - p.fwd_end for p, _ in chosen)
-    for k, seg in enumerate(sp.segments):
-        p, perm = chosen[k]
+    for seg, (p, perm) in zip(sp.segments, chosen):
         bwd_off -= p.objective - p.fwd_end
         names = [problem.tasks[t].name for t in ([] if seg.entry is None else [seg.entry]) + list(seg.tasks)]
         for (kind, i, dev), s in p.starts.items():
@@ -312,9 +334,7 @@ def solve_decomposed(problem: PlacementProblem, q: Callable[[float], int], *, bu
             name = f"{kind}:{names[i]}" + (f"@{perm[dev]}" if dev >= 0 else "")
             keys[name] = fwd_off + s if kind in ("fwd", "send", "post") else bwd_off + (s - p.fwd_end)
         fwd_off += p.fwd_end
-    if sp.side:
-        assignment = _place_side(problem, assignment, sp.side, keys, q)
-    return Decomposed(lower_int, upper, assignment, keys, proven, len(solved), note)
+    return assignment, keys
 
 
 def _place_side(problem: PlacementProblem, assignment: list[int], side: Sequence[int], keys: dict[str, float],

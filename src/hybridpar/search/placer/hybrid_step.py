@@ -22,6 +22,7 @@ from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.cost.collectives import allreduce_time, concurrent_allreduce_time
 from hybridpar.cost.memory import DDP_BUCKET_BYTES
 from hybridpar.errors import UserError
+from hybridpar.search.placer.config import PROJECTION_OPTIMIZER, PlacerConfig
 from hybridpar.search.placer.result import PlacementResult, evaluate
 
 
@@ -43,15 +44,22 @@ class HybridStep:
         return self.dp * self.batch_per_worker
 
 
-def hybrid_step_time(model, cluster: str | Cluster, dp: int, mp: int, batch_per_worker: int, *,
-                     placement: Mapping[str, int] | None = None, solver: str = "ilp", time_limit_s: float = 20.0,
-                     coarsen: int | None = None, bucket_bytes: int = DDP_BUCKET_BYTES,
-                     optimizer: str = "momentum") -> HybridStep:
+# hybrid_step_time's search when the caller gives none: a shorter ILP than `place`'s, and the
+# projection's optimizer (momentum SGD, as Pal et al.'s models train)
+HYBRID_PLACER = PlacerConfig(time_limit_s=20.0, **PROJECTION_OPTIMIZER)
+
+
+def hybrid_step_time(model, cluster: str | Cluster, dp: int, mp: int, batch_per_worker: int,
+                     config: PlacerConfig | None = None, *, placement: Mapping[str, int] | None = None,
+                     bucket_bytes: int = DDP_BUCKET_BYTES, **options) -> HybridStep:
     """Predicted step of D x M hybrid training at `batch_per_worker` samples per replica.
 
     model: zoo name, file spec or Graph (a name caches the placement per (model, cluster, M, batch)).
     placement: module or fine node name -> device to time instead of searching (e.g. a Plan's placement).
-    optimizer: what each replica steps with (api.build_problem)."""
+    config (default HYBRID_PLACER) with keyword `options` over it: the placer's solver, time_limit_s,
+    coarsen and the optimizer each replica steps with (PlacerConfig's fields; api.build_problem)."""
+    cfg = PlacerConfig.of(config or HYBRID_PLACER, options)
+    solver, time_limit_s, coarsen, optimizer = cfg.solver, cfg.time_limit_s, cfg.coarsen, cfg.optimizer_kind
     if dp < 1 or mp < 1:
         raise UserError(f"dp and mp must be >= 1, got dp={dp}, mp={mp}")
     full = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, dp * mp)

@@ -176,13 +176,14 @@ class CostModelBackend:
 
     def _place(self, mp: int, batch: int) -> dict:
         from hybridpar.search.placer import place_model
+        from hybridpar.search.placer.config import PROJECTION_OPTIMIZER
         from hybridpar.search.placer.unroll import WHAT_IF_TIME_CHUNKS, has_recurrence
 
         g = self.graph(batch)
         try:
             out = place_model(g, self.cluster_name, mp, solver=self.placer_solver,
                               time_limit_s=self.placer_time_limit_s, batch=batch, dtype=self.dtype,
-                              time_chunks=WHAT_IF_TIME_CHUNKS if self.time_chunks else 0)
+                              time_chunks=WHAT_IF_TIME_CHUNKS if self.time_chunks else 0, **PROJECTION_OPTIMIZER)
         except InfeasibleError as err:
             return {"infeasible": f"{mp} devices at batch {batch}: {err}"}
         res = out.result

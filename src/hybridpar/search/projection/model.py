@@ -221,19 +221,30 @@ class Projection:
         }
 
 
-def _point(gpus: int, strategy: str, dp: int, mp: int, batch: int, step_s: float, exposed_s: float,
-           memory: int, capacity: float, wc: WorkloadCurve, spe: float, base_s: float, detail: str = "") -> Point:
-    gb = dp * batch
-    e = wc.curve.epochs(gb)
-    lo, hi = wc.curve.epochs_band(gb)
-    steps = e * spe / gb
-    t = steps * step_s
-    br = getattr(wc.curve, "batch_range", None)
-    extrap = bool(br) and not (br[0] <= gb <= br[1])
-    per_epoch = spe / gb * step_s
-    return Point(gpus, strategy, dp, mp, gb, e, lo, hi, steps, step_s, exposed_s, t, base_s / t,
-                 base_s / (hi * per_epoch), base_s / (lo * per_epoch), int(memory), memory <= capacity, extrap,
-                 detail)
+@dataclass(frozen=True)
+class _Scale:
+    """What turns one strategy's step into a Point: the convergence curve, samples per epoch, the
+    one-GPU time to target, each device's memory and the per-GPU batch."""
+
+    wc: WorkloadCurve
+    spe: float
+    base_s: float
+    capacity: float
+    batch: int
+
+    def point(self, gpus: int, strategy: str, dp: int, mp: int, step_s: float, exposed_s: float, memory: int,
+              detail: str = "") -> Point:
+        gb = dp * self.batch
+        e = self.wc.curve.epochs(gb)
+        lo, hi = self.wc.curve.epochs_band(gb)
+        steps = e * self.spe / gb
+        t = steps * step_s
+        br = getattr(self.wc.curve, "batch_range", None)
+        extrap = bool(br) and not (br[0] <= gb <= br[1])
+        per_epoch = self.spe / gb * step_s
+        return Point(gpus, strategy, dp, mp, gb, e, lo, hi, steps, step_s, exposed_s, t, self.base_s / t,
+                     self.base_s / (hi * per_epoch), self.base_s / (lo * per_epoch), int(memory),
+                     memory <= self.capacity, extrap, detail)
 
 
 def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_per_gpu: int, *,
@@ -250,7 +261,7 @@ def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_p
     prof = costs.profile(batch_per_gpu)
     e1 = curve.curve.epochs(batch_per_gpu)
     base_s = e1 * spe / batch_per_gpu * prof.compute_s
-    cap = costs.capacity_bytes
+    scale = _Scale(curve, spe, base_s, costs.capacity_bytes, batch_per_gpu)
     notes: list[str] = []
     pts: list[Point] = []
     for n in sorted(set(gpus)):
@@ -260,8 +271,7 @@ def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_p
         if n > 1:
             end = overlapped_end(prof.grad_ready, bucket, lambda nb, n=n: costs.allreduce_s(nb, n))
             exposed = max(0.0, end - prof.bwd_s)
-        pts.append(_point(n, "DP", n, 1, batch_per_gpu, prof.compute_s + exposed, exposed, prof.memory_bytes,
-                          cap, curve, spe, base_s))
+        pts.append(scale.point(n, "DP", n, 1, prof.compute_s + exposed, exposed, prof.memory_bytes))
         for m in mp_degrees:
             if m > n or n % m or m > costs.gpus_per_node:
                 continue
@@ -274,16 +284,16 @@ def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_p
             exposed = 0.0
             if d > 1:
                 exposed = _hybrid_exposed(mps, prof, d, m, bucket, costs)
-            pts.append(_point(n, f"DPxMP{m}", d, m, batch_per_gpu, mps.step_s + exposed, exposed,
-                              max(mps.memory_bytes), cap, curve, spe, base_s, mps.solver))
+            pts.append(scale.point(n, f"DPxMP{m}", d, m, mps.step_s + exposed, exposed, max(mps.memory_bytes),
+                                   mps.solver))
         if costs.is_cnn:
             for p in mp_degrees:
                 if p > n or n % p:
                     continue
                 cf = costs.cf_step(n, n // p, (n // p) * batch_per_gpu)
                 if cf is not None:
-                    pts.append(_point(n, f"CF{p}", n // p, p, batch_per_gpu, cf.step_s, cf.exposed_comm_s,
-                                      cf.memory_bytes, cap, curve, spe, base_s, cf.method))
+                    pts.append(scale.point(n, f"CF{p}", n // p, p, cf.step_s, cf.exposed_comm_s, cf.memory_bytes,
+                                           cf.method))
     if not curve.samples_per_epoch:
         notes.append("samples per epoch unknown: absolute times are not meaningful, speedups are")
     return Projection(model, cluster, batch_per_gpu, curve, tuple(pts), base_s, tuple(dict.fromkeys(notes)))

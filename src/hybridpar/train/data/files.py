@@ -191,13 +191,52 @@ def _load_npy(where: str, path: Path) -> np.ndarray:
         raise UserError(f"{where}: {path.name} is not a numpy array file ({type(err).__name__})") from None
 
 
+def held_inputs(ds) -> list[torch.Tensor]:
+    """The input tensors a data set holds in memory (a loader.Dataset's x: a tensor, tuple or dict of
+    them), for checks over all of them; [] for data read on demand (image folders, memory-mapped
+    .npy arrays, which are never evaluated as truth values here, and factories' data sets)."""
+    from hybridpar.train.data.loader import Dataset
+
+    if not isinstance(ds, Dataset):
+        return []
+    x = ds.x
+    items = [x] if torch.is_tensor(x) else list(x.values()) if isinstance(x, dict) else list(x)
+    return [t for t in items if torch.is_tensor(t)]
+
+
 class Checked(tud.Dataset):
     """A user's data set with every item brought to the shapes and dtypes training needs."""
 
     def __init__(self, inner: tud.Dataset, name: str, shape: tuple[int, ...], vocab: int | None,
-                 label_shape: tuple[int, ...], num_classes: int | None = None):
+                 label_shape: tuple[int, ...], num_classes: int | None = None, source: tuple[str, str] | None = None):
         self.inner, self.name, self.shape, self.vocab, self.label_shape = inner, name, shape, vocab, label_shape
         self.model_outputs = num_classes
+        self.source = source  # (the user's .py file, the module name it was imported as)
+
+    def __getstate__(self) -> dict:
+        """Pickled for a loader worker (spawned: it has none of this process's modules): the user's
+        data set as bytes, unpickled only after `__setstate__` has imported its file again under the
+        same module name."""
+        import pickle
+
+        state = dict(self.__dict__)
+        state["inner"] = pickle.dumps(self.inner)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        import pickle
+        import sys
+
+        source = state.get("source")
+        if source is not None and source[1] not in sys.modules:
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location(source[1], source[0])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[source[1]] = module
+            spec.loader.exec_module(module)
+        state = dict(state, inner=pickle.loads(state["inner"]))
+        self.__dict__.update(state)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -242,6 +281,18 @@ def _tensor(where: str, v) -> torch.Tensor:
     return v.long() if not (v.is_complex() or v.dtype == torch.bool) else v
 
 
+def _user_module(spec: str) -> tuple[str, str] | None:
+    """(file, module name) under which `call_factory` imported the .py of `spec`, for workers."""
+    import sys
+
+    target = Path(spec.rpartition(".py:")[0] + ".py" if ".py:" in spec else spec).resolve()
+    for name, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None)
+        if name.startswith("_hybridpar_user_") and where and Path(where).resolve() == target:
+            return str(target), name
+    return None
+
+
 def from_factory(spec: str, input_shape: tuple[int, ...], *, vocab: int | None = None,
                  label_shape: tuple[int, ...] = (), num_classes: int | None = None) -> Checked:
     """`path/to/file.py:factory` -> the data set factory() returns, checked."""
@@ -253,7 +304,7 @@ def from_factory(spec: str, input_shape: tuple[int, ...], *, vocab: int | None =
     n = len(made)
     if n < 1:
         raise UserError(f"{where}: the data set is empty")
-    ds = Checked(made, spec, tuple(input_shape), vocab, tuple(label_shape), num_classes)
+    ds = Checked(made, spec, tuple(input_shape), vocab, tuple(label_shape), num_classes, _user_module(spec))
     try:
         ds.convert(0, made[0])
     except UserError:

@@ -371,9 +371,12 @@ def default_workers(dataset, local_ranks: int = 1) -> int:
     return max(1, min(4, cores // max(1, local_ranks)))
 
 
+PREFETCH_FACTOR = 2  # batches each loader process prepares ahead
+
+
 def batches(dataset, batch: int, *, start: int = 0, stop: int, seed: int = 0, shuffle: bool = True,
             part: tuple[int, int] | None = None, workers: int | None = None, device=None,
-            pin_memory: bool | None = None, prefetch_factor: int = 2) -> Iterator[tuple[int, Any, torch.Tensor]]:
+            pin_memory: bool | None = None) -> Iterator[tuple[int, Any, torch.Tensor]]:
     """(step, x, y) for the global steps start .. stop-1 of `batch` samples each (epochs wrap; the
     last partial batch of an epoch is dropped), in the order `batch_indices` gives on every rank.
 
@@ -395,7 +398,7 @@ def batches(dataset, batch: int, *, start: int = 0, stop: int, seed: int = 0, sh
         source = (dataset.take(torch.tensor(idx, dtype=torch.long)) for idx in sampler)
     else:
         source = iter(tud.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin,
-                                     prefetch_factor=prefetch_factor if workers else None,
+                                     prefetch_factor=PREFETCH_FACTOR if workers else None,
                                      persistent_workers=False))
     for step, (x, y) in zip(range(start, stop), source):
         if isinstance(x, list):  # default_collate turns a tuple of inputs into a list

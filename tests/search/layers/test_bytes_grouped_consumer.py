@@ -82,7 +82,7 @@ def test_the_gather_follows_the_consumer(consumer):
 def test_the_separable_cnn_at_other_layouts(strategy):
     """The separable CNN of test_bytes_grouped_conv: dw's output meets a residual add, grp's a mean
     and a linear (its test checks sample=2,filter=2 and channel=2,filter=2)."""
-    from test_bytes_grouped_conv import factory as separable
+    from tests.search.layers.test_bytes_grouped_conv import factory as separable
 
     res, run = _planned_and_sent(separable, strategy)
     assert res.prediction.comm_bytes == run.total_bytes

@@ -19,7 +19,7 @@ from hybridpar.search.placer import place_model
 from hybridpar.search.placer.api import build_problem
 from hybridpar.search.placer.hybrid_step import hybrid_step_time
 
-PRESET = Path(__file__).resolve().parents[2] / "src/hybridpar/cluster/presets/dgx1-v100.yaml"
+PRESET = Path(__file__).resolve().parents[3] / "src/hybridpar/cluster/presets/dgx1-v100.yaml"
 
 
 def small_cluster(tmp_path: Path, memory_bytes: float) -> str:

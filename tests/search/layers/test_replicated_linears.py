@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-import tiny_encoder
 import torch
+from tests.search.layers import tiny_encoder
 from torch import nn
 
 from hybridpar.cli.main import main

@@ -8,7 +8,7 @@ import itertools
 import random
 
 import pytest
-from test_place_ilp import CASES, US, brute_force, exact_schedule, random_problem, tied
+from tests.search.placer.test_place_ilp import CASES, US, brute_force, exact_schedule, random_problem, tied
 
 from hybridpar.search.placer import PlacementProblem, Task, ilp, solve, uniform_links
 from hybridpar.search.placer.decompose import _automorphisms, solve_decomposed, split

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from ortools.sat.python import cp_model
-from tests.search.test_place_ilp import random_problem
+from tests.search.placer.test_place_ilp import random_problem
 
 from hybridpar.search.placer import ilp, solve
 

@@ -53,7 +53,7 @@ def test_gradients_go_back_in_the_runtime_order():
 
 
 def _random(n: int, seed: int) -> PlacementProblem:
-    from tests.search.test_place_ilp import random_problem
+    from tests.search.placer.test_place_ilp import random_problem
 
     return dataclasses.replace(random_problem(n, 2, seed, shared_links=seed % 2 == 1), program_order=True)
 

@@ -9,7 +9,7 @@ world, this process: what one rank of `hybridpar train` logs)."""
 from __future__ import annotations
 
 import pytest
-import tiny_encoder
+from tests.search.layers import tiny_encoder
 
 
 def factory():

@@ -1,0 +1,251 @@
+"""Spatial parallelism (Dryden et al., IPDPS'19): a sample's depth/height/width split over ranks, each
+convolution or pooling run on the rank's piece plus the halo rows its window reaches into the
+neighbours' pieces.
+
+Forward: every rank sends each other rank the rows of its piece that rank's output window reads
+(hybridpar.layout.halo.halo_plan: usually a few rows to each neighbour; more ranks when pieces are
+smaller than the halo), pads at the tensor's edges by itself, and runs the op with no padding along
+the split dimensions: its output rows are exactly its torch.chunk piece of the global output.
+Backward: the gradient of the extended window goes back the same way and is summed into the owner's
+piece (the halo reduction); weight and bias gradients are partial sums over the spatial group, summed
+there by the gradient sync as for any parameter replicated over a mesh dimension.
+
+Written here rather than taken from torch: DTensor's own convolution (`_tp_conv`) shards width only,
+on a 1-D world mesh, with stride 1 when padded; LLNL's DistConv's halo send is refused by gloo.
+Point-to-point on contiguous buffers is what both gloo and NCCL accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hybridpar.layout.halo import HaloPlan, Window, halo_plan
+from hybridpar.parallel.comm.log import CommLog
+from hybridpar.parallel.mesh import Group
+
+
+@dataclass(frozen=True)
+class SpatialSplit:
+    """One split tensor dimension: `dim` of the activation (2.. for N C D H W), `group` the ranks
+    splitting it (rank `group.index` holds torch.chunk piece `group.index`)."""
+
+    dim: int
+    group: Group
+
+
+def _transfer(sends: list[torch.Tensor | None], recv_shapes: list[tuple[int, ...] | None], like: torch.Tensor,
+              group: Group, log: CommLog, tag: str) -> list[torch.Tensor | None]:
+    """Point-to-point: sends[q] to rank q of the group, a tensor of recv_shapes[q] from rank q (None:
+    nothing). Logged as the bytes this rank sends (the halo's kind, 'halo')."""
+    ops: list[dist.P2POp] = []
+    got: list[torch.Tensor | None] = []
+    sent = 0
+    for q in range(group.size):
+        s = sends[q]
+        if s is not None and s.numel() and q != group.index:
+            ops.append(dist.P2POp(dist.isend, s.contiguous(), group.ranks[q], group.pg))
+            sent += s.numel() * s.element_size()
+    for q in range(group.size):
+        shape = recv_shapes[q]
+        if shape is None or q == group.index:
+            got.append(None)
+            continue
+        if 0 in shape:  # rows of an empty cross-section (a piece empty along another split dim): no message
+            got.append(like.new_empty(shape))
+            continue
+        buf = like.new_empty(shape)
+        ops.append(dist.P2POp(dist.irecv, buf, group.ranks[q], group.pg))
+        got.append(buf)
+    if like.is_meta:  # the dry run (hybridpar.parallel.check): shapes only, point-to-point has no meta backend
+        log.record("halo", group.size, sent, tag)
+        return got
+    with log.timed("halo", group.size, sent, tag):
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+    return got
+
+
+def _rows(t: torch.Tensor, dim: int, rows: tuple[int, int], base: int) -> torch.Tensor:
+    """Global rows [start, stop) of `t`, whose first row is global row `base`."""
+    start, stop = rows
+    return t.narrow(dim, start - base, stop - start)
+
+
+class _HaloExchange(torch.autograd.Function):
+    """x (this rank's piece along `dim`) -> the window its output piece reads, edges padded with
+    `pad_value`; backward sums the window's gradient back into the owners' pieces."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, plan: HaloPlan, group: Group, pad_value: float, log: CommLog, tag: str):
+        me = group.index
+        base = plan.in_piece(me)[0]
+        sends = [None if q == me or plan.sends[me][q][1] <= plan.sends[me][q][0]
+                 else _rows(x, dim, plan.sends[me][q], base) for q in range(plan.parts)]
+        shape = list(x.shape)
+
+        def rows_shape(q: int):
+            a, b = plan.sends[q][me]
+            if b <= a:
+                return None
+            return tuple(shape[:dim] + [b - a] + shape[dim + 1:])
+
+        got = _transfer(sends, [rows_shape(q) for q in range(plan.parts)], x, group, log, f"{tag}:fwd")
+        parts = []
+        before, after = plan.pad[me]
+        if before:
+            parts.append(x.new_full(tuple(shape[:dim] + [before] + shape[dim + 1:]), pad_value))
+        for q in range(plan.parts):  # the window's rows in order: they come from ranks in order
+            a, b = plan.sends[q][me]
+            if b > a:
+                g = _rows(x, dim, (a, b), base) if q == me else got[q]
+                assert g is not None  # rows[q][me] non-empty: received
+                parts.append(g)
+        if after:
+            parts.append(x.new_full(tuple(shape[:dim] + [after] + shape[dim + 1:]), pad_value))
+        ctx.meta = (dim, plan, group, log, tag, tuple(x.shape))
+        if not parts:
+            return x.narrow(dim, 0, 0).clone()
+        return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, plan, group, log, tag, x_shape = ctx.meta
+        me = group.index
+        win_start = plan.window[me][0]  # global row of the window's first row (a padding row at the edge)
+
+        def piece(q: int):
+            a, b = plan.sends[q][me]
+            return None if b <= a else grad.narrow(dim, a - win_start, b - a)
+
+        back = [None if q == me else piece(q) for q in range(plan.parts)]
+        shape = list(x_shape)
+
+        def rows_shape(q: int):
+            a, b = plan.sends[me][q]
+            return None if b <= a else tuple(shape[:dim] + [b - a] + shape[dim + 1:])
+
+        got = _transfer(back, [rows_shape(q) for q in range(plan.parts)], grad, group, log, f"{tag}:bwd")
+        dx = grad.new_zeros(x_shape)
+        base = plan.in_piece(me)[0]
+        own = piece(me)
+        if own is not None:
+            _rows(dx, dim, plan.sends[me][me], base).add_(own)
+        for q in range(plan.parts):  # summed in rank order: the same bits on every run
+            g = got[q]
+            if g is not None:
+                _rows(dx, dim, plan.sends[me][q], base).add_(g)
+        return dx, None, None, None, None, None, None
+
+
+def halo_window(x: torch.Tensor, splits: Sequence[SpatialSplit], windows: Sequence[Window], *,
+                pad_value: float = 0.0, log: CommLog | None = None, tag: str = "") -> torch.Tensor:
+    """This rank's piece of `x` extended to the input window of its output piece along every split
+    dimension (one exchange per dimension, in order, so corners travel through the later ones)."""
+    log = log if log is not None else CommLog()
+    for split, w in zip(splits, windows):
+        x = _HaloExchange.apply(x, split.dim, halo_plan(w, split.group.size), split.group, pad_value, log, tag)
+    return x
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+def _per_dim(v, n: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+@dataclass(frozen=True)
+class Halo:
+    """Where a spatially split op's input lives: the split dims with their groups, the whole input's
+    spatial sizes (N C *spatial without N and C), and the log its exchanges are recorded in."""
+
+    splits: tuple[SpatialSplit, ...]
+    global_sizes: tuple[int, ...]
+    log: CommLog = field(default_factory=CommLog)
+    tag: str = ""
+
+
+@dataclass(frozen=True)
+class Sliding:
+    """A sliding window op's geometry per spatial dim: kernel, stride, padding, dilation (and a
+    convolution's groups), as torch's modules hold them."""
+
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int = 1
+
+    @classmethod
+    def of(cls, nd: int, kernel, stride=None, padding=0, dilation=1, groups: int = 1) -> Sliding:
+        if isinstance(padding, str):
+            raise ValueError("string padding ('same'/'valid') on a spatially split op: give numbers")
+        return cls(_per_dim(kernel, nd), _per_dim(stride if stride is not None else kernel, nd),
+                   _per_dim(padding, nd), _per_dim(dilation, nd), groups)
+
+    def windows(self, halo: Halo) -> list[Window]:
+        return [Window(halo.global_sizes[s.dim - 2], self.kernel[s.dim - 2], self.stride[s.dim - 2],
+                       self.padding[s.dim - 2], self.dilation[s.dim - 2]) for s in halo.splits]
+
+    def local_padding(self, halo: Halo) -> tuple[int, ...]:
+        """The op's padding on the extended piece: none along the split dims (the window carries it)."""
+        split = {s.dim - 2 for s in halo.splits}
+        return tuple(0 if d in split else p for d, p in enumerate(self.padding))
+
+    def empty_out_shape(self, ext: torch.Tensor, channels: int, halo: Halo) -> tuple[int, ...] | None:
+        """The output shape when this rank's piece of the output is empty along a split dim, else None."""
+        split = {s.dim for s in halo.splits}
+        if all(ext.shape[d] for d in split):
+            return None
+        # per dim: an empty split dim gives 0 rows, the others as the op computes them (a piece may be
+        # empty along one split dim and not along another: its shape must still be its own)
+        pad = self.local_padding(halo)
+        sizes = [Window(ext.shape[d + 2], self.kernel[d], self.stride[d], pad[d], self.dilation[d]).out_size
+                 for d in range(len(self.kernel))]
+        return (ext.shape[0], channels, *sizes)
+
+
+def spatial_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geom: Sliding,
+                 halo: Halo) -> torch.Tensor:
+    """convNd of a spatially split input: `x` is this rank's piece (N, C, *spatial); returns this rank's
+    torch.chunk piece of the whole output along the split dimensions (whole along the others)."""
+    ext = halo_window(x, halo.splits, geom.windows(halo), log=halo.log, tag=halo.tag)
+    empty = geom.empty_out_shape(ext, weight.shape[0], halo)
+    if empty is not None:
+        return _empty_piece(ext, empty, weight, bias)
+    return _CONV[weight.dim() - 2](ext, weight, bias, geom.stride, geom.local_padding(halo), geom.dilation,
+                                   geom.groups)
+
+
+def spatial_pool(x: torch.Tensor, kind: str, geom: Sliding, halo: Halo) -> torch.Tensor:
+    """max or avg pooling (count_include_pad=True, no ceil_mode) of a spatially split input, as
+    spatial_conv; max pads the tensor's edges with -inf, as torch's own padding behaves."""
+    nd = x.dim() - 2
+    if kind == "avg" and any(d != 1 for d in geom.dilation):
+        raise ValueError("avg pooling has no dilation")
+    pad_value = float("-inf") if kind == "max" else 0.0
+    ext = halo_window(x, halo.splits, geom.windows(halo), pad_value=pad_value, log=halo.log, tag=halo.tag)
+    empty = geom.empty_out_shape(ext, x.shape[1], halo)
+    if empty is not None:
+        return _empty_piece(ext, empty)
+    if kind == "max":
+        return _MAX[nd](ext, geom.kernel, geom.stride, geom.local_padding(halo), geom.dilation)
+    return _AVG[nd](ext, geom.kernel, geom.stride, geom.local_padding(halo), False, True)
+
+
+def _empty_piece(ext: torch.Tensor, shape: tuple[int, ...], *params: torch.Tensor | None) -> torch.Tensor:
+    """A rank whose output piece is empty (more ranks than output rows): an empty output that still
+    depends on the exchange and the parameters, so this rank's backward runs the halo reduction its
+    peers wait for and its parameters get (zero) gradients like everyone's."""
+    tie = ext.sum() * 0
+    for p in params:
+        if p is not None:
+            tie = tie + p.sum() * 0
+    return ext.new_zeros(shape) + tie
