@@ -28,7 +28,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/run_all.py
 
 # What mypy checks ([tool.mypy] in pyproject.toml); a package joins when it is clean.
-MYPY_PATHS := src/hybridpar/layout src/hybridpar/plans src/hybridpar/cost src/hybridpar/cluster \
+MYPY_PATHS := src/hybridpar/layout src/hybridpar/plans src/hybridpar/cost src/hybridpar/cluster src/hybridpar/parallel \
 	src/hybridpar/graph/types.py src/hybridpar/errors.py src/hybridpar/files.py src/hybridpar/jsonfile.py \
 	src/hybridpar/humanize.py src/hybridpar/toposort.py src/hybridpar/host_allocator.py src/hybridpar/user_code.py
 

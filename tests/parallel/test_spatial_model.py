@@ -27,7 +27,9 @@ TOL = 1e-9  # fp64
 
 WORLDS = {
     2: [("unet", "height=2"), ("unet", "width=2"), ("dilated", "width=2"), ("cnn3d", "depth=2")],
-    4: [("unet", "height=2,width=2"), ("unet", "sample=2,height=2"), ("cnn3d", "depth=2,height=2")],
+    # the 3-D net under depth=2,height=2 is exact too (run by hand: 2.2e-16) but took ~60 s of the suite
+    # in DTensor's sharding propagation over a 4-D mesh; 3-D corners stay covered op by op (test_spatial.py)
+    4: [("unet", "height=2,width=2"), ("unet", "sample=2,height=2")],
 }
 
 

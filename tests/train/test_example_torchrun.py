@@ -1,5 +1,6 @@
-"""examples/train_own_loop.py (own loop, AdamW, a non-cross-entropy loss) under real torchrun, 4 ranks:
-the weights equal one process's."""
+"""The own-loop examples under real torchrun: examples/train_own_loop.py (4 ranks, AdamW, a
+non-cross-entropy loss) and examples/train_own_loop_mp.py (model parallelism: two inputs, a dict output,
+AdamW, its own loss); the weights equal one process's."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["sample=4", "sample=2,channel=2", "channel=2,filter=2"])
-def test_own_loop_under_torchrun_equals_one_process(strategy):
+def _check_example(script: str, nproc: int, args: list[str]) -> None:
+    """Run `script --check` under torchrun: 5 steps, and the largest weight difference from one process."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4",
-                           str(ROOT / "examples" / "train_own_loop.py"), "--strategy", strategy, "--check"],
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(nproc),
+                           str(ROOT / "examples" / script), *args, "--check"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -28,3 +28,19 @@ def test_own_loop_under_torchrun_equals_one_process(strategy):
     assert len(check) == 1, proc.stdout
     assert check[0]["max_weight_diff"] <= 1e-4, check[0]
     assert len([r for r in lines if "step" in r]) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sample=4", "sample=2,channel=2", "channel=2,filter=2"])
+def test_own_loop_under_torchrun_equals_one_process(strategy):
+    _check_example("train_own_loop.py", 4, ["--strategy", strategy])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc,args", [
+    (2, ["--strategy", "mp=2"]),  # rank 0 runs the placer on the example batch
+    (4, ["--strategy", "mp=2,sample=2", "--placement", '{"mlp": 1, "head": 1}']),
+])
+def test_own_loop_mp_under_torchrun_equals_one_process(nproc, args):
+    _check_example("train_own_loop_mp.py", nproc, args)

@@ -119,9 +119,12 @@ class DistBatchNorm(nn.Module):
             raise ValueError(f"stats must be 'global' or 'local', got {stats!r}")
         self.eps, self.momentum, self.stats, self.comm = bn.eps, bn.momentum, stats, comm
         self.track_running_stats = bn.track_running_stats
-        self.weight = nn.Parameter(bn.weight.detach()[sl].clone()) if bn.affine else None
-        self.bias = nn.Parameter(bn.bias.detach()[sl].clone()) if bn.affine else None
-        if bn.track_running_stats:
+        self.weight: nn.Parameter | None = nn.Parameter(bn.weight.detach()[sl].clone()) if bn.affine else None
+        self.bias: nn.Parameter | None = nn.Parameter(bn.bias.detach()[sl].clone()) if bn.affine else None
+        self.running_mean: torch.Tensor | None
+        self.running_var: torch.Tensor | None
+        self.num_batches_tracked: torch.Tensor | None
+        if bn.running_mean is not None and bn.running_var is not None and bn.num_batches_tracked is not None:
             self.register_buffer("running_mean", bn.running_mean[sl].clone())
             self.register_buffer("running_var", bn.running_var[sl].clone())
             self.register_buffer("num_batches_tracked", bn.num_batches_tracked.clone())
@@ -162,7 +165,8 @@ class DistBatchNorm(nn.Module):
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False,
                                 0.0, self.eps)
         comm = comm or self.comm
-        weight, bias = self.weight, self.bias
+        weight: torch.Tensor | None = self.weight
+        bias: torch.Tensor | None = self.bias
         if copies > 1:  # computed alike on `copies` ranks of the stats group: each gradient counts once
             from hybridpar.parallel.styles.spatial_layers import scale_grad
 
@@ -179,7 +183,7 @@ class DistBatchNorm(nn.Module):
         return y
 
     def _momentum(self) -> float:
-        if self.track_running_stats and self.training:
+        if self.num_batches_tracked is not None and self.training:
             self.num_batches_tracked.add_(1)
         if self.momentum is None:  # cumulative moving average, as nn.BatchNorm2d
             return 1.0 / float(self.num_batches_tracked) if self.num_batches_tracked else 0.0
@@ -188,6 +192,7 @@ class DistBatchNorm(nn.Module):
     @torch.no_grad()
     def _update_running(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
         m = self._momentum()
+        assert self.running_mean is not None and self.running_var is not None  # track_running_stats
         self.running_mean.mul_(1 - m).add_(mean, alpha=m)
         self.running_var.mul_(1 - m).add_(var * count / max(count - 1, 1), alpha=m)
 
