@@ -18,7 +18,8 @@ def test_bf16_peak_is_measured_and_used(tmp_path, monkeypatch):
     dev = load_cluster("localhost", gpus=2, calibration=path).device
     assert dev.peak("bf16") == figures["peak_flops_bf16"] and dev.peak("fp32") == figures["peak_flops_fp32"]
     monkeypatch.setenv("HYBRIDPAR_CALIBRATION", str(path))
-    assert peak_flops("localhost", "bf16") == figures["peak_flops_bf16"]
+    # the better of the two rates: a CPU without native bf16 runs autocast steps above its bf16 matmul rate
+    assert peak_flops("localhost", "bf16") == max(figures["peak_flops_bf16"], figures["peak_flops_fp32"])
     assert peak_flops("localhost", "fp32") == figures["peak_flops_fp32"]
 
 
