@@ -71,7 +71,8 @@ def run_family(name: str, graph_only: bool) -> dict:
 def _cell(r) -> str:
     if r.status == "exact" and r.precision == "fp64":
         return "exact (fp64)"
-    return {"exact": "exact", "refused": "refused", "failed": "**FAILED**", "not run": "not run"}[r.status]
+    return {"exact": "exact", "ran": "ran", "refused": "refused", "failed": "**FAILED**",
+            "not run": "not run"}[r.status]
 
 
 HEADERS = {"fwd_flops": "fwd FLOPs", "bwd_flops": "bwd FLOPs", "plan_b1": "plan b1", "plan_b8": "plan b8",
@@ -97,13 +98,15 @@ def table(rows: list[dict], checks: tuple[str, ...], command: str, started: str)
         size = f"{r['image_size']}²" if r["built"] else "-"
         params = f"{r['params']:,}" if r["built"] else "-"
         lines.append(f"| {r['family']} | {params} | {size} | " + " | ".join(cells) + " |")
-    lines += ["", "| check | exact | of which in fp64 | refused | failed | not run |",
-              "|---|---:|---:|---:|---:|---:|"]
+    # "ran": the command exited 0 and nothing was compared (plan, place); never counted as exact
+    lines += ["", "| check | exact | ran | of which in fp64 | refused | failed | not run |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for c in checks:
         got = [r["checks"][c] for r in built if c in r["checks"]]
-        n = {k: sum(g.status == k for g in got) for k in ("exact", "refused", "failed", "not run")}
+        n = {k: sum(g.status == k for g in got) for k in ("exact", "ran", "refused", "failed", "not run")}
         fp64 = sum(g.status == "exact" and g.precision == "fp64" for g in got)
-        lines.append(f"| {HEADERS.get(c, c)} | {n['exact']}/{len(got) - n['not run']} | {fp64} | {n['refused']} | "
+        lines.append(f"| {HEADERS.get(c, c)} | {n['exact']}/{len(got) - n['not run']} | {n['ran']} | {fp64} | "
+                     f"{n['refused']} | "
                      f"{n['failed']} | {n['not run']} |")
     lines += ["", "Reasons (refused, failed, or exact in fp64 with the float32 spread that needs it):", ""]
     for r in rows:
@@ -112,7 +115,8 @@ def table(rows: list[dict], checks: tuple[str, ...], command: str, started: str)
             continue
         for c in checks:
             res = r["checks"].get(c)
-            if res is not None and res.status != "not run" and (res.status != "exact" or res.precision != "fp32"):
+            if res is not None and res.status not in ("not run", "ran") and (res.status != "exact"
+                                                                             or res.precision != "fp32"):
                 lines.append(f"- {r['family']} {HEADERS.get(c, c)}: {_cell(res).strip('*').lower()}: "
                              f"{_one_line(res.detail)}")
     return "\n".join(lines) + "\n"
@@ -223,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"families": len(rows), "built": len(built)}
     for c in checks:
         summary[f"{c}_exact"] = sum(r["checks"][c].status == "exact" for r in built if c in r["checks"])
+        summary[f"{c}_ran"] = sum(r["checks"][c].status == "ran" for r in built if c in r["checks"])
         summary[f"{c}_refused"] = sum(r["checks"][c].status == "refused" for r in built if c in r["checks"])
         summary[f"{c}_failed"] = sum(r["checks"][c].status == "failed" for r in built if c in r["checks"])
     out_json = os.environ.get("HYBRIDPAR_BENCH_OUT")

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = (ROOT / "README.md", ROOT / "docs" / "results.md")
+FILES = (ROOT / "README.md", ROOT / "docs" / "results.md", ROOT / "docs" / "spatial.md")
 REGION = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S)
 
 MAKE_RUN = ["plan", "--model", "resnet50_w8", "--cluster", "lassen", "--gpus", "256", "--batch", "512"]
@@ -54,6 +54,14 @@ PROJ_NAMES = {"inception_v3": "Inception-V3", "gnmt": "GNMT", "biglstm": "BigLST
 # points (planned up to --cf-max-gpus 32) cost a minute and decide none of the figures below.
 PROJ_GPUS = {"inception_v3": (1, 2, *(2**i for i in range(6, 13))), "gnmt": tuple(2**i for i in range(13)),
              "biglstm": tuple(2**i for i in range(13))}
+
+
+# docs/spatial.md's worked example: strong scaling of one batch of high-resolution images on Lassen
+SPATIAL_MODEL, SPATIAL_BATCH, SPATIAL_GPUS, SPATIAL_CLUSTER = "unet", 8, (8, 16, 32, 64), "lassen"
+# and ResNet-50 at 224x224 on 64 of them, which stays off spatial: the layout the planner picks (a 20 s
+# search; tests/search/layers/test_spatial_plan.py's slow test checks it is this one) against the best
+# spatial layout, both priced as fixed layouts
+SPATIAL_RESNET = ("resnet50", 64, "sample=8,channel=2,filter=4", "sample=8,height=4,width=2")
 
 
 # -- computing ---------------------------------------------------------------------------------------
@@ -141,10 +149,24 @@ def render_make_run(d: dict) -> dict[str, str]:
              f"({pred['step_time_s'] * 1e3:.0f} vs {dp['step_time_s'] * 1e3:.0f} ms per step) and needs "
              f"{pred['memory_bytes_per_device'] / gib:.2f} GiB per GPU where data parallelism needs "
              f"{dp['memory_bytes_per_device'] / gib:.2f} GiB")
-    return {"make-run": f"For this wide CNN {speed}.\n",
+    fsdp = d.get("fsdp_recompute")
+    mem = f"{pred['memory_bytes_per_device'] / gib:.2f}"
+    if fsdp is None:
+        versus = f" FSDP + full recomputation: {d.get('fsdp_recompute_note') or 'not priced'}."
+    else:
+        s, fmem = d["speedup_vs_fsdp_recompute"], f"{fsdp['memory_bytes_per_device'] / gib:.2f}"
+        times = f"{pred['step_time_s'] * 1e3:.0f} vs {fsdp['step_time_s'] * 1e3:.0f} ms per step"
+        who = (f"channel/filter still beats it, **{_x(s)}** faster ({times})" if s >= 1 else
+               f"it beats channel/filter, **{_x(1 / s)}** faster ({times})")
+        versus = (f" Against FSDP + full recomputation (`sample=256,zero=3` with every block recomputed, what a "
+                  f"torchtitan user runs by default) {who}; FSDP needs {fmem} GiB per GPU, the plan "
+                  f"{_x(pred['memory_bytes_per_device'] / fsdp['memory_bytes_per_device'])} that.")
+    return {"make-run": f"For this wide CNN {speed}.{versus}\n",
             "make-run-memory": (f"`make run`'s plan (256 Lassen GPUs, batch 512, 3×224×224) states "
-                                f"{pred['memory_bytes_per_device'] / gib:.2f} GiB per GPU; data parallelism, "
-                                f"{dp['memory_bytes_per_device'] / gib:.2f} GiB.\n")}
+                                f"{mem} GiB per GPU; data parallelism, "
+                                f"{dp['memory_bytes_per_device'] / gib:.2f} GiB"
+                                + (f"; FSDP + full recomputation, {fsdp['memory_bytes_per_device'] / gib:.2f} GiB"
+                                   if fsdp else "") + ".\n")}
 
 
 def _best(rows: list[dict], key: str) -> dict:
@@ -174,9 +196,14 @@ def render_lassen(d: dict) -> dict[str, str]:
     no_dp = [r for r in d["weak"] if "error" not in r and r["dp_s"] is None]
     counts = ", ".join(f"{r['gpus']:,}" for r in no_dp)
     plan_gib = ", ".join(f"{r['plan_gib']:.1f}" for r in no_dp)
+    # what the planner chose where data parallelism does not fit: FSDP (a zero level) or channel/filter
+    kinds = ", ".join(f"{next((f'`{lay}`' for lay in r['layouts'] if 'zero=' in lay), 'channel/filter')} at "
+                      f"{r['gpus']:,}" for r in no_dp)
     weak_text = (f"At {WEAK_PER_GPU} samples per GPU (weak scaling) data parallelism does not fit "
                  f"{LASSEN_MODELS[WEAK_MODEL]} in a V100's 16 GiB at {counts} GPUs, and the planner's "
-                 f"channel/filter plan does ({plan_gib} GiB per GPU)." if no_dp else
+                 f"plans do: {kinds} GPUs ({plan_gib} GiB per GPU; the planner weighs the sample dimension's "
+                 "parameters sharded, zero=2|3, and recomputation against channel/filter where data "
+                 "parallelism does not fit)." if no_dp else
                  f"At {WEAK_PER_GPU} samples per GPU (weak scaling) data parallelism fits "
                  f"{LASSEN_MODELS[WEAK_MODEL]} at every count tried.")
     text = "\n".join(lines) + (
@@ -213,17 +240,64 @@ def render_nvlink(d: dict) -> dict[str, str]:
                                 f"and {parts[-1]}\n"}
 
 
+def spatial() -> dict:
+    """The U-Net at 3x1024x1024, batch 8, planned on 8..64 Lassen GPUs (spatial layouts as candidates),
+    and the memory of one whole sample per GPU (`sample=8` on 8 GPUs) beside each plan's."""
+    import hybridpar
+
+    rows = []
+    for g in SPATIAL_GPUS:
+        res = hybridpar.plan(SPATIAL_MODEL, SPATIAL_CLUSTER, g, SPATIAL_BATCH)
+        rows.append({"gpus": g, "layout": res.plan.default_layout.to_strategy(), "step_s": res.prediction.step_time_s,
+                     "gib": res.prediction.memory_bytes[0] / 2**30, "halo": res.prediction.comm_bytes.get("halo", 0),
+                     "notes": [n for n in res.plan.notes if n.startswith(("spatial chosen", "no layer goes spatial"))]})
+    whole = hybridpar.plan(SPATIAL_MODEL, SPATIAL_CLUSTER, SPATIAL_BATCH, SPATIAL_BATCH,
+                           strategy=f"sample={SPATIAL_BATCH}")
+    model, gpus, *layouts = SPATIAL_RESNET
+    resnet = {}
+    for lay in layouts:
+        res = hybridpar.plan(model, SPATIAL_CLUSTER, gpus, SPATIAL_BATCH, strategy=lay)
+        resnet[lay] = {"step_s": res.prediction.step_time_s, "grad_sync_s": res.breakdown.grad_sync_s,
+                       "grad_bytes": res.breakdown.grad_bytes, "halo_bytes": res.prediction.comm_bytes.get("halo", 0)}
+    return {"rows": rows, "whole_gib": whole.prediction.memory_bytes[0] / 2**30,
+            "whole_s": whole.prediction.step_time_s, "resnet": resnet}
+
+
+def render_spatial(d: dict) -> dict[str, str]:
+    lines = ["| GPUs | plan | step (ms) | images/s | memory per GPU | halo bytes per step | why |",
+             "|---:|---|---:|---:|---:|---:|---|"]
+    for r in d["rows"]:
+        why = r["notes"][0] if r["notes"] else ""
+        why = " ".join(re.sub(r"\(halo exchanges[^)]*\)", "", why).split()).replace("|", "/")
+        lines.append(f"| {r['gpus']} | `{r['layout']}` | {r['step_s'] * 1e3:.1f} | {SPATIAL_BATCH / r['step_s']:.0f} | "
+                     f"{r['gib']:.2f} GiB | {r['halo'] / 2**20:.1f} MiB | {why} |")
+    lines.append("")
+    lines.append(f"One whole 3×1024×1024 sample per GPU (`sample={SPATIAL_BATCH}` on {SPATIAL_BATCH} GPUs) needs "
+                 f"{d['whole_gib']:.2f} GiB per GPU and {d['whole_s'] * 1e3:.1f} ms per step.")
+    (_, gpus, picked, spatial_lay), r = SPATIAL_RESNET, d["resnet"]
+    a, b = r[picked], r[spatial_lay]
+    resnet = (f"ResNet-50 at 224×224, batch {SPATIAL_BATCH} on {gpus} GPUs: the planner's layout, `{picked}` "
+              f"(priced uniformly), is predicted at {a['step_s'] * 1e3:.1f} ms per step, the best spatial layout, "
+              f"`{spatial_lay}`, at {b['step_s'] * 1e3:.1f} ms. The spatial layout's gradient allreduce moves "
+              f"{b['grad_bytes'] / 1e6:.1f} MB ({b['grad_sync_s'] * 1e3:.1f} ms) against "
+              f"{a['grad_bytes'] / 1e6:.1f} MB "
+              f"({a['grad_sync_s'] * 1e3:.1f} ms) for the channel/filter shards; its halo exchanges send "
+              f"{b['halo_bytes'] / 2**20:.2f} MiB per step.\n")
+    return {"spatial-unet": "\n".join(lines) + "\n", "spatial-resnet": resnet}
+
+
 GROUPS: dict[str, tuple[Callable[[], object], Callable[[object], dict[str, str]]]] = {
     "make-run": (make_run, render_make_run),
     "lassen": (lassen, render_lassen),
     "projection": (projection, render_projection),
     "nvlink": (nvlink_allreduce, render_nvlink),
+    "spatial": (spatial, render_spatial),
 }
 
 
 # the regions each group writes
 REGION_NAMES = {"make-run": ("make-run", "make-run-memory"), "lassen": ("lassen",), "projection": ("projection",),
-                "nvlink": ("nvlink-allreduce",)}
+                "nvlink": ("nvlink-allreduce",), "spatial": ("spatial-unet", "spatial-resnet")}
 
 
 def compute(groups=tuple(GROUPS)) -> dict[str, str]:

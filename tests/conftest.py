@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -15,6 +16,13 @@ os.environ["HYBRIDPAR_CALIBRATION"] = os.path.join(_STATE, "calibration.json")
 import torch
 
 torch.set_num_threads(1)
+
+# The ranks of in-process spawns fork from one server per test session; Hugging Face models' shared
+# base (~6 s of CPU to import) is imported there once instead of in every rank of every HF test.
+if importlib.util.find_spec("transformers") is not None:
+    from hybridpar.train.launch import preload
+
+    preload("transformers.modeling_utils")
 
 
 def pytest_sessionfinish(session, exitstatus):

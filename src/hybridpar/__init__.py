@@ -79,7 +79,8 @@ def _placer(example_inputs: tuple, cluster: str):
             mine = tuple(split_rows(list(example_inputs), n, plan_.dp)[0]) if plan_.dp > 1 else example_inputs
             try:
                 outcome = _place(module, cluster, plan_.mp, example_inputs=mine, batch=batch_rows(mine))
-                box[0] = {"placement": placement_from_outcome(outcome, module, mine)}
+                box[0] = {"placement": placement_from_outcome(outcome, module, mine),
+                          "micro_batches": outcome.plan.micro_batches}  # the placer's GPipe count
             except Exception as err:  # noqa: BLE001 - every rank raises it, not only rank 0
                 box[0] = {"error": f"{type(err).__name__}: {err}"}
         dist.broadcast_object_list(box, src=0)
@@ -89,7 +90,7 @@ def _placer(example_inputs: tuple, cluster: str):
             from hybridpar.errors import UserError
 
             raise UserError(f"placement of mp={plan_.mp} on rank 0 failed: {got['error']}")
-        return plan_.model_copy(update={"placement": got["placement"]})
+        return plan_.model_copy(update={"placement": got["placement"], "micro_batches": got["micro_batches"]})
 
     return place
 

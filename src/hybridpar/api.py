@@ -54,12 +54,49 @@ def plan(model, cluster=DEFAULT_CLUSTER, gpus: int = 1, batch: int = 32, config:
 
     gpus = options.pop("devices", gpus)
     cfg = PlannerConfig.of(config, {**options, "runnable_only": dry_run is not False})
-    res = plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, cfg, progress=progress)
-    if dry_run if dry_run is not None else (isinstance(model, str) and ":" in model):
+    if not (dry_run if dry_run is not None else (isinstance(model, str) and ":" in model)):
+        return with_baseline_notes(plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, cfg,
+                                              progress=progress))
+    excluded: dict[str, str] = {}  # strategy -> the dry run's refusal
+    while True:  # ends: each pass excludes a layout the last plan used, or returns
+        cfg_ = dataclasses.replace(cfg, exclude_layouts=(*cfg.exclude_layouts, *excluded))
+        res = plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, cfg_, progress=progress)
         if progress is not None:
             progress("dry run of the layout on meta tensors")
-        res = with_redistributions(res, model, cfg.input_shape, cluster)
-    return res
+        try:
+            res = with_redistributions(res, model, cfg.input_shape, cluster)
+            break
+        except UserError as err:
+            refused = _split_layouts(res.plan)
+            if cfg.strategy is not None or not refused or set(refused) <= set(excluded):
+                raise  # a fixed --strategy, or a refusal no exclusion can avoid: the user's to see
+            excluded.update(dict.fromkeys(refused, str(err)))
+    return with_baseline_notes(_with_exclusion_notes(res, excluded))
+
+
+def _split_layouts(plan_: Plan) -> list[str]:
+    """The strategies of the plan's layouts that split a layer (the ones its dry run can refuse)."""
+    lays = [plan_.default_layout, *plan_.layers.values()]
+    return sorted({lay.to_strategy() for lay in lays if lay.g_size > 1 or lay.spatial > 1})
+
+
+def _with_exclusion_notes(res: PlanResult, excluded: dict[str, str]) -> PlanResult:
+    """The plan's notes saying which layouts the search left out because the dry run refused them."""
+    if not excluded:
+        return res
+    notes = [f"excluded {lay}: the dry run refused it ({why})" for lay, why in excluded.items()]
+    return dataclasses.replace(res, plan=res.plan.model_copy(update={"notes": [*res.plan.notes, *notes]}))
+
+
+def with_baseline_notes(res: PlanResult) -> PlanResult:
+    """The plan's notes with its standing against both baselines, data parallelism and FSDP + full
+    recomputation (search.layers.fsdp_baseline.baseline_notes): the HTML report shows a plan's notes."""
+    from hybridpar.search.layers.fsdp_baseline import baseline_notes
+
+    notes = [n for n in baseline_notes(res) if n not in res.plan.notes]
+    if not notes:
+        return res
+    return dataclasses.replace(res, plan=res.plan.model_copy(update={"notes": [*res.plan.notes, *notes]}))
 
 
 def with_redistributions(res: PlanResult, model: str, shape, cluster) -> PlanResult:
@@ -130,11 +167,13 @@ def place(model, cluster=DEFAULT_CLUSTER, gpus: int = 2, config: PlacerConfig | 
 
 
 def with_placement(plan_: Plan, module: nn.Module, *, time_limit_s: float = PLACER_TIME_LIMIT_S,
-                   optimizer: str = "sgd", momentum: float = 0.0, example_inputs: tuple | None = None) -> Plan:
+                   optimizer: str = "sgd", momentum: float = 0.0, example_inputs: tuple | None = None,
+                   micro_batches: int | None = None) -> Plan:
     """`plan_` with its placement filled in before any rank starts (unchanged when it has one, or when
     mp == 1): DLPlacer's for the plan's model, cluster and per-replica batch. The ranks never search.
     `optimizer`/`momentum`: the run's, as `train` takes them (its state in memory, its update in the step);
-    `example_inputs`: at one forward's batch, for a model the runtime runs on torch.export's graph."""
+    `example_inputs`: at one forward's batch, for a model the runtime runs on torch.export's graph;
+    `micro_batches`: the run's GPipe count (priced), None: the placer chooses it (Plan.micro_batches)."""
     if plan_.placement is not None or plan_.mp == 1:
         return plan_
     from hybridpar.search.placer import place_model
@@ -142,8 +181,10 @@ def with_placement(plan_: Plan, module: nn.Module, *, time_limit_s: float = PLAC
 
     shape = tuple(plan_.input_shape) if plan_.input_shape else None
     outcome = place_model(plan_.model, plan_.cluster, plan_.mp, batch=max(1, plan_.batch // plan_.dp),
-                          input_shape=shape, time_limit_s=time_limit_s, optimizer=optimizer, momentum=momentum)
-    return plan_.model_copy(update={"placement": placement_from_outcome(outcome, module, example_inputs)})
+                          input_shape=shape, time_limit_s=time_limit_s, optimizer=optimizer, momentum=momentum,
+                          micro_batches=micro_batches)
+    return plan_.model_copy(update={"placement": placement_from_outcome(outcome, module, example_inputs),
+                                    "micro_batches": outcome.plan.micro_batches})
 
 
 @dataclasses.dataclass(frozen=True)

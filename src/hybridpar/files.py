@@ -75,3 +75,4 @@ def _create_beside(path: Path) -> tuple[int, Path]:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
             continue
+

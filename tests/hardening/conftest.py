@@ -72,6 +72,9 @@ def no_spawn(monkeypatch):
     """Any fork/exec (subprocess, multiprocessing, torch spawn) fails the test."""
     import _posixsubprocess
 
+    # user code runs first in a forked trial child (hybridpar.user_code): a check of its own, not a
+    # rank starting; off here so that any fork still means validation came too late
+    monkeypatch.setenv("HYBRIDPAR_USER_CODE_TIMEOUT_S", "0")
     for mod, name in [(os, "fork"), (os, "posix_spawn"), (os, "posix_spawnp"), (_posixsubprocess, "fork_exec"),
                       (subprocess.Popen, "_execute_child")]:
         monkeypatch.setattr(mod, name, _no_spawn)

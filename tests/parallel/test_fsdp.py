@@ -32,7 +32,7 @@ def test_zero_is_a_strategy_key_not_a_degree():
 
 @pytest.mark.parametrize("text,world,words", [
     ("sample=2,zero=1", 2, "zero must be 2 or 3"),
-    ("sample=2,channel=2,zero=3", 4, "sample-only layouts"),
+    ("sample=2,height=2,zero=3", 4, "not with spatial splits"),  # channel/filter compose (test_fsdp_compose)
     ("mp=2,zero=3", 4, "model parallelism"),
 ])
 def test_refused_before_any_rank(text, world, words):
@@ -40,11 +40,12 @@ def test_refused_before_any_rank(text, world, words):
         parse_strategy(text, world)
 
 
-def test_recompute_refused_with_channel_splits_and_mp():
+def test_recompute_refused_with_spatial_splits_and_mp():
     from hybridpar.parallel.fsdp import sharding_refusal
 
     assert sharding_refusal([LayerLayout(sample=2)], 1, "all") is None
-    assert "sample-only" in sharding_refusal([LayerLayout(channel=2)], 1, "all")
+    assert sharding_refusal([LayerLayout(sample=2, channel=2, zero=3)], 1, "all") is None
+    assert "spatial splits" in sharding_refusal([LayerLayout(height=2)], 1, "all")
     assert "model parallelism" in sharding_refusal([LayerLayout(sample=2)], 2, "all")
     assert "recompute must be" in sharding_refusal([LayerLayout(sample=2)], 1, "some")
 
@@ -110,13 +111,13 @@ def test_cli_zero3_recompute_equals_one_process(tmp_path, capsys):
     assert _err(got, want) <= 1e-9
 
 
-def test_cli_refuses_zero_with_channel_in_one_line(capsys):
+def test_cli_refuses_zero_with_spatial_in_one_line(capsys):
     from hybridpar.cli.main import main
 
     code = main(["train", "--model", "tests/parallel/_fsdp_workers.py:small_net", "--input-shape", "3,6,6",
-                 "--strategy", "sample=1,channel=2,zero=3", "--nproc", "2", "--steps", "1"])
+                 "--strategy", "sample=1,height=2,zero=3", "--nproc", "2", "--steps", "1"])
     err = capsys.readouterr().err
-    assert code == 2 and "sample-only layouts" in err and "Traceback" not in err
+    assert code == 2 and "not with spatial splits" in err and "Traceback" not in err
 
 
 # -- cost rules -----------------------------------------------------------------------------------------

@@ -27,9 +27,11 @@ TOL = 1e-9  # fp64
 
 WORLDS = {
     2: [("unet", "height=2"), ("unet", "width=2"), ("dilated", "width=2"), ("cnn3d", "depth=2")],
-    # the 3-D net under depth=2,height=2 is exact too (run by hand: 2.2e-16) but took ~60 s of the suite
-    # in DTensor's sharding propagation over a 4-D mesh; 3-D corners stay covered op by op (test_spatial.py)
-    4: [("unet", "height=2,width=2"), ("unet", "sample=2,height=2")],
+    # spatial x channel/filter in one layer (SpatialDistConv; transposed convs and concat on channel
+    # pieces); the 3-D net's corners (depth x height). DTensor's first-step propagation over these 3-4-D
+    # meshes took ~100 s for the first two alone before hybridpar.parallel.dtensor.propagation
+    4: [("unet", "height=2,width=2"), ("unet", "sample=2,height=2"), ("unet", "height=2,channel=2"),
+        ("dilated", "height=2,filter=2"), ("cnn3d", "depth=2,height=2")],
 }
 
 
@@ -69,7 +71,7 @@ def _train(tmp_path, capsys, model: str, strategy: str, nproc: int):
 
 
 @pytest.mark.slow
-def test_train_cli_height2_equals_one_process(tmp_path, capsys):
+def test_train_cli_spatial_equals_one_process(tmp_path, capsys):
     model = _model_file(tmp_path)
     ref, ref_res = _train(tmp_path, capsys, model, "sample=1", 1)
     got, res = _train(tmp_path, capsys, model, "height=2", 2)
@@ -84,12 +86,21 @@ def test_train_cli_height2_equals_one_process(tmp_path, capsys):
     # and equal to what the dry run (the planner's record of one step) counts on rank 0
     m, x, y = build("dilated")
     assert check(m, "height=2", x, y, world_size=2, inputs="sample_shard").our_bytes["halo"] == halo[0]
+    # spatial x channel/filter in one layer through the CLI too
+    got, res = _train(tmp_path, capsys, model, "height=2,filter=2", 4)
+    err = max(float((got[k].double() - v.double()).abs().max()) for k, v in ref.items() if v.is_floating_point())
+    assert err <= TOL, err
+    assert all(abs(a["loss"] - b["loss"]) <= TOL for a, b in zip(res["steps"], ref_res["steps"]))
+    dry = check(m, "height=2,filter=2", x, y, world_size=4, inputs="sample_shard").our_bytes
+    assert res["steps"][-1]["comm_bytes"]["halo"] == dry["halo"] > 0
+    assert res["steps"][-1]["comm_bytes"]["allgather"] > 0  # the filter group's gather of the extended piece
 
 
 def test_spatial_refusals_before_start():
     m, x, y = build("dilated")
-    with pytest.raises(UserError, match="combined with channel/filter"):
-        check(m, "height=2,channel=2", x, y, world_size=4)
+    # spatial x channel/filter runs (tests/parallel/test_spatial_compose.py): the dry run passes it
+    dry = check(m, "height=2,channel=2", x, y, world_size=4, loss_fn=F.cross_entropy)
+    assert dry.our_bytes["halo"] > 0 and dry.our_bytes["reduce_scatter"] > 0
     m.pool = nn.MaxPool2d(2, ceil_mode=True)
     with pytest.raises(UserError, match="module 'pool' .*ceil_mode"):
         check(m, "height=2", x, y, world_size=2)

@@ -115,8 +115,20 @@ def _exit(code: int, argv: list[str] | None) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+        if _stray_threads():
+            # a user's model or data file started a thread that never ends: the interpreter's exit
+            # would wait for it forever (user_code.py); the command's work is done
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         sys.exit(code)
     return code
+
+
+def _stray_threads() -> bool:
+    import threading
+
+    return any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridpar.errors import UserError
 from hybridpar.files import atomic_write
+from hybridpar.jsonfile import read_input
 
 CALIBRATION_VERSION = 1
 ENV_VAR = "HYBRIDPAR_CALIBRATION"
@@ -199,9 +200,9 @@ def load_calibration(path: str | os.PathLike | None = None, *, required: bool = 
     if cached is not None:
         return cached
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_input(p, "calibration file"))  # bounded: never /dev/zero or a FIFO
         cal = Calibration.model_validate(data)
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise UserError(f"calibration file {str(p)!r} is unreadable: {err}") from None
     except ValidationError as err:
         first = err.errors()[0]

@@ -16,6 +16,7 @@ from hybridpar.cluster.localhost import localhost_cluster, physical_cores
 from hybridpar.cluster.model import Cluster, DeviceSpec, InterNode, IntraNode
 from hybridpar.cluster.spec import ClusterFile, Figure, Sourced, source_of, value_of
 from hybridpar.errors import UserError
+from hybridpar.jsonfile import read_input_text
 
 PRESET_DIR = Path(__file__).with_name("presets")
 PRESETS: tuple[str, ...] = tuple(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
@@ -33,14 +34,14 @@ def read_cluster_file(name_or_path: str | os.PathLike) -> ClusterFile:
     if text in PRESETS:
         return _read_preset(text)
     path = Path(text).expanduser()
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"unknown cluster {text!r}: not a preset ({', '.join(PRESETS)}) nor a file")
     return _validate(_parse(path), f"cluster file {text!r}")
 
 
 def _parse(path: Path) -> Any:
     try:
-        raw = path.read_text()
+        raw = read_input_text(path, "cluster file")  # bounded: never /dev/zero or a FIFO
         if path.suffix.lower() == ".json":
             return json.loads(raw)
         return yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))

@@ -31,7 +31,7 @@ boundary tensors split into G channel pieces (uneven: torch.chunk's, as DTensor'
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Protocol, TypeVar
 
@@ -43,7 +43,7 @@ from hybridpar.layout import (
     moved_elements,
     received_channels,
 )
-from hybridpar.layout.halo import SPATIAL_DIMS, Window, coords_of, exchanges, split_dims
+from hybridpar.layout.halo import SPATIAL_DIMS, Window, coords_of, exchanges, halo_plan, split_dims
 from hybridpar.layout.layer import ORDER
 from hybridpar.layout.pieces import piece_sizes
 from hybridpar.layout.runs import BUCKET_BYTES, DISTRIBUTED_CLASSES, runs_distributed  # noqa: F401 (re-exported)
@@ -75,14 +75,14 @@ RECURRENT_OPS = ("lstm",)  # graph.ops' kind of nn.LSTM/nn.GRU/nn.RNN
 
 def layout_refusal(graph: Graph, layout: LayerLayout | str) -> str | None:
     """Why hybridpar's runtime cannot run `graph` under `layout` (a one-line message), else None:
+    a spatial layout the runtime cannot serve (`spatial_refusal`);
     a recurrent layer (nn.LSTM/GRU/RNN) under a channel/filter layout, which the runtime's dry run
     fails inside the layer ("aten.addmm got mixed torch.Tensor and DTensor", torch 2.13). One rule for
     the per-layer planner's strategy and search space, so the API and `hybridpar plan` refuse alike."""
     if isinstance(layout, str):
         layout = parse_strategy(layout).layout
     if layout.spatial > 1:
-        return (f"{layout.to_strategy()}: spatial splits (depth/height/width) are priced per layer "
-                "(cost.layout_comm.halo_collectives) but not yet searched or evaluated by the per-layer planner")
+        return spatial_refusal(graph, layout)
     if layout.channel * layout.filter == 1:
         return None
     rnn = next((n for n in graph.nodes if n.op in RECURRENT_OPS), None)
@@ -91,6 +91,43 @@ def layout_refusal(graph: Graph, layout: LayerLayout | str) -> str | None:
     return (f"{layout.to_strategy()}: module '{rnn.module or rnn.name}' is a recurrent layer (nn.LSTM/GRU/RNN), "
             "which hybridpar's runtime cannot run under a channel/filter layout; use a sample-only layout "
             "for this model")
+
+
+# graph.ops' kinds whose statistics span the spatial pieces (LayerNorm, GroupNorm, InstanceNorm, LRN):
+# hybridpar.parallel.styles.spatial_layers.spatial_refusal refuses their modules
+SPATIAL_REFUSED_OPS = {"layernorm": "a layer/group/instance norm (its statistics span the spatial pieces)",
+                       "lstm": "a recurrent layer", "attention": "attention", "embedding": "an embedding"}
+
+
+def spatial_refusal(graph: Graph, layout: LayerLayout) -> str | None:
+    """Why the runtime cannot run `graph` under the spatial `layout`, from the traced graph alone (the
+    planner's twin of hybridpar.parallel.styles.spatial_layers.spatial_refusal, which the dry run
+    applies to the modules): spatial x channel/filter in one layer, a split dim the model does not
+    have, convolutions padded other than with zeros, pooling with ceil_mode, normalisations whose
+    statistics span the pieces, and sequence layers."""
+    from hybridpar.cost.spatial import model_ndim, spatial_dims
+
+    name = layout.to_strategy()
+    if layout.g_size > 1:
+        return (f"{name}: spatial splits (depth/height/width) combined with channel/filter splits in one layer "
+                "are not priced by the planner yet (the runtime runs them: train --strategy / "
+                "hybridpar.parallelize); plan sample x spatial, or sample x channel/filter")
+    try:
+        spatial_dims(layout, model_ndim(graph))
+    except ValueError as err:
+        return f"{name}: {err}"
+    for n in graph.nodes:
+        where = f"module '{n.module or n.name}'"
+        why: str | None
+        if n.attr("padding_mode") not in (None, "zeros"):
+            why = f"a convolution with padding_mode={n.attr('padding_mode')!r} (only zeros padding is exchanged)"
+        elif n.op in ("maxpool", "avgpool") and n.attr("ceil_mode"):
+            why = "a pooling with ceil_mode=True"
+        else:
+            why = SPATIAL_REFUSED_OPS.get(n.op)
+        if why is not None:
+            return f"{name}: {where} is {why}, which cannot run with spatial splits; use a sample-only layout"
+    return None
 
 
 def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, input_grad: bool = True,
@@ -144,7 +181,7 @@ def halo_collectives(node: Node, layout: LayerLayout, *, rank: int = 0, input_gr
     coords = coords_of(degrees, rank, ORDER)
     k, s, p, d = (node.attr(a) for a in ("kernel", "stride", "padding", "dilation"))
     windows = {dim: Window(x[dim], k[dim - 2], s[dim - 2], p[dim - 2], d[dim - 2]) for dim, _ in dims}
-    lead = piece_sizes(x[0], layout.sample)[coords["sample"]] * x[1]
+    lead = piece_sizes(x[0], layout.sample)[coords["sample"]] * _halo_channels(node, layout, rank)
     ops = []
     for dim, parts, fwd, bwd in exchanges(tuple(x[2:]), windows, dict(dims),
                                           {dim: coords[names[dim - 2]] for dim, _ in dims}, lead):
@@ -152,6 +189,50 @@ def halo_collectives(node: Node, layout: LayerLayout, *, rank: int = 0, input_gr
         if input_grad:
             ops.append(CommOp("halo", parts, bwd * dtype_bytes, names[dim - 2], "bwd"))
     return ops
+
+
+def _halo_channels(node: Node, layout: LayerLayout, rank: int) -> int:
+    """Channels of the tensor a spatially split op exchanges rows of: under channel/filter too (G > 1)
+    pooling runs on this rank's channel piece and so does a distributed conv (its halo before its
+    filter-group gather: hybridpar.parallel.styles.spatial_layers.SpatialDistConv); other convs
+    gather every channel first."""
+    G, c = layout.g_size, node.in_shapes[0][1]
+    if G > 1 and (node.op in ("maxpool", "avgpool") or (node.op == "conv2d" and splits_by_layout(node))):
+        return _piece(c, G, rank % G)
+    return c
+
+
+def spatial_conv_collectives(node: Node, layout: LayerLayout, *, rank: int = 0, input_grad: bool = True,
+                             dtype_bytes: int = FP32) -> list[CommOp]:
+    """A distributed conv under spatial x channel/filter (SpatialDistConv) on `rank`: its halo
+    exchanges, then the channel/filter rule (`_matmul_like`) on this rank's spatial window: the input's
+    window along the split dims (halo and edge padding rows included: the filter group gathers the
+    extended piece) and the output's piece; the weight gradient is summed over the sample x spatial
+    ranks holding its block."""
+    ops = halo_collectives(node, layout, rank=rank, input_grad=input_grad, dtype_bytes=dtype_bytes)
+    if layout.spatial == 1 or not splits_by_layout(node) or node.op != "conv2d":
+        return ops + _layer_collectives(node, layout, rank % layout.g_size, input_grad, None, "global",
+                                        dtype_bytes)
+    x, y = node.in_shapes[0], node.out_shape
+    degrees = {k: getattr(layout, k) for k in ORDER}
+    coords = coords_of(degrees, rank, ORDER)
+    k, s, p, d = (node.attr(a) for a in ("kernel", "stride", "padding", "dilation"))
+    xs, ys = list(x), list(y)
+    for dim, parts in split_dims(degrees, len(x) - 2):
+        plan = halo_plan(Window(x[dim], k[dim - 2], s[dim - 2], p[dim - 2], d[dim - 2]), parts)
+        me = coords[SPATIAL_DIMS[3 - (len(x) - 2):][dim - 2]]
+        a, b = plan.window[me]
+        o0, o1 = plan.out_piece(me)
+        xs[dim], ys[dim] = b - a, o1 - o0
+    local = replace(node, in_shapes=(tuple(xs), *node.in_shapes[1:]), out_shape=tuple(ys))
+    cf = [op for op in _matmul_like(local, layout, rank % layout.g_size, input_grad, None, dtype_bytes)
+          if op.phase != "grad"]
+    stats = layout.sample * layout.spatial
+    shard = sum(op.bytes_ for op in _matmul_like(local, LayerLayout(sample=2, channel=layout.channel,
+                                                                     filter=layout.filter),
+                                                 rank % layout.g_size, input_grad, None, dtype_bytes)
+                if op.phase == "grad")
+    return ops + cf + ([CommOp("allreduce", stats, shard, "replica", "grad")] if shard else [])
 
 
 def _replicated_grad_numel(node: Node, layout: LayerLayout, position: int) -> int:
@@ -315,7 +396,9 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
     """(node name, op) for every collective of one training step of `graph` (global batch =
     graph input batch) on `rank` (default: `position`, a rank of sample group 0), as
     hybridpar.parallel issues them. Layers keep the default layout's grid position rank % G; a conv
-    with another (S, G) uses rank % G' and pays the redistributions in and out."""
+    with another (S, G) uses rank % G' and pays the redistributions in and out. With the sample
+    dimension sharded (default.zero), FSDP's collectives ("fsdp:<block>", `fsdp_collectives`) replace
+    the gradient allreduces of the parameters it holds (`fsdp_replaced`)."""
     default = spec.default_layout if isinstance(spec, Plan) else spec
     S, G = default.sample, default.channel * default.filter
     rank = position if rank is None else rank
@@ -340,9 +423,13 @@ def model_collectives(graph: Graph, spec: Plan | LayerLayout, *, position: int =
                                                               dtype_bytes)]
         if node.op == "concat" and G > 1:
             out += [(node.name, op) for op in channel_concat(node, S, G, rank % G, input_grad, dtype_bytes)]
+        replaced = fsdp_replaced(node, default)  # FSDP reduce-scatters these gradients instead (below)
         for op in layer_collectives(node, lay, position=rank % own.g_size, input_grad=input_grad,
                                     in_pieces=pieces, bn_stats=bn_stats, dtype_bytes=dtype_bytes):
-            out.append((node.name, op))
+            if not (replaced and op.phase == "grad"):
+                out.append((node.name, op))
+    out += [(f"fsdp:{block}", op) for block, op in fsdp_collectives(graph, default, position=rank % G,
+                                                                   dtype_bytes=dtype_bytes)]
     outputs = [n for n in graph.nodes if n.op not in ("input", "output") and not succ.get(n.name)]
     for node in outputs:  # channels gathered in the sample group (each group's samples' outputs whole)
         whole = prod(node.out_shape) * dtype_bytes
@@ -450,29 +537,83 @@ def bucket_schedule(ready: Sequence[tuple[_Key, int]], bucket_bytes: int = BUCKE
     return out
 
 
-def fsdp_collectives(graph: Graph, layout: LayerLayout, *, dtype_bytes: int = FP32) -> list[tuple[str, CommOp]]:
-    """(block, collective) per step when the sample dimension shards the parameters (`layout.zero`,
-    FSDP2 over the S sample ranks; hybridpar.parallel.fsdp): per block (hybridpar.cost.memory.block_of;
-    "" the root's own parameters), the all-gather of its parameters in forward, again in backward
-    under zero=3 (not for the root's own: FSDP2 keeps the root gathered), and the reduce-scatter of
-    its gradients. These replace the "grad" allreduces of `layer_collectives` (FSDP reduce-scatters
-    instead); the batch-norm statistics and the output gather stay. Bytes: each parameter's dim 0
-    padded to a multiple of S (FSDP2's even shards), the gathered result / the reduce-scatter input.
-    Empty for zero=0 or S=1."""
+def fsdp_pieces(node: Node, layout: LayerLayout, position: int = 0) -> list[tuple[int, ...]]:
+    """Shapes of the parameters of `node` that FSDP2 shards over the sample ranks on the rank at grid
+    position `position` (hybridpar.parallel.fsdp._shard): under a sample-only layout every parameter
+    whole; under channel/filter this rank's local pieces of a split conv/linear (weight rows x cols as
+    `_matmul_like` cuts them, bias piece g) and of a batch norm (channel piece g). Every other parameter
+    under channel/filter is a replicated DTensor that stays with GradSync (its "grad" allreduce in
+    `layer_collectives`), as are a split layer's extra parameters (replicated DTensors): [] for those."""
+    G = layout.channel * layout.filter
+    if G == 1:
+        return [tuple(shape) for _, shape in node.param_shapes]
+    g = position % G
+    if node.op == "batchnorm":
+        return [(_piece(shape[0], G, g),) for _, shape in node.param_shapes if shape]
+    if not splits_by_layout(node):
+        return []
+    pos = GridPos(layout.channel, layout.filter, g)
+    x, y = node.in_shapes[0], node.out_shape
+    if node.op == "linear":  # features on the last dim
+        x, y = (x[0], x[-1]), (y[0], y[-1])
+    out: list[tuple[int, ...]] = []
+    for name, shape in node.param_shapes:
+        if name.endswith("weight"):  # [out rows, in cols, *kernel]: the pieces _matmul_like prices
+            rows = _pieces_sum(y[1], G, pos.j, layout.filter, layout.channel)
+            cols = _pieces_sum(x[1], G, pos.i * layout.filter, 1, layout.filter)
+            out.append((rows, cols, *(shape[2:] if node.op == "conv2d" else ())))
+        elif name.endswith("bias"):
+            out.append((_piece(y[1], G, g),))
+    return out
+
+
+def fsdp_replaced(node: Node, layout: LayerLayout) -> bool:
+    """Whether FSDP2 (layout.zero, S > 1) synchronises `node`'s parameter gradients instead of
+    GradSync's "grad" allreduce: every layer under a sample-only layout; split conv/linear layers and
+    batch norms under channel/filter (their local pieces, `fsdp_pieces`)."""
+    if not layout.zero or layout.sample == 1 or not node.param_shapes:
+        return False
+    return layout.channel * layout.filter == 1 or node.op == "batchnorm" or splits_by_layout(node)
+
+
+def fsdp_numel(graph: Graph, layout: LayerLayout, *, position: int = 0, padded: bool = True) -> dict[str, int]:
+    """Elements per block (hybridpar.cost.memory.block_of; "" the root's own) that FSDP2 shards on the
+    rank at `position`, whole (the all-gather's result); `padded`: each piece's dim 0 rounded up to a
+    multiple of S (FSDP2's even shards, what it sends), else as held. Blocks with none are left out."""
     from hybridpar.cost.memory import block_of
 
     s = layout.sample
-    if not layout.zero or s == 1:
-        return []
     per_block: dict[str, int] = {}
     for node in graph.nodes:
-        if not node.param_shapes:
+        if not fsdp_replaced(node, layout):
             continue
-        numel = sum(-(-shape[0] // s) * s * prod(shape[1:]) if shape else s for _, shape in node.param_shapes)
-        key = block_of(node.module or "")
-        per_block[key] = per_block.get(key, 0) + numel * dtype_bytes
+        pieces = fsdp_pieces(node, layout, position)
+        numel = sum((-(-shape[0] // s) * s if padded else shape[0]) * prod(shape[1:]) if shape else
+                    (s if padded else 1) for shape in pieces)
+        if numel:
+            key = block_of(node.module or "")
+            per_block[key] = per_block.get(key, 0) + numel
+    return per_block
+
+
+def fsdp_collectives(graph: Graph, layout: LayerLayout, *, position: int = 0,
+                     dtype_bytes: int = FP32) -> list[tuple[str, CommOp]]:
+    """(block, collective) per step when the sample dimension shards the parameters (`layout.zero`,
+    FSDP2 over the S sample ranks; hybridpar.parallel.fsdp) on the rank at grid position `position`:
+    per block (hybridpar.cost.memory.block_of; "" the root's own parameters), the all-gather of the
+    parameters FSDP holds there (`fsdp_pieces`: all of them under sample-only layouts, the local pieces
+    of split layers and batch norms under channel/filter) in forward, again in backward under zero=3
+    (not for the root's own: FSDP2 keeps the root gathered), and the reduce-scatter of their gradients.
+    These replace the "grad" allreduces of `layer_collectives` for those nodes (`fsdp_replaced`;
+    model_collectives drops them); the batch-norm statistics, the output gather and the replicated
+    DTensors' allreduces stay. Bytes: each piece's dim 0 padded to a multiple of S (FSDP2's even
+    shards), the gathered result / the reduce-scatter input. Empty for zero=0 or S=1."""
+    s = layout.sample
+    if not layout.zero or s == 1:
+        return []
     ops: list[tuple[str, CommOp]] = []
-    for key, nbytes in per_block.items():
+    for key, numel in fsdp_numel(graph, layout, position=position).items():
+        nbytes = numel * dtype_bytes
         ops.append((key, CommOp("allgather", s, nbytes, "replica", "fwd")))
         if layout.zero == 3 and key:
             ops.append((key, CommOp("allgather", s, nbytes, "replica", "bwd")))

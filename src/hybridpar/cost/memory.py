@@ -11,6 +11,11 @@ attention keep state inside them (`internal_numel`). Checked per layer kind agai
 autograd saves (torch 2.13 CPU, tests/cost/test_memory_pool.py).
 Allocator fragmentation and framework workspace are not modelled by `training_memory`.
 
+Spatial layouts (depth/height/width, uniform over the model): the same sum over one rank's view of
+the graph (hybridpar.cost.spatial.local_graph): activations cut to the rank's spatial piece (about
+1/(depth x height x width) of a sample's), plus each convolution's and pooling's input window (piece,
+halo rows and edge padding, a new tensor autograd keeps: the halo buffer); weights whole.
+
 `predict_rank_memory` is what one rank of hybridpar's runtime holds at its peak of a training step,
 the figure `hybridpar plan` states per device and `hybridpar train` compares its measurement with
 (the planner sums the same per-layer terms: `weight_layer_memory`, `nodes_memory`, `step_memory`):
@@ -66,7 +71,7 @@ Optimizer = Literal["sgd", "momentum", "adam"]
 OPTIMIZER_STATE_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DistributedDataParallel's default bucket_cap_mb
 
-_NEEDS_INPUT = {"conv2d", "linear", "batchnorm", "layernorm", "maxpool", "avgpool", "adaptive_avgpool",
+_NEEDS_INPUT = {"conv2d", "conv", "linear", "batchnorm", "layernorm", "maxpool", "avgpool", "adaptive_avgpool",
                 "lstm", "attention", "mul", "pointwise", "loss", "embedding"}
 _NEEDS_OUTPUT = {"relu", "softmax"}
 _VIEWS = {"flatten", "reshape", "dropout"}  # dropout: when it drops nothing (eval, p = 0; else `_is_view`)
@@ -522,8 +527,9 @@ def _as_layout(spec: LayerLayout | str) -> LayerLayout:
     degrees = {}
     for part in str(spec).split(","):
         key, _, value = part.partition("=")
-        if key.strip() not in ("sample", "channel", "filter", "zero") or not value.strip().isdigit():
-            raise ValueError(f"layout must be like 'sample=2,channel=2' or 'sample=4,zero=3', got {spec!r}")
+        if key.strip() not in ("sample", "channel", "filter", "zero", "depth", "height", "width") \
+                or not value.strip().isdigit():
+            raise ValueError(f"layout must be like 'sample=2,channel=2', 'sample=4,zero=3' or 'height=2', got {spec!r}")
         degrees[key.strip()] = int(value)
     return LayerLayout(**degrees)
 
@@ -549,6 +555,15 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
     default = _as_layout(layout)
     layers = layers or {}
     batch = int(batch if batch is not None else graph.batch)
+    if default.spatial > 1:  # a uniform spatial layout: one rank's pieces and halo windows (cost.spatial)
+        from hybridpar.cost.spatial import local_graph, proxy_layout
+
+        if any(lay != default for lay in layers.values()):
+            raise ValueError(f"{default.to_strategy()}: spatial layouts run uniformly (no per-layer layouts)")
+        pieces = local_graph(graph_at_batch(graph, batch), default)
+        return predict_rank_memory(pieces, proxy_layout(default), batch=pieces.batch, optimizer=optimizer,
+                                   momentum=momentum, weight_decay=weight_decay, dtype=dtype,
+                                   framework_bytes=framework_bytes, recompute=recompute)
     from hybridpar.cost.layout_comm import splits_by_layout
 
     graph = graph_at_batch(graph, batch)  # its shapes at the batch, as the planner prices them
@@ -590,9 +605,10 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
         owners.append("")
     fw = framework_bytes_for() if framework_bytes is None else float(framework_bytes)
     if default.zero or recompute != "none":
-        return sharded_step_memory(per_layer, owners, block_inputs, sample=default.sample, zero=default.zero,
-                                   recompute=recompute, framework_bytes=fw, io_bytes=io_bytes(graph, batch, elem),
-                                   optimizer=optimizer, weight_decay=weight_decay)
+        mem = sharded_step_memory(per_layer, owners, block_inputs, sample=default.sample, zero=default.zero,
+                                  recompute=recompute, params=fsdp_block_bytes(graph, default, elem),
+                                  optimizer=optimizer, weight_decay=weight_decay)
+        return replace(mem, framework_bytes=fw, io_bytes=io_bytes(graph, batch, elem))
     return step_memory(per_layer, framework_bytes=fw, io_bytes=io_bytes(graph, batch, elem), optimizer=optimizer,
                        weight_decay=weight_decay)
 
@@ -610,10 +626,26 @@ def block_of(module: str) -> str:
     return parts[0] if parts else ""
 
 
+def fsdp_block_bytes(graph: Graph, layout: LayerLayout, elem: int) -> dict[str, tuple[float, float]]:
+    """Per block ("" the root's own): (bytes of the parameters FSDP2 shards, whole, as held: the local
+    pieces under channel/filter; bytes of those that stay replicated with GradSync) on the rank at grid
+    position 0, which holds the largest pieces (torch.chunk's convention): one rule with the bytes
+    FSDP sends (hybridpar.cost.layout_comm.fsdp_numel / fsdp_replaced)."""
+    from hybridpar.cost.layout_comm import fsdp_numel, fsdp_replaced
+
+    out = {b: (float(n * elem), 0.0) for b, n in fsdp_numel(graph, layout, padded=False).items()}
+    for node in graph.nodes:
+        if node.params and not fsdp_replaced(node, layout):
+            b = block_of(node.module or "")
+            have = out.get(b, (0.0, 0.0))
+            out[b] = (have[0], have[1] + node.params * elem)
+    return out
+
+
 def sharded_step_memory(layers: Sequence[LayerMemory], owners: Sequence[str], block_inputs: Mapping[str, float], *,
-                        sample: int, zero: int = 0, recompute: str = "none", framework_bytes: float = 0.0,
-                        io_bytes: float = 0.0, optimizer: str = DEFAULT_OPTIMIZER,
-                        weight_decay: float = 0.0) -> RankMemory:
+                        sample: int, zero: int = 0, recompute: str = "none",
+                        params: Mapping[str, tuple[float, float]] | None = None,
+                        optimizer: str = DEFAULT_OPTIMIZER, weight_decay: float = 0.0) -> RankMemory:
     """Peak of one rank when the sample dimension shards the parameters (`zero`, FSDP2 over `sample`
     ranks) and/or blocks recompute their activations; `owners[i]`: the block of `layers[i]` ("": the
     root's own, never recomputed); `block_inputs`: a block's input bytes on this rank.
@@ -624,7 +656,10 @@ def sharded_step_memory(layers: Sequence[LayerMemory], owners: Sequence[str], bl
     backward, so at the start of backward every block is); gradients: / S plus one block's whole
     gradient before its reduce-scatter (in `buckets_bytes`, replacing the allreduce buckets).
     recompute="all": a block keeps only its input for backward; the one block being recomputed holds
-    its activations again (the largest block's); the root's own activations are kept as they are."""
+    its activations again (the largest block's); the root's own activations are kept as they are.
+    `params` (`fsdp_block_bytes`, composed layouts): per block the bytes FSDP shards and those kept
+    replicated; only the former are divided by S and gathered, the latter stay whole with their
+    GradSync buckets. None: every parameter of `layers` sharded. Framework and I/O bytes: the caller's."""
     by_block: dict[str, LayerMemory] = {}
     for m, b in zip(layers, owners, strict=True):
         have = by_block.get(b, LayerMemory())
@@ -640,20 +675,26 @@ def sharded_step_memory(layers: Sequence[LayerMemory], owners: Sequence[str], bl
     buckets = sum(m.buckets_bytes for m in by_block.values())
     held = weights
     if zero and sample > 1:
-        largest = max((m.weights_bytes for m in blocks.values()), default=0.0)
-        whole = largest + root.weights_bytes if zero == 3 else weights
-        held, grads, opt = weights / sample, grads / sample, opt / sample
+        copies = opt / weights if weights else 0.0
+        if params is None:
+            params = {b: (m.weights_bytes, 0.0) for b, m in by_block.items()}
+        fsdp = sum(f for f, _ in params.values())
+        kept = sum(k for _, k in params.values())
+        largest = max((f for b, (f, _) in params.items() if b), default=0.0)
+        whole = largest + params.get("", (0.0, 0.0))[0] if zero == 3 else fsdp
+        held = grads = fsdp / sample + kept
+        opt = held * copies
         weights = held + whole
-        buckets = max((m.grads_bytes for m in by_block.values()), default=0.0)
+        # one block's whole gradient before its reduce-scatter; the kept ones' GradSync buckets
+        buckets = max((f for f, _ in params.values()), default=0.0) + kept
     acts = sum(m.activations_bytes for m in by_block.values())
     if recompute == "all" and blocks:
         acts = (root.activations_bytes + sum(block_inputs.get(b, 0.0) for b in blocks)
                 + max(m.activations_bytes for m in blocks.values()))
     transient = max([held * optimizer_step_copies(optimizer, weight_decay),
                      *(m.transient_bytes for m in layers)])
-    return RankMemory(framework_bytes=float(framework_bytes), weights_bytes=weights, grads_bytes=grads,
-                      optimizer_bytes=opt, activations_bytes=acts, buckets_bytes=buckets, transient_bytes=transient,
-                      io_bytes=float(io_bytes))
+    return RankMemory(framework_bytes=0.0, weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt,
+                      activations_bytes=acts, buckets_bytes=buckets, transient_bytes=transient, io_bytes=0.0)
 
 
 MEMORY_TOLERANCE = 0.20  # `hybridpar train` warns when a rank's measured peak exceeds the plan's by more

@@ -47,7 +47,7 @@ def load_model(spec: str, *, batch: int | None = 1, input_shape: tuple[int, ...]
     if batch is not None and batch > MAX_BATCH:  # torch sizes are int64; no real batch comes near
         raise UserError(f"batch {batch} is too large (at most {MAX_BATCH:,})")
     if ":" in spec or spec.endswith(".py"):
-        return _load_factory(spec, batch, input_shape)
+        return _load_factory(spec, batch, input_shape, device)
     from hybridpar.graph.zoo import ZOO
 
     entry = ZOO.get(spec)
@@ -56,19 +56,22 @@ def load_model(spec: str, *, batch: int | None = 1, input_shape: tuple[int, ...]
                         "(or path/to/file.py:factory)")
     shape = tuple(input_shape) if input_shape else entry.input_shape
     batch = batch or 1
-    if entry.kind == "cnn" and len(shape) != 3:
-        raise UserError(f"model {spec!r} takes images: --input-shape C,H,W, got {','.join(map(str, shape))}")
+    if entry.kind == "cnn" and len(shape) != len(entry.input_shape):  # images C,H,W; volumes C,D,H,W
+        dims = "C,H,W" if len(entry.input_shape) == 3 else "C,D,H,W"
+        raise UserError(f"model {spec!r} takes {len(entry.input_shape) - 1}-D inputs: --input-shape {dims}, "
+                        f"got {','.join(map(str, shape))}")
     if device is None:
         module = entry.build(**overrides)
         inputs = entry.example_inputs(batch, shape)
     else:
-        with torch.device(device):
+        with torch.device(device):  # inputs made there too: on meta an input of any size costs nothing
             module = entry.build(**overrides)
-        inputs = tuple(x.to(device) for x in entry.example_inputs(batch, shape))
+            inputs = tuple(x.to(device) for x in entry.example_inputs(batch, shape))
     return LoadedModel(spec, module, inputs, entry.kind, shape)
 
 
-def _load_factory(spec: str, batch: int | None, input_shape: tuple[int, ...] | None) -> LoadedModel:
+def _load_factory(spec: str, batch: int | None, input_shape: tuple[int, ...] | None,
+                  device: str | torch.device | None = None) -> LoadedModel:
     made = call_factory(spec, "model", "model file")
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         net, inputs = made
@@ -83,7 +86,9 @@ def _load_factory(spec: str, batch: int | None, input_shape: tuple[int, ...] | N
         raise UserError(f"model factory {spec!r} returned {type(made).__name__}, not an nn.Module")
     if input_shape is None:
         raise UserError(f"model {spec!r}: give --input-shape C,H,W (or return (module, example_inputs))")
-    inputs = (torch.randn(batch or 1, *input_shape, generator=torch.Generator().manual_seed(0)),)
+    meta = device is not None and torch.device(device).type == "meta"  # shapes only: nothing allocated
+    inputs = (torch.randn(batch or 1, *input_shape, generator=torch.Generator().manual_seed(0),
+                          device="meta" if meta else None),)
     return LoadedModel(spec, made, inputs, "custom", tuple(input_shape))
 
 

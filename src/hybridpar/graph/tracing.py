@@ -100,6 +100,35 @@ def _batch_of(inputs: tuple) -> int:
     return 1
 
 
+# Example inputs may be meta tensors (plan, place, inspect: shapes only, so an --input-shape of any
+# size costs nothing). A module with real weights that the meta path cannot run needs real inputs:
+# made here, within a limit, instead of the caller allocating them up front.
+MAX_REAL_INPUT_BYTES = 1 << 30
+
+
+def real_inputs(module: nn.Module, inputs: tuple) -> tuple:
+    """`inputs` with meta tensors made real (seeded normal floats, zero integers) when `module` has real
+    weights; UserError when they would exceed MAX_REAL_INPUT_BYTES."""
+    if not any(isinstance(x, torch.Tensor) and x.is_meta for x in inputs):
+        return inputs
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        return inputs  # a meta module runs meta inputs
+    size = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor) and x.is_meta)
+    if size > MAX_REAL_INPUT_BYTES:
+        raise UserError(f"tracing this model needs real example inputs of {size:,} bytes (over "
+                        f"{MAX_REAL_INPUT_BYTES:,}): give a smaller --input-shape")
+    g = torch.Generator().manual_seed(0)
+
+    def real(x):
+        if not (isinstance(x, torch.Tensor) and x.is_meta):
+            return x
+        if x.dtype.is_floating_point:
+            return torch.randn(x.shape, generator=g, dtype=x.dtype)
+        return torch.zeros(x.shape, dtype=x.dtype)
+
+    return tuple(real(x) for x in inputs)
+
+
 # --- torch.fx -------------------------------------------------------------------------------------
 
 def _fx_records(module: nn.Module, inputs: tuple) -> tuple[list[OpRecord], tuple[str, ...]]:
@@ -168,7 +197,7 @@ def _propagate_shapes(gm: GraphModule, inputs: tuple) -> None:
         try:
             _propagate_on_meta(gm, inputs)
         except Exception:  # noqa: BLE001 -- any meta failure: retry with the real tensors
-            _MeasuringShapeProp(gm).propagate(*inputs)
+            _MeasuringShapeProp(gm).propagate(*real_inputs(gm, inputs))
 
 
 def _propagate_on_meta(gm: GraphModule, inputs: tuple) -> None:
@@ -246,7 +275,7 @@ def _arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
 def _export_records(module: nn.Module, inputs: tuple) -> tuple[list[OpRecord], tuple[str, ...]]:
     with warnings.catch_warnings():  # export's internal warnings are not the user's business
         warnings.simplefilter("ignore")
-        ep = torch.export.export(module, inputs, strict=False)
+        ep = torch.export.export(module, real_inputs(module, inputs), strict=False)
     sig = ep.graph_signature
     param_of = {ph: fqn for ph, fqn in sig.inputs_to_parameters.items()}
     user_inputs = set(sig.user_inputs)

@@ -15,6 +15,7 @@ than the halo) and past the tensor's edges (the op's own padding, added locally)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hybridpar.layout.pieces import piece_offsets, piece_sizes
 
@@ -73,6 +74,7 @@ class HaloPlan:
         return sum(self.sends[q][r][1] - self.sends[q][r][0] for q in range(self.parts) if q != r)
 
 
+@lru_cache(maxsize=4096)  # the planner asks for every rank of every layout: O(parts^2) each, immutable
 def halo_plan(w: Window, parts: int) -> HaloPlan:
     """Who sends what to whom for `w` split over `parts` ranks (input and output as torch.chunk cuts)."""
     in_off, in_size = piece_offsets(w.size, parts), piece_sizes(w.size, parts)

@@ -92,8 +92,8 @@ class LayerLayout(BaseModel):
 
     def zero_refusal(self) -> str | None:
         """Why this layout's sharded sample dimension cannot run yet (None: it can, or zero=0)."""
-        if self.zero and (self.g_size > 1 or self.spatial > 1):
+        if self.zero and self.spatial > 1:
             return (f"layout {self.to_strategy()}: zero={self.zero} (parameters sharded over the sample ranks) "
-                    "runs with sample-only layouts for now, not with channel/filter or spatial splits; use "
+                    "runs with sample and channel/filter layouts for now, not with spatial splits; use "
                     f"sample={self.size},zero={self.zero}, or drop zero")
         return None

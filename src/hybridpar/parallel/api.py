@@ -56,14 +56,14 @@ def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, check_inpu
     serve, before any collective of this call."""
     from hybridpar.parallel import fsdp  # zero=2|3 and recompute: refused here before any collective
 
-    recompute = fsdp.take_options(spec, options, dist.get_world_size())
+    recompute, mixed = fsdp.take_options(spec, options, dist.get_world_size())
     mp_plan = _mp_plan(module, spec, options)
     if mp_plan is not None:
         return _parallelize_mp(module, mp_plan, check_inputs, options)
     options.pop("example_inputs", None)  # for the placer and torch.export of model parallelism only
     if check_inputs is not None:  # before the first collective (group creation)
         check(module, spec, check_inputs, world_size=dist.get_world_size(), inputs=options.get("inputs", "global"))
-    return fsdp.finish(apply_layout(module, spec, **options), recompute)
+    return fsdp.finish(apply_layout(module, spec, **options), recompute, mixed)
 
 
 def _mp_plan(module: nn.Module, spec: Plan | LayerLayout | str, options: dict[str, Any]) -> Plan | None:

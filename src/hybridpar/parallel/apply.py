@@ -70,11 +70,8 @@ def as_layouts(spec: Plan | LayerLayout | str, world_size: int | None = None) ->
 
 
 def _refuse_spatial(spatial: LayerLayout, layouts: Layouts) -> None:
-    """What spatial layouts do not run yet, refused before any collective."""
-    if spatial.g_size > 1:
-        raise UserError(f"layout {spatial.to_strategy()}: spatial splits (depth/height/width) combined with "
-                        "channel/filter splits in one layer are not run yet; use sample x spatial, or "
-                        "sample x channel/filter")
+    """What spatial layouts do not run yet, refused before any collective. (Spatial x channel/filter
+    runs: hybridpar.parallel.styles.spatial_layers.SpatialDistConv.)"""
     if any(lay != layouts.default for lay in layouts.all):
         raise UserError(f"layout {spatial.to_strategy()}: a plan whose layers use different layouts with spatial "
                         "splits is not run yet; give every layer the same sample x spatial layout")

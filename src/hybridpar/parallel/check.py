@@ -11,6 +11,7 @@ It needs a process with no process group yet (the launcher, the planner, a test'
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import pickle
 import re
@@ -148,11 +149,12 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
         with recording(log) as rec:
             try:
                 out = model(*place(batch))
-                outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
-                if targets is not None:
-                    loss = loss_fn(outs[0], place(targets))
-                else:
-                    loss = sum(o.float().sum() for o in outs if o.is_floating_point())
+                outs = output_tensors(out)
+                floats = [o for o in outs if o.is_floating_point() and o.requires_grad]
+                if not floats:
+                    raise UserError(_no_output(out))
+                loss: torch.Tensor = (loss_fn(floats[0], place(targets)) if targets is not None
+                                      else torch.stack([o.float().sum() for o in floats]).sum())
                 loss.backward()
                 if inputs == "sample_shard" and grid.sample > 1:  # hybridpar train reports the global loss
                     all_reduce_(loss.detach().reshape(1), grid.replica_group, log, "loss")
@@ -176,6 +178,28 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
         forget_meshes()
         dist.destroy_process_group()
         _clear_dtensor_caches()
+
+
+def output_tensors(out) -> list[torch.Tensor]:
+    """Every tensor in a forward's output, in order, whatever holds them: tuples, lists, dicts,
+    dataclasses (HF ModelOutput is both a dict and a dataclass: its dict view holds the fields that are
+    set), nested. Anything else (None, a cache object, a number) holds no tensor for the backward."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        items = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        items = list(out)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        items = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    else:
+        return []
+    return [t for item in items for t in output_tensors(item)]
+
+
+def _no_output(out) -> str:
+    return (f"the model's output ({type(out).__name__}) holds no floating-point tensor that requires grad, "
+            "so there is no backward to check; return the logits (a tensor, or in a tuple, dict or dataclass)")
 
 
 def _clear_dtensor_caches() -> None:

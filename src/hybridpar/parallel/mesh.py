@@ -263,6 +263,10 @@ def build_meshes(layout: LayerLayout, device_type: str) -> Meshes:
     with warnings.catch_warnings():  # "slicing a flattened dim ... will be deprecated": still the way in 2.13
         warnings.simplefilter("ignore", UserWarning)
         _MESHES[key] = Meshes(full, full[act_mesh_dims(layout)], spatial_mesh_dims(layout))
+    if layout.spatial > 1:  # 3-4 mesh dims: DTensor's strategy expansion is k^dims (see propagation)
+        from hybridpar.parallel.dtensor.propagation import register
+
+        register(_MESHES[key].act)
     return _MESHES[key]
 
 

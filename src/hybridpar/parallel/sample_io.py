@@ -5,10 +5,26 @@ rank computes the same loss, so nothing is counted twice."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_map, tree_map_only
 
 from hybridpar.parallel.comm.collectives import all_gather_dim
+
+
+def map_tensors(fn, tree):
+    """tree_map_only(torch.Tensor, fn, tree) that also enters dataclasses pytree does not know (a
+    user's output dataclass; HF ModelOutput is registered): pytree takes those as leaves, so their
+    tensors would pass through unsplit or ungathered, a silently wrong output."""
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return dataclasses.replace(x, **{f.name: map_tensors(fn, getattr(x, f.name))
+                                             for f in dataclasses.fields(x) if f.init})
+        return x
+    return tree_map(leaf, tree)
 
 
 def split_samples(tree, grid):
@@ -17,7 +33,7 @@ def split_samples(tree, grid):
             return t
         per = t.shape[0] // grid.sample
         return t[grid.s * per:(grid.s + 1) * per]
-    return tree_map_only(torch.Tensor, one, tree)
+    return map_tensors(one, tree)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -42,7 +58,7 @@ def gather_samples(tree, grid):
                             "each rank computes it from its own samples: return per-sample outputs and "
                             "compute the loss outside the model")
         return _GatherRows.apply(t, grid)
-    return tree_map_only(torch.Tensor, one, tree)
+    return map_tensors(one, tree)
 
 
 def _rows(tree, n: int, batch: int):

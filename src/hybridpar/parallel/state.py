@@ -66,6 +66,8 @@ def gather_full_state(local_state: Mapping[str, torch.Tensor], shards: Mapping[s
     out: dict[str, torch.Tensor] = {}
     sent = 0
     for name, v in local_state.items():
+        if isinstance(v, DTensor) and name in shards:  # a local shard FSDP holds over the sample ranks:
+            v = v.full_tensor()  # this rank's whole piece first (collective over its sample ranks)
         if isinstance(v, DTensor):
             whole = v.full_tensor().detach().cpu()
             if keep:

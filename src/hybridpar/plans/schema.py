@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from hybridpar.errors import UserError
 from hybridpar.files import atomic_write
@@ -48,6 +56,21 @@ class Plan(_Frozen):
     strategy: str | None = None
     predicted: Prediction | None = None
     notes: list[str] = Field(default_factory=list)
+    # "all": every block recomputes its activations in backward (`train --recompute all`); None: not
+    # set (the run's --recompute decides). Serialised only when set: older plans stay byte-identical.
+    recompute: Literal["none", "all"] | None = None
+    # GPipe micro-batches per replica of a model-parallel plan, as the placer chose them (its bubble
+    # priced); None: not chosen (one, unless the run says). Serialised only when set, as recompute.
+    micro_batches: int | None = Field(None, ge=1)
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> Any:
+        out = handler(self)
+        if isinstance(out, dict):
+            for key in ("recompute", "micro_batches"):
+                if getattr(self, key) is None:
+                    out.pop(key, None)
+        return out
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:

@@ -20,13 +20,13 @@ time. Alone: one worker runs the same iterations while the others wait. The phas
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import statistics
 from collections.abc import Sequence
 
 from hybridpar.errors import UserError
+from hybridpar.train.launch import context
 
 
 def _iteration():
@@ -73,7 +73,7 @@ def measure_rank_skew(ranks: Sequence[int], *, cycles: int = 3, iters: int = 15,
     ps = sorted({p for p in ranks if p > 1})
     if not ps:
         return {}
-    ctx = mp.get_context("spawn")
+    ctx = context()  # the ranks' fork server: torch imported once, not per worker
     width = max(ps)
     phases = [p for _ in range(cycles) for p in (1, *ps)]
     start = ctx.Barrier(width)

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from hybridpar.errors import UserError
+from hybridpar.jsonfile import read_input
 from hybridpar.plans import Plan
 
 
@@ -64,9 +65,7 @@ def gantt_png(plan: Plan) -> tuple[bytes | None, str | None]:
 def load_projection(path: str) -> dict:
     """The JSON of `hybridpar project --json`, checked for what the plot needs."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as err:
-        raise UserError(f"cannot read projection {path}: {err.strerror}") from None
+        data = json.loads(read_input(path, "projection"))  # bounded, never a FIFO
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise UserError(f"projection {path} is not valid JSON") from None
     points = data.get("points") if isinstance(data, dict) else None

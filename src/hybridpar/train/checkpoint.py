@@ -35,7 +35,8 @@ deleted or replaced under it) stops before it writes or prunes anything.
 
 Why not torch.distributed.checkpoint: it describes shards through DTensor/ShardedTensor placements;
 this runtime's shards are plain tensors cut into uneven and (for stationary-w) strided pieces that
-those placements cannot express.
+those placements cannot express. FSDP-sharded state (`zero=2|3`) is written here too, each rank its
+FSDP shard of its piece with a composed ShardInfo (hybridpar.train.checkpoint_sharded).
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ def local_tensors(engine) -> tuple[dict[str, torch.Tensor], dict[str, ShardInfo 
     full tensor (None: the whole tensor). Knows the two engines' internals; one place to adapt."""
     state = getattr(engine, "state", None)
     if state is not None and hasattr(state, "shards"):  # channel/filter/sample engine
-        return engine.module.state_dict(keep_vars=True), dict(state.shards())
+        from hybridpar.train.checkpoint_sharded import fsdp_shards
+
+        tensors = engine.module.state_dict(keep_vars=True)
+        return tensors, fsdp_shards(tensors, dict(state.shards()))  # zero=2|3: each rank its FSDP shard
     local = getattr(engine, "_local_state", None)  # MP engine: whole tensors of the owned layers
     if local is not None:
         return dict(local), {}
@@ -325,8 +329,17 @@ def _is_count(v) -> bool:
 
 
 def _candidates(root: Path) -> Iterator[Path]:
+    # A step directory that is a symlink is never read: it can point outside the checkpoint
+    # directory (another run's files, a loop); symlinked_steps names them for a note.
     if root.is_dir():
-        yield from sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()), reverse=True)
+        yield from sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and not p.is_symlink()
+                           and p.is_dir()), reverse=True)
+
+
+def symlinked_steps(root: Path) -> list[str]:
+    """Names of the step-NNNNNNNN entries of `root` that are symlinks (ignored; see _candidates)."""
+    return sorted(p.name for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_symlink()) \
+        if root.is_dir() else []
 
 
 def latest_checkpoint(root: str | os.PathLike, *, verify_hashes: bool = True,
@@ -400,6 +413,7 @@ def check_checkpoint_dir(root: str | os.PathLike, identity: dict, resume: str = 
                             f"{mine[0].name}); resume from them, or overwrite them", param="checkpoint_dir")
         return DirCheck(None, [f"overwriting the checkpoints in {root}"] if overwrite and (mine or damaged) else [])
     notes = [f"skipping checkpoint {name}: {why}" for name, why in damaged]
+    links = [f"ignoring {name}: a symlink, not a checkpoint directory" for name in symlinked_steps(root)]
     for path in mine:
         try:
             m = read_manifest(path, verify_hashes=True)
@@ -409,11 +423,11 @@ def check_checkpoint_dir(root: str | os.PathLike, identity: dict, resume: str = 
         if m.get("run_id") != me:  # only this run's own manifests are resumed from
             continue
         info = CheckpointInfo(path, int(m["step"]), int(m["world_size"]), m)
-        return DirCheck(info, [*sorted(notes), f"resuming from step {info.step} ({path})"])
+        return DirCheck(info, [*sorted(notes), *links, f"resuming from step {info.step} ({path})"])
     if notes and resume == "yes":
         raise UserError(f"resume: every checkpoint in {root} is damaged ({'; '.join(sorted(notes))}); "
                         "resume if-any to start at step 0 anyway", param="resume")
-    return DirCheck(None, [*sorted(notes), f"no checkpoint of this run in {root}: starting at step 0"])
+    return DirCheck(None, [*sorted(notes), *links, f"no checkpoint of this run in {root}: starting at step 0"])
 
 
 def can_create_in(folder: Path) -> bool:
@@ -640,9 +654,14 @@ def mmap_load(path, **kw):
 
 
 def _plain(t):
-    """A replicated DTensor's local tensor (the whole tensor); anything else as it is."""
+    """A replicated DTensor's local tensor (the whole tensor), an FSDP shard's local rows (its ShardInfo
+    says where they sit: checkpoint_sharded); anything else as it is."""
     from torch.distributed.tensor import DTensor
 
+    from hybridpar.train.checkpoint_sharded import is_fsdp_shard
+
+    if is_fsdp_shard(t):
+        return t.to_local()
     if isinstance(t, DTensor):
         if not all(p.is_replicate() for p in t.placements):
             return t.full_tensor()
@@ -689,6 +708,10 @@ def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     when `p` is one (SGD/AdamW mix a DTensor parameter only with DTensor slots)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from hybridpar.train.checkpoint_sharded import is_fsdp_shard, like_shard
+
+    if is_fsdp_shard(p):
+        return like_shard(p, v)
     if not isinstance(p, DTensor):
         return v.to(p.device).clone()
     if all(pl.is_replicate() for pl in p.placements):
@@ -699,7 +722,10 @@ def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def _assign(target: torch.Tensor, src: torch.Tensor, name: str, where: str) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if isinstance(target, DTensor) and not all(p.is_replicate() for p in target.placements):
+    from hybridpar.train.checkpoint_sharded import is_fsdp_shard
+
+    if isinstance(target, DTensor) and not is_fsdp_shard(target) \
+            and not all(p.is_replicate() for p in target.placements):
         src = distribute_tensor(src.to(target.device), target.device_mesh, target.placements)
     else:
         target = _plain(target)

@@ -23,6 +23,7 @@ processes only when this machine has a core for each (more only when asked for e
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hybridpar import startup
 from hybridpar.errors import UserError
 from hybridpar.plans import Plan
 from hybridpar.train.checks import check_counts, check_output_path, parse_profile_steps  # noqa: F401 - API
@@ -50,14 +52,15 @@ class ParallelConfig:
     """The `[parallel]` section: how the run is split. Exactly one of `plan` (a Plan or the path of a
     plan.json) and `strategy` (a uniform layout, e.g. "sample=2,channel=2"). `gpus`: ranks to start
     (None: the plan's or the strategy's; ignored under a launcher). `micro_batches`: GPipe
-    micro-batches per replica (model-parallel plans only). `bn_stats`: batch-norm statistics over the
+    micro-batches per replica (model-parallel plans only; None: the plan's, i.e. the placer's choice,
+    else 1; run_config resolves it). `bn_stats`: batch-norm statistics over the
     global batch ("global", as one process) or each rank's samples ("local"). `recompute`: "all"
     recomputes every block's activations in backward (torch.utils.checkpoint), "none" keeps them."""
 
     plan: Plan | str | os.PathLike | None = None
     strategy: str | None = None
     gpus: int | None = None
-    micro_batches: int = 1
+    micro_batches: int | None = None
     bn_stats: str = "global"
     recompute: str = "none"
 
@@ -106,7 +109,7 @@ SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig
 # keywords) -> (section or None for the run's own fields, field).
 FLAT_OPTIONS: dict[str, tuple[str | None, str]] = {
     **{name: (None, name) for name in ("model", "input_shape", "batch", "steps", "epochs", "seed", "gns",
-                                       "deterministic", "callbacks", "max_loss_ratio")},
+                                       "deterministic", "callbacks", "max_loss_ratio", "loss")},
     **{name: ("parallel", name) for name in ("plan", "strategy", "gpus", "micro_batches", "bn_stats",
                                                        "recompute")},
     "nproc": ("parallel", "gpus"), "devices": ("parallel", "gpus"),  # the device count's old names
@@ -132,6 +135,8 @@ def flat_name(section: str, key: str) -> str | None:
             return flat
     if section == "parallel" and key in ("nproc", "devices"):
         return "gpus"
+    if (section, key) == ("optim", "loss"):  # a run-level option that TOML files may also give in [optim]
+        return "loss"
     return "no_shuffle" if (section, key) == ("data", "no_shuffle") else None
 
 
@@ -150,6 +155,7 @@ class TrainConfig:
     deterministic: bool = False  # deterministic kernels and seeding (hybridpar.train.determinism)
     callbacks: tuple[str, ...] = ()  # "module:function" step callbacks, imported in every rank
     max_loss_ratio: float | None = None  # stop (exit 3) when the loss exceeds this times its first value (guard)
+    loss: str | None = None  # cross_entropy | mse | path.py:fn (hybridpar.train.loss); None: the task loss
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -205,6 +211,10 @@ class TrainConfig:
         from hybridpar.train.guard import check_max_loss_ratio
 
         ratio = check_max_loss_ratio(self.max_loss_ratio)
+        from hybridpar.train.loss import check_loss, check_loss_data
+
+        check_loss(self.loss)
+        check_loss_data(self.loss, self.data.source)
         check_output_path(self.checkpoint.save, "save")
         return replace(self, max_loss_ratio=ratio, metrics=self.metrics.checked(self.checkpoint.dir))
 
@@ -261,11 +271,19 @@ def run_config(config: TrainConfig | None = None, *, launcher_world: int | None 
     cfg = cfg.check()
     the_plan, world, batch, model, input_shape = _plan_and_world(cfg, launcher_world)
     cfg = replace(cfg, model=model, batch=batch, parallel=replace(cfg.parallel, plan=the_plan, gpus=world))
-    m = _load_checked(model, input_shape, batch)
-    the_plan = _placed(cfg, m, place)
-    cfg = replace(cfg, parallel=replace(cfg.parallel, plan=the_plan))
-    _check_layout(m.loaded.module, the_plan, batch, cfg.parallel.micro_batches, cfg.optim.precision,
-                  tuple(m.loaded.example_inputs), cfg.parallel.bn_stats)
+    with startup.phase("loading and tracing the model"):
+        m = _load_checked(model, input_shape, batch, cfg.loss)
+    with startup.phase("placement") if the_plan.mp > 1 else contextlib.nullcontext():  # only MP plans search
+        the_plan = _placed(cfg, m, place)
+    # a plan that chose recomputation (`plan --recompute auto|all`) runs it without --recompute all
+    recompute = "all" if the_plan.recompute == "all" else cfg.parallel.recompute
+    micro = cfg.parallel.micro_batches  # absent: the placer's choice (the plan's), else one
+    if micro is None:
+        micro = (the_plan.micro_batches or 1) if the_plan.mp > 1 else 1
+    cfg = replace(cfg, parallel=replace(cfg.parallel, plan=the_plan, recompute=recompute, micro_batches=micro))
+    with startup.phase("dry run of the layout"):
+        _check_layout(m.loaded.module, the_plan, batch, cfg.parallel.micro_batches, cfg.optim.precision,
+                      tuple(m.loaded.example_inputs), cfg.parallel.bn_stats)
     _check_sharding(cfg, the_plan)
     n, data_bytes = _data_size(cfg.data.source, m.shape, m.spec, cfg.data.synthetic_size, cfg.seed, m.with_inputs)
     if n < batch:
@@ -285,7 +303,7 @@ def run_config(config: TrainConfig | None = None, *, launcher_world: int | None 
     return RunSetup(cfg, world, start, last, notes, per_rank)
 
 
-def _load_checked(model: str, input_shape, batch: int) -> _Loaded:
+def _load_checked(model: str, input_shape, batch: int, loss: str | None = None) -> _Loaded:
     """The model loaded on meta and dry-run on one example sample (its input shape checked against
     this machine's memory before and after loading)."""
     shape = _parse_shape(input_shape)
@@ -295,12 +313,12 @@ def _load_checked(model: str, input_shape, batch: int) -> _Loaded:
     shape = tuple(loaded.input_shape or loaded.example_inputs[0].shape[1:])
     _check_sample_size(shape, batch)
     try:
-        spec, act_bytes = _dry_run(loaded)
+        spec, act_bytes = _dry_run(loaded, loss)
     except UserError:
         if with_inputs.module is loaded.module:
             raise
         loaded = with_inputs = _load_whole(model, shape)  # a forward that reads values: check it for real
-        spec, act_bytes = _dry_run(loaded)
+        spec, act_bytes = _dry_run(loaded, loss)
     return _Loaded(loaded, with_inputs, shape, spec, act_bytes)
 
 
@@ -314,7 +332,7 @@ def _placed(cfg: TrainConfig, m: _Loaded, place: Callable[..., Plan] | None) -> 
     from hybridpar.parallel.pipeline.partition import trace
 
     examples = micro_batch_inputs(m.loaded.example_inputs, the_plan.model_copy(update={"batch": cfg.batch}),
-                                  cfg.parallel.micro_batches)
+                                  cfg.parallel.micro_batches or the_plan.micro_batches or 1)
     trace(m.loaded.module, examples)
     if the_plan.placement is not None:
         return the_plan
@@ -325,7 +343,7 @@ def _placed(cfg: TrainConfig, m: _Loaded, place: Callable[..., Plan] | None) -> 
         the_plan = the_plan.model_copy(update={"input_shape": list(m.shape)})
     # priced with the update this run makes (its state in memory, its time in the step)
     return place(the_plan, m.loaded.module, optimizer=cfg.optim.optimizer, momentum=cfg.optim.momentum,
-                 example_inputs=examples)
+                 example_inputs=examples, micro_batches=cfg.parallel.micro_batches)
 
 
 def _checked_length(cfg: TrainConfig, n: int) -> int:
@@ -420,6 +438,10 @@ def _plan_and_world(cfg: TrainConfig, launcher_world: int | None):
         world = the_plan.world_size
         if launcher_world is None and gpus is None:
             _check_cores(world, "the plan is")
+        if model is None and where and (":" in the_plan.model or the_plan.model.endswith(".py")):
+            # a plan file is data: the model file it names is code, run only when the user names it too
+            raise UserError(f"the plan{where} names the model file {the_plan.model!r}, which is code; plans "
+                            "never run code on their own: pass the same `model` to run it", param="model")
         model = model or the_plan.model
         if input_shape is None and the_plan.input_shape:
             input_shape = tuple(the_plan.input_shape)
@@ -524,11 +546,11 @@ def _layout_dry_run(module, plan: Plan, batch: int, examples) -> None:
     dry_run(module, plan, inputs, world_size=plan.world_size, values=values)
 
 
-def _dry_run(loaded) -> tuple:
+def _dry_run(loaded, loss: str | None = None) -> tuple:
     """One eval-mode forward of one example sample (data_spec's): a model that raises or returns
     something that is not logits is refused here, not in every rank. Also measures the bytes of every
     leaf module's output for that sample (the activations a training step keeps per sample)."""
-    from hybridpar.train.data.loader import data_spec
+    from hybridpar.train.loss import loss_data_spec
 
     total = [0]
     out_seen: list = []
@@ -541,7 +563,7 @@ def _dry_run(loaded) -> tuple:
     handles = [m.register_forward_hook(count) for m in leaves]
     handles.append(loaded.module.register_forward_hook(lambda _m, _i, out: out_seen.append(out)))
     try:
-        spec = data_spec(loaded)
+        spec = loss_data_spec(loaded, loss)
     except UserError:
         raise
     except SystemExit as err:
@@ -574,11 +596,7 @@ def _check_sharding(cfg: TrainConfig, plan: Plan) -> None:
     why = sharding_refusal(layouts, plan.mp, cfg.parallel.recompute)
     if why is not None:
         raise UserError(why, param="recompute" if "recompute" in why.split(":")[0] else "strategy")
-    zero = max(lay.zero for lay in layouts)
-    if zero and (cfg.checkpoint.dir or cfg.checkpoint.init_from):
-        raise UserError(f"zero={zero}: checkpoints and --init-from of sharded (FSDP) parameters are not "
-                        "written or read yet; run without checkpoint_dir/init_from, or drop zero",
-                        param="checkpoint_dir" if cfg.checkpoint.dir else "init_from")
+    # zero=2|3 checkpoints: each rank its FSDP shard, in the own format (train.checkpoint_sharded)
 
 
 def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision: str = "fp32", examples=(),
@@ -597,6 +615,9 @@ def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision:
 
     # bad placement, an untraceable model: one line here, not a rank traceback
     check_mp_plan(module, plan, batch, examples or None, micro_batches, bn_stats)
+    from hybridpar.parallel.pipeline.module import check_micro_batches
+
+    check_micro_batches(module, micro_batches, bn_stats)
     if micro_batches > batch // plan.dp:
         raise UserError(f"micro_batches {micro_batches} exceeds the {batch // plan.dp} samples per replica",
                         param="micro_batches")
@@ -606,7 +627,8 @@ def _data_size(data: str, shape, spec, synthetic_size: int, seed: int, loaded) -
     """(samples, bytes of them that every rank holds in memory), without building large data sets here.
     synthetic, digits and .pt files are held whole; image folders, .npy arrays (memory-mapped) and
     factories' data sets are read batch by batch (their cost is in the batch, counted elsewhere)."""
-    sample = math.prod(shape) * (8 if spec.vocab is not None else 4) + 8 * max(1, math.prod(spec.label_shape))
+    labels = 1 if spec.label_shape is None else math.prod(spec.label_shape)  # a loss's own targets: counted as read
+    sample = math.prod(shape) * (8 if spec.vocab is not None else 4) + 8 * max(1, labels)
     if data == "synthetic":
         return synthetic_size, synthetic_size * sample
     from hybridpar.train.data import loader as data_mod

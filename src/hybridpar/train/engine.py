@@ -1,5 +1,6 @@
-"""The training engine contract (`Engine`) and the channel/filter/sample engine.
-`make_engine(module, plan)` hands plans with mp > 1 to hybridpar.parallel.pipeline.engine.MPEngine."""
+"""The training engine contract (`Engine`), the channel/filter/sample engine and the model-parallel one.
+Both build the module with `hybridpar.parallel.api.parallelize` and train it with the run's loss
+(`loss_fn`, hybridpar.train.loss), as a user's own loop would; `make_engine(module, plan)` picks one."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from hybridpar.plans import LayerLayout, Plan
 
 @runtime_checkable
 class Engine(Protocol):
-    """What `hybridpar train`'s loop drives (ChannelFilterEngine, MPEngine)."""
+    """What `hybridpar train`'s loop drives (ChannelFilterEngine, MPModuleEngine)."""
 
     comm_log: CommLog
 
@@ -48,8 +49,8 @@ def task_loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> to
 
 
 def task_loss_sum(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """task_loss summed over the samples: the model-parallel engine's loss of one micro-batch (it divides
-    by the global batch's target count, so micro-batches and replicas add up to the global mean)."""
+    """task_loss summed over the samples (MPEngine's loss_fn contract: it divides by the global batch's
+    target count, so micro-batches and replicas add up to the global mean)."""
     return task_loss(out, y, reduction="sum")
 
 
@@ -62,9 +63,12 @@ class ChannelFilterEngine:
     pre_sync_scale = 1.0  # a rank's gradient before the sync is its sample group's mean (grad_noise)
 
     def __init__(self, module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: str = "global",
-                 comm_log: CommLog | None = None, grid=None, extra_ops=(), materialize=None):
+                 comm_log: CommLog | None = None, grid=None, extra_ops=(), materialize=None, loss_fn=task_loss,
+                 mixed_precision: str = "none"):
+        self.loss_fn = loss_fn  # the mean over this sample group's samples (hybridpar.train.loss)
         self.module = parallelize(module, plan, bn_stats=bn_stats, comm_log=comm_log, grid=grid,
-                                  extra_ops=extra_ops, inputs="sample_shard", materialize=materialize)
+                                  extra_ops=extra_ops, inputs="sample_shard", materialize=materialize,
+                                  mixed_precision=mixed_precision)  # zero=2|3 under bf16: FSDP2's policy
         self.state = module.hybridpar
         self.grid = self.state.grid
         self.comm_log: CommLog = self.grid.comm_log
@@ -129,7 +133,7 @@ class ChannelFilterEngine:
         # gradients when a bucket goes over the same ranks (GradSync.carry), else on its own below
         value = None
         if self.state.meshes is None or self._dtensor_records is not None:
-            loss = task_loss(self.forward(x), y)
+            loss = self.loss_fn(self.forward(x), y)
             value = loss.detach().clone().reshape(1)
             if gs is not None and gs.enabled and replicas.size > 1:
                 gs.carry(value, replicas, "loss")
@@ -143,7 +147,7 @@ class ChannelFilterEngine:
             # DTensor's own redistributions, logged beside ours: watched on the first step only (a
             # dispatch mode on every op costs), then replayed into the log
             with recording(self.comm_log) as rec:
-                loss = task_loss(self.forward(x), y)
+                loss = self.loss_fn(self.forward(x), y)
                 loss.backward()
             self._dtensor_records = list(rec.records)
         if value is not None and gs is not None and gs.carried():
@@ -166,16 +170,70 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def make_engine(module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: str = "global",
-                micro_batches: int = 1, **kwargs):
-    """The engine for `plan`: model parallel (mp > 1; `micro_batches` > 1 pipelines each replica's
-    batch GPipe-style) or channel/filter/sample parallel (one micro-batch only). Other keyword
-    arguments go to the chosen engine's constructor."""
-    if isinstance(plan, Plan) and plan.mp > 1:
-        from hybridpar.parallel.pipeline.engine import MPEngine  # lazy: torch.fx and the p2p machinery
+class MPModuleEngine:
+    """`hybridpar train`'s loop body for model-parallel plans (mp > 1, with sample replicas): the module
+    `hybridpar.parallelize` returns for the plan (hybridpar.parallel.pipeline.module), trained as a
+    user's own loop trains it: every rank passes the global batch, gets the whole outputs, computes the
+    run's loss (the same value on every rank) and calls backward, which sends the gradients back to the
+    producing stages and sums the weights' gradients over the replicas. No loss belongs to the engine."""
 
-        kwargs.setdefault("loss_fn", task_loss_sum)  # the trainer's loss, not one the engine owns
-        return MPEngine(module, plan, bn_stats=bn_stats, micro_batches=micro_batches, **kwargs)
-    if micro_batches != 1:
+    def __init__(self, module: nn.Module, plan: Plan, *, bn_stats: str = "global", loss_fn=task_loss,
+                 micro_batches: int | None = None, example_inputs: tuple | None = None):
+        self.loss_fn = loss_fn
+        self.module = parallelize(module, plan, bn_stats=bn_stats, example_inputs=example_inputs,
+                                  micro_batches=micro_batches)
+        self.state = module.hybridpar  # pipeline.module.MPState
+        self.mp_engine = self.state.engine  # the stages, the owned weights and the gradient sync
+        self.layout = self.state.layout
+        self.comm_log: CommLog = self.state.comm_log
+        self.device = self.mp_engine.device
+        self._local_state = self.mp_engine.local_state_dict()  # checkpoints: whole tensors of the owned layers
+
+    def parameters(self):
+        """This rank's weights (MPEngine.parameters: the module's others are freed meta tensors)."""
+        return self.mp_engine.parameters()
+
+    def local_batch(self, x, y) -> tuple:
+        """The global batch itself: every rank calls the module with it (pipeline.module)."""
+        from hybridpar.parallel.pipeline.engine import batch_rows
+
+        self.mp_engine.check_batch(batch_rows(x))
+        return x, y
+
+    def warm_up(self, sample_shape: tuple[int, ...]) -> None:
+        """Nothing to exchange before training."""
+
+    def train_step(self, x, y) -> float:
+        """Forward of the global batch, the run's loss of the whole outputs, backward. Returns the loss
+        (every rank computed the same one)."""
+        from hybridpar.parallel.pipeline.engine import as_call
+
+        self.comm_log.mark_step()
+        self.module.train()
+        args, kwargs = as_call(x)
+        loss = self.loss_fn(self.module(*args, **kwargs), y.to(self.device) if torch.is_tensor(y) else y)
+        loss.backward()
+        return float(loss.detach())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The undistributed model's state_dict on rank 0 (None elsewhere). Collective."""
+        return self.state.full_state_dict(everywhere=False)
+
+    def param_bytes(self) -> int:
+        return self.mp_engine.param_bytes()
+
+    def param_bytes_by_type(self) -> dict[str, int]:
+        return self.mp_engine.param_bytes_by_type()
+
+
+def make_engine(module: nn.Module, plan: Plan | LayerLayout | str, *, bn_stats: str = "global",
+                micro_batches: int | None = 1, loss_fn=task_loss, **kwargs):
+    """The engine for `plan`: model parallel (mp > 1; `micro_batches` > 1 pipelines each replica's
+    batch GPipe-style; None: the plan's) or channel/filter/sample parallel (one micro-batch only), both training with
+    `loss_fn(outputs, target)` (a batch mean). Other keyword arguments go to the chosen engine."""
+    if isinstance(plan, Plan) and plan.mp > 1:
+        return MPModuleEngine(module, plan, bn_stats=bn_stats, loss_fn=loss_fn, micro_batches=micro_batches,
+                              **kwargs)
+    if micro_batches not in (None, 1):
         raise UserError(f"micro_batches={micro_batches} needs a model-parallel plan (mp > 1)")
-    return ChannelFilterEngine(module, plan, bn_stats=bn_stats, **kwargs)
+    return ChannelFilterEngine(module, plan, bn_stats=bn_stats, loss_fn=loss_fn, **kwargs)

@@ -25,13 +25,25 @@ class RankFailure(RuntimeError):
     """A peer rank was lost (killed, crashed or unreachable) during a collective."""
 
 
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.1, 1e6  # gloo rounds below a millisecond to none; timedelta overflows
+
+
 def collective_timeout() -> timedelta:
-    raw = os.environ.get(TIMEOUT_ENV)
+    """$HYBRIDPAR_COLLECTIVE_TIMEOUT_S (default 300 s); UserError for a value that is not a number of
+    seconds in [0.1, 1e6] (junk used to become 300 s silently, `inf` and `1e-9` failed inside the ranks).
+    The launcher calls it before any rank starts."""
+    from hybridpar.errors import UserError
+
+    raw = (os.environ.get(TIMEOUT_ENV) or "").strip()
+    if not raw:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
     try:
-        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+        seconds = float(raw)
     except ValueError:
-        seconds = DEFAULT_TIMEOUT_S
-    return timedelta(seconds=seconds if seconds > 0 else DEFAULT_TIMEOUT_S)
+        seconds = float("nan")
+    if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:  # also refuses nan and inf
+        raise UserError(f"{TIMEOUT_ENV}={raw!r}: expected seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g}")
+    return timedelta(seconds=seconds)
 
 
 def set_default_timeout() -> timedelta:
@@ -46,10 +58,15 @@ def set_default_timeout() -> timedelta:
     return timeout
 
 
+ATTEMPT_ENV = "HYBRIDPAR_ATTEMPT"  # set by launch.init: the attempt every node's ranks agree on
+
+
 def restart_count() -> int:
-    """How many times torchrun has restarted this worker group (0 on the first attempt)."""
+    """How many times torchrun has restarted this worker group (0 on the first attempt): the attempt
+    launch.init counted in the store once the rank joined (torchrun's own count differs between nodes:
+    a node whose ranks did not fail restarts them for the new round without counting a restart)."""
     try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return max(int(os.environ.get(ATTEMPT_ENV) or 0), int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0))
     except ValueError:
         return 0
 

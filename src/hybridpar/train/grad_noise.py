@@ -90,7 +90,7 @@ def _counted_params(engine, batch: int) -> tuple[int, list[nn.Parameter], str | 
     """(sample groups S, the parameters whose gradient pieces this rank counts, reason if n/a)."""
     from hybridpar.parallel.pipeline.engine import MPEngine  # lazy: another package's engine
 
-    if isinstance(engine, MPEngine):  # each weight whole on one device of its replica
+    if isinstance(getattr(engine, "mp_engine", engine), MPEngine):  # each weight whole on one device of its replica
         groups = engine.layout.dp
         params = [p for p in engine.parameters() if p.numel()]
     else:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.host_allocator import keep_freed_memory  # ranks reuse freed memory: no page faults per step
-from hybridpar.train.faults import restart_count, set_default_timeout  # lost peer: error, not hang
+from hybridpar.train.faults import ATTEMPT_ENV, set_default_timeout  # lost peer: error, not hang
 
 
 def under_launcher() -> bool:
@@ -52,7 +52,13 @@ def init() -> torch.device:
     # dead attempt's addresses and fail to connect (seen with torch 2.13 + gloo).
     timeout = set_default_timeout()
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"hybridpar/attempt-{restart_count()}", store)
+    # The attempt is counted in the store, not read from TORCHELASTIC_RESTART_COUNT: over several nodes
+    # that count differs (a node whose ranks did not fail restarts them uncounted), and the ranks of one
+    # attempt would look for each other under different prefixes. Every rank of an attempt joins before
+    # any of the next (torchrun stops them all first).
+    attempt = (int(store.add("hybridpar/joined", 1)) - 1) // world
+    os.environ[ATTEMPT_ENV] = str(attempt)
+    store = dist.PrefixStore(f"hybridpar/attempt-{attempt}", store)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     return _device()
 
@@ -91,8 +97,38 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _entry(rank: int, world: int, port: int, out_path: str, fn, args) -> None:
+# Ranks start from a fork server that imported torch and hybridpar once (per launching process):
+# a fresh interpreter per rank spent ~3.5 s of CPU importing torch, which on a 2-core machine was
+# most of a short run's start-up. The server forks before any thread or process group exists, so
+# the ranks are as clean as spawned ones; they take the launcher's environment and directory
+# (passed in `_entry`), not the server's, which the first spawn fixed.
+START_METHOD = "forkserver" if sys.platform.startswith("linux") else "spawn"
+_PRELOAD = ["torch", "torch.distributed", "hybridpar.train.launch", "hybridpar.train.trainer",
+            "hybridpar.parallel.apply"]  # DTensor's import alone is ~3 s of CPU per rank
+
+
+def preload(*modules: str) -> None:
+    """Also import `modules` in the fork server, once, instead of in every rank (e.g. a model library
+    the ranks import: transformers' modeling_utils costs ~6 s of CPU). Takes effect when the server
+    starts, at this process's first spawn."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
+def context():
+    """The multiprocessing context ranks (and queues shared with them) use."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _entry(rank: int, world: int, port: int, out_path: str, fn, args, env=None) -> None:
     _die_with_parent()
+    if env is not None:  # the launcher's environment at this spawn, not the fork server's
+        os.environ.clear()
+        os.environ.update(env)
     keep_freed_memory()
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     torch.set_num_threads(1)
@@ -128,7 +164,9 @@ def spawn(fn, nproc: int, *args, poll=None):
         out = str(Path(tmp) / "rank0.pt")
         previous = _on_sigterm_interrupt()
         try:
-            ctx = mp.spawn(_entry, args=(nproc, free_port(), out, fn, args), nprocs=nproc, join=False)
+            context()  # the fork server's preload is set before it starts
+            ctx = mp.start_processes(_entry, args=(nproc, free_port(), out, fn, args, dict(os.environ)),
+                                     nprocs=nproc, join=False, start_method=START_METHOD)
             try:
                 while not ctx.join(timeout=0.1):
                     if poll is not None:

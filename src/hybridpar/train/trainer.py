@@ -90,12 +90,14 @@ def build_engine(cfg: TrainConfig, device, resume_from=None):
     first, as before (said on stderr)."""
     import functools
 
-    from hybridpar.graph.models import load_model
+    from hybridpar.graph.models import load_model, rebatch
     from hybridpar.parallel.materialize import Materializer, record_build
     from hybridpar.train import checkpoint as ckpt
-    from hybridpar.train.data.loader import data_spec
     from hybridpar.train.engine import make_engine
+    from hybridpar.train.loss import loss_data_spec, make_loss
     from hybridpar.train.optim import to_precision
+
+    loss_fn = make_loss(cfg.loss)
 
     meta = record = None
     if cfg.plan.mp == 1:
@@ -103,7 +105,7 @@ def build_engine(cfg: TrainConfig, device, resume_from=None):
         meta, record, why = record_build(build)
         if meta is not None:
             try:
-                spec = data_spec(meta)  # one forward on meta: shapes only
+                spec = loss_data_spec(meta, cfg.loss)  # one forward on meta: shapes only
             except Exception as err:  # noqa: BLE001 - a forward reading values (.item(): HF Perceiver): whole
                 meta, why = None, f"its forward on meta: {type(err).__name__}: {' '.join(str(err).split())[:120]}"
         if meta is None and dist.get_rank() == 0:
@@ -114,23 +116,23 @@ def build_engine(cfg: TrainConfig, device, resume_from=None):
     if meta is None:  # whole model first (MP plans; factories that fail on meta)
         loaded = build_module(cfg)
         resumed = ckpt.load_checkpoint(info, loaded.module) if (info := resume_from) else None
-        spec = data_spec(loaded)
+        spec = loss_data_spec(loaded, cfg.loss)
         extra = {}
-        if cfg.plan.mp > 1:  # one forward's inputs, for a model that runs on torch.export's graph
-            from hybridpar.parallel.pipeline.engine import micro_batch_inputs
-
-            at = cfg.plan.model_copy(update={"batch": cfg.batch})
-            extra["example_inputs"] = micro_batch_inputs(loaded.example_inputs, at, cfg.parallel.micro_batches)
+        if cfg.plan.mp > 1:  # a global batch's inputs, for a model that runs on torch.export's graph
+            extra["example_inputs"] = rebatch(tuple(loaded.example_inputs), cfg.batch)
+        elif cfg.optim.precision == "bf16":  # zero=2|3: FSDP2 gathers bf16 copies of the fp32 weights
+            extra["mixed_precision"] = "bf16"
         engine = _recomputing(make_engine(to_precision(loaded.module.to(device), cfg.optim.precision), cfg.plan,
                                           bn_stats=cfg.parallel.bn_stats, micro_batches=cfg.parallel.micro_batches,
-                                          **extra), cfg)
+                                          loss_fn=loss_fn, **extra), cfg)
         return loaded, spec, engine, resumed
     mat = Materializer(build, record, cfg.seed, torch.device(device))
     # fp64: the meta model's dtypes first; the pieces are then made in float64 and get the build's
     # values converted (the materializer, --init-from and resume copy_ into them)
     engine = _recomputing(make_engine(to_precision(meta.module, cfg.optim.precision), cfg.plan,
                                       bn_stats=cfg.parallel.bn_stats, micro_batches=cfg.parallel.micro_batches,
-                                      materialize=mat), cfg)
+                                      materialize=mat, loss_fn=loss_fn,
+                                      mixed_precision="bf16" if cfg.optim.precision == "bf16" else "none"), cfg)
     loaded = replace(mat.last_build, module=engine.module)  # the real example inputs; weights: the engine's
     if cfg.checkpoint.init_from:
         ckpt.load_init_pieces(cfg.checkpoint.init_from, engine)
@@ -525,10 +527,9 @@ def _train(cfg: TrainConfig, on_step):
         dist.destroy_process_group()
         return result
 
-    import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    queue = mp.get_context("spawn").Queue()
+    queue = launch.context().Queue()
 
     def poll():
         while not queue.empty():

@@ -28,8 +28,15 @@ def parse_bytes(text: str | None) -> float | None:
     return value
 
 
+def _baseline_json(pred) -> dict | None:
+    return None if pred is None else {
+        "step_time_s": pred.step_time_s, "comm_s": pred.comm_s, "exposed_comm_s": pred.exposed_comm_s,
+        "memory_bytes_per_device": pred.memory_bytes[0] if pred.memory_bytes else 0}
+
+
 def _result_json(res) -> dict:
     base = res.baseline
+    fsdp_brk = getattr(res, "fsdp_breakdown", None)
     return {
         "plan": res.plan.model_dump(),
         "method": res.method,
@@ -43,6 +50,11 @@ def _result_json(res) -> dict:
         "breakdown": None if res.breakdown is None else asdict(res.breakdown),
         "data_parallel_breakdown": None if res.baseline_breakdown is None else asdict(res.baseline_breakdown),
         "speedup_vs_dp": res.speedup_vs_dp,
+        # the second baseline: FSDP (sample=N,zero=3) with every block recomputed (torchtitan's default)
+        "fsdp_recompute": _baseline_json(res.fsdp_baseline),
+        "fsdp_recompute_note": res.fsdp_note,
+        "fsdp_recompute_breakdown": None if fsdp_brk is None else asdict(fsdp_brk),
+        "speedup_vs_fsdp_recompute": res.speedup_vs_fsdp,
         "layers": [{"name": r.name, "module": r.module, "op": r.op, "choice": r.choice,
                     "algorithm": r.algorithm,
                     "compute_s": r.cost.fwd_s + r.cost.bwd_s, "comm_s": r.cost.comm_fwd_s + r.cost.comm_bwd_s,
@@ -71,24 +83,39 @@ def _print(res, gpus: int) -> None:
     console.print(table(f"{p.model} on {gpus} x {p.cluster}, batch {p.batch}: {res.method}",
                         ["layer", "layout", "algorithm", compute_h, comm_h, "memory"], rows,
                         justify_right=lambda c: c not in ("layer", "layout", "algorithm")))
-    pr, base = res.prediction, res.baseline
-    preds = [pr] if base is None else [pr, base]
+    pr, base, fsdp = res.prediction, res.baseline, res.fsdp_baseline
+    named = [(name, q) for name, q in (("plan", pr), ("data parallel", base), (FSDP_ROW, fsdp)) if q is not None]
     kinds = ("step_time_s", "compute_s", "comm_s", "exposed_comm_s")
-    cols = time_columns(["time", "compute", "comm", "exposed"], [[getattr(q, k) for q in preds] for k in kinds],
-                        same_unit=True)
+    cols = time_columns(["time", "compute", "comm", "exposed"],
+                        [[getattr(q, k) for _, q in named] for k in kinds], same_unit=True)
     summary = [[name, *(col[1][i] for col in cols), human_bytes(q.memory_bytes[0])]
-               for i, (name, q) in enumerate(zip(("plan", "data parallel"), preds))]
+               for i, (name, q) in enumerate(named)]
     console.print(table("predicted", ["per step", *(c[0] for c in cols), "memory"], summary,
                         justify_right=lambda c: c != "per step"))
-    if base is not None:
-        console.print(f"speedup over data parallelism: [bold]{res.speedup_vs_dp:.2f}x[/bold] "
-                      f"({p.batch / pr.step_time_s:,.0f} vs {p.batch / base.step_time_s:,.0f} samples/s)")
-    else:
-        note = res.baseline_note or "not evaluated"
-        console.print(note if note.startswith("data parallelism") else f"data parallelism: {note}")
+    for label, q, speedup, note, prefix in (
+            ("data parallelism", base, res.speedup_vs_dp, res.baseline_note, "data parallelism"),
+            (FSDP_NAME, fsdp, res.speedup_vs_fsdp, res.fsdp_note, FSDP_NAME)):
+        if q is not None:
+            console.print(f"speedup over {label}: [bold]{speedup:.2f}x[/bold] "
+                          f"({_rate(p.batch / pr.step_time_s)} vs {_rate(p.batch / q.step_time_s)} samples/s), "
+                          f"memory {_memory_ratio(pr, q)}")
+        else:
+            note = note or "not evaluated"
+            console.print(note if note.startswith(prefix) else f"{label}: {note}")
     for n in dict.fromkeys(p.notes):  # each once, and not the baseline's note again
-        if n != res.baseline_note:
+        # the baselines' figures are printed above (the note is for the plan file and its report)
+        if n not in (res.baseline_note, res.fsdp_note) and not n.startswith("against the baselines: "):
             console.print(f"note: {n}")
+
+
+FSDP_NAME = "FSDP + full recomputation"
+FSDP_ROW = "FSDP + recompute"
+
+
+def _memory_ratio(pr, q) -> str:
+    """The plan's memory per device against a baseline's."""
+    a, b = pr.memory_bytes[0], q.memory_bytes[0]
+    return f"{human_bytes(a)} vs {human_bytes(b)} per device ({a / b:.2f}x)" if b else f"{human_bytes(a)}"
 
 
 def register(app: click.Group) -> None:
@@ -117,6 +144,10 @@ def register(app: click.Group) -> None:
     @click.option("--momentum", type=float, default=0.0, show_default=True,
                   help="as `train --momentum` (SGD keeps a momentum buffer when > 0)")
     @click.option("--weight-decay", type=float, default=0.0, show_default=True, help="as `train --weight-decay`")
+    @click.option("--recompute", type=click.Choice(["auto", "none", "all"]), default="auto", show_default=True,
+                  help="activation recomputation: auto = the planner weighs it (with zero=2|3, the sample "
+                       "dimension's parameters sharded) when data parallelism does not fit the memory limit; "
+                       "none | all fix it (as `train --recompute`)")
     @click.option("--dry-run/--no-dry-run", "dry", default=None,
                   help="run the planned layout on meta tensors first (hybridpar.parallel.check): refuse ops it "
                        "cannot serve, and price DTensor's redistributions between layers (default: on for "
@@ -125,7 +156,7 @@ def register(app: click.Group) -> None:
     @click.option("--out", "out", default=None, type=click.Path(dir_okay=False), help="write the Plan JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync,  # noqa: PLR0913
-                 free_sample, time_share, optimizer, momentum, weight_decay, dry, out, json_) -> None:
+                 free_sample, time_share, optimizer, momentum, weight_decay, recompute, dry, out, json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
         from hybridpar.api import plan
 
@@ -142,6 +173,7 @@ def register(app: click.Group) -> None:
             res = plan(model, cluster, gpus, batch, memory_limit=limit, strategy=strategy, dtype=dtype,
                        input_shape=shape, grad_sync=grad_sync, free_sample=free_sample, time_share=time_share,
                        dry_run=dry, optimizer=optimizer, momentum=momentum, weight_decay=weight_decay,
+                       recompute=recompute,
                        progress=None if status is None else (lambda msg: status.update(msg)))
         finally:
             if status is not None:
@@ -153,4 +185,10 @@ def register(app: click.Group) -> None:
             return
         _print(res, gpus)
         if out:
-            console.print(f"plan written to {out} (run it: hybridpar train --plan {out})")
+            model_arg = f" --model {model}" if ":" in model else ""  # a file model is code: train asks for it again
+            console.print(f"plan written to {out} (run it: hybridpar train --plan {out}{model_arg})")
+
+
+def _rate(per_s: float) -> str:
+    """Samples per second with three significant figures below 100 (a 35 s step is 0.229, not 0)."""
+    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.3g}"

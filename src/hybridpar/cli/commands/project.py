@@ -99,14 +99,17 @@ def _print(proj, sens: dict, joint, plot: str | None) -> None:
     for n, t in zip(proj.gpu_counts, times):
         best = proj.best(n)
         dp, hyb, cf = proj.best(n, "DP"), proj.best(n, "hybrid"), proj.best(n, "CF")
+        fsdp = proj.best(n, "FSDP")  # the second baseline: FSDP + full recomputation
         rows.append([n, best.strategy + ("" if best.fits else " (!mem)"), t,
                      f"{dp.speedup:.3g}" + ("" if dp.fits else "*"),
+                     f"{fsdp.speedup:.3g}" + ("" if fsdp.fits else "*") if fsdp else "-",
                      f"{hyb.strategy} {hyb.speedup:.3g}" + ("" if hyb.fits else "*") if hyb else "-",
                      f"{cf.strategy} {cf.speedup:.3g}" + ("" if cf.fits else "*") if cf else "-",
                      f"{dp.global_batch:,}", f"{dp.epochs:.3g}"])
     console.print(table(f"{proj.model} on {proj.cluster}: projected speedup over 1 GPU "
                         f"({proj.batch_per_gpu} samples per worker)",
-                        ["GPUs", "best", time_h if timed else "time", "DP", "best hybrid", "channel/filter",
+                        ["GPUs", "best", time_h if timed else "time", "DP", "FSDP+recompute", "best hybrid",
+                         "channel/filter",
                          "DP batch", "DP epochs"],
                         rows))
     console.print("  * does not fit in device memory (shown as if it did); speedups include epochs to target")

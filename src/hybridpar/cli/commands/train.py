@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
 
+from hybridpar import startup
 from hybridpar.cli.options import gpus_option
 from hybridpar.cli.output import console, err_console, human_bytes, print_json, table
 from hybridpar.errors import UserError
@@ -52,9 +54,14 @@ _OPTIONS = [
                  help="let this run replace checkpoints in --checkpoint-dir that are not its own"),
     click.option("--deterministic", is_flag=True,
                  help="deterministic kernels and seeding: bitwise-identical losses and weights across runs"),
-    click.option("--micro-batches", type=int, default=1, show_default=True,
+    click.option("--loss", default=None,
+                 help="cross_entropy (classes on dimension 1: [N, C, H, W] against [N, H, W] labels) | mse | "
+                      "path/to/file.py:fn (fn(outputs, target), any output structure; targets from --data "
+                      "file.py:factory)  [default: cross-entropy, an LM's [N, T, V] over its last dimension]"),
+    click.option("--micro-batches", type=int, default=None,
                  help="model-parallel plans (mp > 1) only: split each replica's batch into K GPipe "
-                      "micro-batches; batch-norm statistics are then per micro-batch"),
+                      "micro-batches (1: no pipelining; a model with batch norm needs --bn-stats local for K > 1, "
+                      "its statistics then per micro-batch)  [default: the placer's choice]"),
     click.option("--gns/--no-gns", default=False, show_default=True,
                  help="online gradient noise scale B_noise (McCandlish et al. 2018) from the per-sample-group "
                       "and allreduced gradients, per step and per epoch; needs >1 sample group; adds one "
@@ -105,16 +112,25 @@ def train_cmd(json_: bool, config: str | None, **options) -> None:
     from hybridpar.api import with_placement
     from hybridpar.train import launch
     from hybridpar.train.config import TrainConfig, claim_checkpoint_dir, run_config
+    from hybridpar.train.faults import collective_timeout
 
+    collective_timeout()  # a bad HYBRIDPAR_COLLECTIVE_TIMEOUT_S is one line here, not in every rank
     if config:
         options = _with_config(config, options)
     launched = launch.under_launcher()
+    rank0 = not launched or os.environ.get("RANK") == "0"
+    # Start-up phases: on a terminal each is printed once the checks before it passed; in a log or a
+    # script's pipe they are printed together when the first step ran, so that a refusal found later
+    # (in the ranks' own checks) is still the one line on stderr that scripts read.
+    startup.listen(None)
     setup = run_config(TrainConfig.from_options(**options),
                        launcher_world=int(os.environ["WORLD_SIZE"]) if launched else None,
                        local_ranks=_local_world() if launched else None,
                        place=None if launched else with_placement)  # ranks must agree: no search there
-    rank0 = not launched or os.environ.get("RANK") == "0"
     if rank0:
+        if _live_phases():
+            for name, seconds in startup.phases().items():
+                _print_phase(name, seconds)
         for note in setup.notes:
             err_console.print(f"hybridpar: {note}", markup=False, highlight=False, soft_wrap=True)
     if setup.nothing_to_do:
@@ -196,11 +212,36 @@ def _run(setup, json_: bool, log_every: int):
     bar = not json_ and err_console.is_terminal
     with _Progress(cfg, setup.total_steps, enabled=rank0, bar=bar, every=log_every) as prog:
         try:
-            return train(cfg, on_step=prog.update)
+            return train(cfg, on_step=_first_step_timed(prog.update, rank0))
         except TrainingFailed as err:
             err_console.print(f"hybridpar: error: {err}".replace("with resume from", "with --resume from"),
                               markup=False, highlight=False, soft_wrap=True)
             raise click.exceptions.Exit(1) from None
+
+
+def _live_phases() -> bool:
+    return err_console.is_terminal
+
+
+def _print_phase(name: str, seconds: float) -> None:
+    err_console.print(f"hybridpar: start-up: {name} {seconds:.1f} s", markup=False, highlight=False, soft_wrap=True)
+
+
+def _first_step_timed(update, rank0: bool):
+    """`update`, recording the time until it is first called (the ranks spawned, each building its
+    model and running step one) as the last start-up phase."""
+    t0, first = time.perf_counter(), [True]
+
+    def timed(info: dict) -> None:
+        if first[0]:
+            first[0] = False
+            name, seconds = "spawning ranks, building and the first step", time.perf_counter() - t0
+            startup.record(name, seconds)
+            if rank0:
+                for phase, took in (startup.phases() if not _live_phases() else {name: seconds}).items():
+                    _print_phase(phase, took)
+        update(info)
+    return timed
 
 
 class _Progress:
@@ -248,11 +289,13 @@ def _with_config(path: str, options: dict) -> dict:
     fields of the run's config objects (hybridpar.train.config.TrainConfig)."""
     import tomllib
 
+    from hybridpar.jsonfile import read_input
+
+    if not os.path.lexists(path):
+        raise UserError(f"--config {path}: file not found")
     try:
-        doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"--config {path}: file not found") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as err:
+        doc = tomllib.loads(read_input(path, "--config").decode("utf-8"))  # bounded, never a FIFO
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"--config {path}: not a TOML file ({err})") from None
     out = dict(options)
     for key, value in _flat_keys(path, doc):
@@ -298,10 +341,27 @@ def _set_from_file(path: str, out: dict, name: str, value) -> None:
         return  # the command line wins
     if name == "resume" and isinstance(value, bool):
         value = "yes" if value else None
+    _check_toml_value(path, key, param, value)
     try:
         out[name] = param.type_cast_value(ctx, value)
     except click.BadParameter as err:
         raise UserError(f"--config {path}: {key}: {err.message}") from None
+    except (TypeError, ValueError) as err:
+        raise UserError(f"--config {path}: {key}: {err}") from None
+
+
+def _check_toml_value(path: str, key: str, param, value) -> None:
+    """TOML values a flag cannot take: arrays, tables, dates (click cast them or raised a traceback), and
+    true/false for a number (Python's bool is an int: `steps = true` ran one step)."""
+    import datetime
+
+    if isinstance(value, (list, dict, datetime.date, datetime.time)) and not getattr(param, "multiple", False):
+        kind = {list: "array", dict: "table"}.get(type(value), "date/time")
+        raise UserError(f"--config {path}: {key}: expected one {param.type.name} value, got a TOML {kind}")
+    if isinstance(value, bool) and not (getattr(param, "is_flag", False)
+                                        or isinstance(param.type, click.types.BoolParamType)):
+        raise UserError(f"--config {path}: {key}: expected {param.type.name}, got the boolean "
+                        f"{str(value).lower()}")
 
 
 def _report(result, setup, json_: bool) -> None:
@@ -315,7 +375,8 @@ def _report(result, setup, json_: bool) -> None:
                             "batch": cfg.batch, "steps": steps, "start_step": result.start_step,
                             "final_loss": result.final_loss, "param_bytes_per_rank": result.param_bytes_per_rank,
                             "param_bytes_by_type_per_rank": result.param_bytes_by_type_per_rank,
-                            "saved": result.saved, "memory": memory, **_gns_summary(result, cfg)}))
+                            "saved": result.saved, "memory": memory, **_gns_summary(result, cfg),
+                            "startup": startup.phases()}))
         return
     last = steps[-1]
     rows = [[k, human_bytes(v)] for k, v in last["comm_bytes"].items()]

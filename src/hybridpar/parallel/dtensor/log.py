@@ -56,7 +56,8 @@ class DTensorCommLog(TorchDispatchMode):
     def _record(self, kind: str, func, args, kwargs) -> None:
         t = args[0]
         t = t[0] if isinstance(t, (list, tuple)) else t
-        group = next((a for a in (*args[1:], *kwargs.values()) if isinstance(a, str)), None)
+        # the group's name is the last str argument (all_reduce's first is its reduce op: "sum")
+        group = next((a for a in reversed((*args[1:], *kwargs.values())) if isinstance(a, str)), None)
         size = _group_size(group) if group is not None else 1
         nbytes = prod(t.shape) * t.element_size()
         if kind == "allgather":

@@ -55,10 +55,11 @@ class MPEngine:
     model torch.fx cannot trace, which then runs on torch.export's graph at their shapes.
     loss_fn(outputs, targets): the caller's loss of one micro-batch, summed over its samples (the engine
     divides by the global batch's target count); `outputs` is the model's output (its first tensor
-    when it returns a tuple or dict); the engine owns no loss (hybridpar train gives its own).
+    when it returns a tuple or dict); the engine owns no loss (benchmarks/bench_mp.py gives its own).
     Inputs (`local_batch`, `train_step`): a tensor, a tuple of the model's positional inputs, or a
     dict of its keyword inputs; every tensor with the batch's leading size is split by samples.
-    The user's own loop runs on the same engine: hybridpar.parallelize (pipeline.module)."""
+    The user's own loop, and `hybridpar train`, run on the same engine's set-up through
+    hybridpar.parallelize (pipeline.module), not through train_step."""
 
     def __init__(self, module: nn.Module, plan: Plan, *, micro_batches: int = 1,
                  device: torch.device | None = None, ordered_p2p: bool | None = None,

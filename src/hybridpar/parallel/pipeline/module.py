@@ -17,7 +17,12 @@ global-batch statistics, the gradient sync across replicas) and replaces its for
   and each stage's parameter gradients are summed over the replicas during backward (GradSync);
 - `model.parameters()` are the module's: this rank's stage holds real tensors, the others are
   meta tensors that never get a gradient, so torch.optim optimizers skip them;
-- `hybridpar.full_state_dict(model)` gathers the whole state from the owners (`MPState`).
+- `hybridpar.full_state_dict(model)` gathers the whole state from the owners (`MPState`);
+- `micro_batches` K > 1 pipelines each replica's samples GPipe-style: K forwards in a row, each
+  stage's sends non-blocking, so stage d runs micro-batch k while stage d+1 runs k-1; one backward
+  (the outputs' micro-batches concatenated) runs theirs in reverse order. The gradients are those of
+  the whole batch (sums of the micro-batches' own); batch norm would normalise per micro-batch, so
+  it is refused unless bn_stats="local" says so (`check_micro_batches`).
 
 Root-level Python that torch.fx traced with the module in training mode stays so (F.dropout(x,
 training=self.training) in the root's forward); modules (nn.Dropout, batch norm) follow
@@ -40,6 +45,7 @@ from hybridpar.parallel.comm.collectives import all_gather_dim
 from hybridpar.parallel.mesh import STAGE_DIM, Group, new_groups
 from hybridpar.parallel.pipeline.engine import MPEngine, batch_rows, split_rows
 from hybridpar.parallel.pipeline.executor import run_forward
+from hybridpar.parallel.pipeline.norm import has_batch_norm
 from hybridpar.plans import Plan
 
 _TAG_WRAP = 1 << 24  # message numbers of successive forwards wrap here (tags stay in int32)
@@ -58,8 +64,9 @@ class MPState:
     """What parallelize did for a model-parallel plan (`module.hybridpar`): the engine that runs the
     stages, this replica's stage group, and the forward's message numbering."""
 
-    def __init__(self, engine: MPEngine):
+    def __init__(self, engine: MPEngine, micro_batches: int = 1):
         self.engine = engine
+        self.micro_batches = micro_batches
         self.plan: Plan = engine.plan
         self.layout = engine.layout
         self.comm_log = engine.comm_log
@@ -96,27 +103,45 @@ class MPState:
         n = batch_rows(inputs)
         eng.check_batch(n)
         sizes = [len(r) for r in torch.tensor_split(torch.arange(n), lay.dp)]
+        mine_n = sizes[lay.replica]
         local = tuple(split_rows(list(inputs), n, lay.dp)[lay.replica]) if lay.dp > 1 else inputs
-        cross, n_msgs, outs_meta = eng._shapes(local)  # noqa: SLF001
+        mbs = min(self.micro_batches, mine_n)
+        pieces = [tuple(p) for p in split_rows(list(local), mine_n, mbs)] if mbs > 1 else [local]
+        piece_rows = [len(r) for r in torch.tensor_split(torch.arange(mine_n), mbs)]
+        shapes = [eng._shapes(p) for p in pieces]  # noqa: SLF001
+        n_msgs = sum(sh[1] for sh in shapes)
         if self._msg_base + n_msgs > _TAG_WRAP:
             self._msg_base = 0
         base, self._msg_base = self._msg_base, self._msg_base + n_msgs
-        values, token = run_forward(eng.partition, lay.device, eng.link, local, cross, base, eng.device,
-                                    all_outputs=True)
-        assert isinstance(values, dict)
+        runs = []
+        for piece, (cross, count, _outs) in zip(pieces, shapes):  # GPipe: every micro-batch's forward in a row
+            runs.append(run_forward(eng.partition, lay.device, eng.link, piece, cross, base, eng.device,
+                                    all_outputs=True))
+            base += count
+        token = runs[0][1] if mbs == 1 else torch.stack([t for _v, t in runs]).sum()
+        values: list[dict] = []
+        for v, _t in runs:
+            assert isinstance(v, dict)  # all_outputs: every output node's value on its device
+            values.append(v)
         leaves, tensors, specs = [], [], []
         for name in eng.partition.output_nodes:
             dev = eng.partition.device_of.get(name)
             dev = 0 if dev is None else dev
-            meta_leaves, spec = tree_flatten(outs_meta[name])
-            mine = tree_flatten(values[name])[0] if dev == lay.device else None
+            metas = [tree_flatten(sh[2][name]) for sh in shapes]
+            meta_leaves, spec = metas[0]
+            mine = [tree_flatten(v[name])[0] for v in values] if dev == lay.device else None
             for k, m in enumerate(meta_leaves):
                 if isinstance(m, torch.Tensor):
-                    _check_rows(m, sizes[lay.replica], lay.dp, name)
-                    leaves.append(_Leaf(dev, m.shape, m.dtype))
-                    tensors.append(mine[k] if mine is not None else token.new_empty(0))
+                    for (piece_leaves, _spec), rows_j in zip(metas, piece_rows):
+                        _check_rows(piece_leaves[k], rows_j, lay.dp, mbs, name)
+                    shape = torch.Size((mine_n, *m.shape[1:])) if mbs > 1 else m.shape
+                    leaves.append(_Leaf(dev, shape, m.dtype))
+                    if mine is None:
+                        tensors.append(token.new_empty(0))
+                    else:
+                        tensors.append(mine[0][k] if mbs == 1 else torch.cat([leaf[k] for leaf in mine]))
             specs.append((name, spec, meta_leaves))
-        rows = (sum(sizes[:lay.replica]), sizes[lay.replica]) if lay.dp > 1 else None
+        rows = (sum(sizes[:lay.replica]), mine_n) if lay.dp > 1 else None
         whole = _Publish.apply(self, tuple(leaves), sizes, rows, token, *tensors)
         it = iter(whole)
         node_values = {}
@@ -169,13 +194,14 @@ class _Publish(torch.autograd.Function):
         return tuple(out)
 
 
-def _check_rows(meta: torch.Tensor, rows: int, dp: int, name: str) -> None:
-    if dp == 1:
+def _check_rows(meta: torch.Tensor, rows: int, dp: int, mbs: int, name: str) -> None:
+    if dp == 1 and mbs == 1:
         return
     if meta.dim() == 0 or meta.shape[0] != rows:
-        raise UserError(f"output {name} has shape {tuple(meta.shape)}; under mp x sample={dp} every output "
-                        f"tensor must lead with the samples ({rows} per replica), as each replica computes its "
-                        "own samples' outputs: return per-sample outputs and compute the loss outside the model")
+        how = " x ".join(w for w in (f"sample={dp}" if dp > 1 else "", f"{mbs} micro-batches" if mbs > 1 else "") if w)
+        raise UserError(f"output {name} has shape {tuple(meta.shape)}; under mp x {how} every output tensor must "
+                        f"lead with the samples ({rows} per piece), as each piece computes its own samples' "
+                        "outputs: return per-sample outputs and compute the loss outside the model")
 
 
 def _output(gm: fx.GraphModule, node_values: dict[str, Any]) -> Any:
@@ -200,24 +226,41 @@ def _output(gm: fx.GraphModule, node_values: dict[str, Any]) -> Any:
     return result
 
 
+def check_micro_batches(module: nn.Module, micro_batches: int, bn_stats: str) -> None:
+    """UserError for micro-batches whose batch norm could not stay one process's: its statistics
+    would be each micro-batch's (and the running statistics updated once per micro-batch), which
+    only bn_stats="local" accepts."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise UserError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+    if micro_batches > 1 and bn_stats == "global" and has_batch_norm(module):
+        raise UserError(f"{micro_batches} micro-batches: the model's batch norm would normalise each micro-batch "
+                        "separately, not the global batch; use --micro-batches 1, or --bn-stats local to "
+                        "train with per-micro-batch statistics")
+
+
 def parallelize_mp(module: nn.Module, plan: Plan, *, bn_stats: str = "global", example_inputs: tuple | None = None,
-                   **engine_options: Any) -> nn.Module:
+                   micro_batches: int | None = None, **engine_options: Any) -> nn.Module:
     """Make `module` run the model-parallel `plan` (its placement resolved: hybridpar.api.with_placement)
     in the user's own loop, in place (see this module's doc); returns it with `.hybridpar` an MPState.
     Collective. `example_inputs`: a global batch's inputs (a tuple), for a model torch.fx cannot trace
     (it then runs on torch.export's graph at one replica's slice of their shapes). Other options go to
-    MPEngine (ordered_p2p, overlap_grad_sync, grad_bucket_bytes, device)."""
+    MPEngine (ordered_p2p, overlap_grad_sync, grad_bucket_bytes, device). `micro_batches`: GPipe
+    micro-batches per replica (see this module's doc); None: the plan's (the placer's choice), else 1."""
     if plan.mp < 2:
         raise UserError(f"parallelize_mp: the plan has mp={plan.mp}")
-    for bad in ("micro_batches", "loss_fn"):
-        if bad in engine_options:
-            raise UserError(f"parallelize with mp > 1 takes no {bad}: the user's loop owns the loss and the batch")
+    if micro_batches is None:
+        micro_batches = plan.micro_batches or 1
+    check_micro_batches(module, micro_batches, bn_stats)
+    if "loss_fn" in engine_options:
+        raise UserError("parallelize with mp > 1 takes no loss_fn: the user's loop owns the loss")
     examples = None
     if example_inputs is not None:
         ex = tuple(example_inputs)
         examples = tuple(split_rows(list(ex), batch_rows(ex), plan.dp)[0]) if plan.dp > 1 else ex
+        if micro_batches > 1:  # an exported graph is specialised to one micro-batch's shapes
+            examples = tuple(split_rows(list(examples), batch_rows(examples), micro_batches)[0])
     engine = MPEngine(module, plan, bn_stats=bn_stats, example_inputs=examples, **engine_options)
-    state = MPState(engine)
+    state = MPState(engine, micro_batches)
 
     def forward(*args, **kwargs):
         return state.forward(args, kwargs)

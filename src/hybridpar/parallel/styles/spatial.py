@@ -10,6 +10,11 @@ Backward: the gradient of the extended window goes back the same way and is summ
 piece (the halo reduction); weight and bias gradients are partial sums over the spatial group, summed
 there by the gradient sync as for any parameter replicated over a mesh dimension.
 
+A convolution overlaps its exchange with its interior (`_overlapped_conv`): the sends and receives
+are posted, the output rows that read only the rank's own rows are computed, then the exchange is
+waited for and the boundary rows are computed from the extended window (forward; the backward's
+halo reduction is blocking).
+
 Written here rather than taken from torch: DTensor's own convolution (`_tp_conv`) shards width only,
 on a 1-D world mesh, with stride 1 when padded; LLNL's DistConv's halo send is refused by gloo.
 Point-to-point on contiguous buffers is what both gloo and NCCL accept.
@@ -38,10 +43,21 @@ class SpatialSplit:
     group: Group
 
 
-def _transfer(sends: list[torch.Tensor | None], recv_shapes: list[tuple[int, ...] | None], like: torch.Tensor,
-              group: Group, log: CommLog, tag: str) -> list[torch.Tensor | None]:
-    """Point-to-point: sends[q] to rank q of the group, a tensor of recv_shapes[q] from rank q (None:
-    nothing). Logged as the bytes this rank sends (the halo's kind, 'halo')."""
+@dataclass
+class _Pending:
+    """A posted exchange: the receive buffers (per peer, None: nothing), the works, the bytes sent."""
+
+    got: list[torch.Tensor | None]
+    works: list
+    sent: int
+    group_size: int
+    tag: str
+
+
+def _post(sends: list[torch.Tensor | None], recv_shapes: list[tuple[int, ...] | None], like: torch.Tensor,
+          group: Group, tag: str) -> _Pending:
+    """Non-blocking point-to-point: sends[q] to rank q of the group, a tensor of recv_shapes[q] from
+    rank q (None: nothing), on contiguous buffers (what gloo and NCCL both accept)."""
     ops: list[dist.P2POp] = []
     got: list[torch.Tensor | None] = []
     sent = 0
@@ -61,13 +77,31 @@ def _transfer(sends: list[torch.Tensor | None], recv_shapes: list[tuple[int, ...
         buf = like.new_empty(shape)
         ops.append(dist.P2POp(dist.irecv, buf, group.ranks[q], group.pg))
         got.append(buf)
-    if like.is_meta:  # the dry run (hybridpar.parallel.check): shapes only, point-to-point has no meta backend
-        log.record("halo", group.size, sent, tag)
-        return got
-    with log.timed("halo", group.size, sent, tag):
-        for work in dist.batch_isend_irecv(ops) if ops else ():
-            work.wait()
-    return got
+    works = [] if like.is_meta or not ops else list(dist.batch_isend_irecv(ops))
+    return _Pending(got, works, sent, group.size, tag)
+
+
+def _wait(works: list) -> None:
+    """Where a rank blocks on a halo exchange (one place: tests/parallel/test_spatial_overlap.py
+    records when it returns)."""
+    for work in works:
+        work.wait()
+
+
+def _finish(p: _Pending, log: CommLog, meta: bool) -> list[torch.Tensor | None]:
+    """Wait for a posted exchange; logged as the bytes this rank sends (the halo's kind, 'halo')."""
+    if meta:  # the dry run (hybridpar.parallel.check): shapes only, point-to-point has no meta backend
+        log.record("halo", p.group_size, p.sent, p.tag)
+        return p.got
+    with log.timed("halo", p.group_size, p.sent, p.tag):
+        _wait(p.works)
+    return p.got
+
+
+def _transfer(sends: list[torch.Tensor | None], recv_shapes: list[tuple[int, ...] | None], like: torch.Tensor,
+              group: Group, log: CommLog, tag: str) -> list[torch.Tensor | None]:
+    """_post then _finish."""
+    return _finish(_post(sends, recv_shapes, like, group, tag), log, like.is_meta)
 
 
 def _rows(t: torch.Tensor, dim: int, rows: tuple[int, int], base: int) -> torch.Tensor:
@@ -81,20 +115,14 @@ class _HaloExchange(torch.autograd.Function):
     `pad_value`; backward sums the window's gradient back into the owners' pieces."""
 
     @staticmethod
-    def forward(ctx, x, dim: int, plan: HaloPlan, group: Group, pad_value: float, log: CommLog, tag: str):
+    def forward(ctx, x, dim: int, plan: HaloPlan, group: Group, pad_value: float, log: CommLog, tag: str,
+                pending: _Pending | None = None):
         me = group.index
         base = plan.in_piece(me)[0]
-        sends = [None if q == me or plan.sends[me][q][1] <= plan.sends[me][q][0]
-                 else _rows(x, dim, plan.sends[me][q], base) for q in range(plan.parts)]
+        if pending is None:
+            pending = _post_window(x, dim, plan, group, tag)
+        got = _finish(pending, log, x.is_meta)
         shape = list(x.shape)
-
-        def rows_shape(q: int):
-            a, b = plan.sends[q][me]
-            if b <= a:
-                return None
-            return tuple(shape[:dim] + [b - a] + shape[dim + 1:])
-
-        got = _transfer(sends, [rows_shape(q) for q in range(plan.parts)], x, group, log, f"{tag}:fwd")
         parts = []
         before, after = plan.pad[me]
         if before:
@@ -139,7 +167,25 @@ class _HaloExchange(torch.autograd.Function):
             g = got[q]
             if g is not None:
                 _rows(dx, dim, plan.sends[me][q], base).add_(g)
-        return dx, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None
+
+
+def _post_window(x: torch.Tensor, dim: int, plan: HaloPlan, group: Group, tag: str) -> _Pending:
+    """Post the forward exchange of `plan` for this rank's piece `x` (its rows the others' windows read)."""
+    me = group.index
+    base = plan.in_piece(me)[0]
+    with torch.no_grad():
+        sends = [None if q == me or plan.sends[me][q][1] <= plan.sends[me][q][0]
+                 else _rows(x, dim, plan.sends[me][q], base) for q in range(plan.parts)]
+    shape = list(x.shape)
+
+    def rows_shape(q: int):
+        a, b = plan.sends[q][me]
+        if b <= a:
+            return None
+        return tuple(shape[:dim] + [b - a] + shape[dim + 1:])
+
+    return _post(sends, [rows_shape(q) for q in range(plan.parts)], x, group, f"{tag}:fwd")
 
 
 def halo_window(x: torch.Tensor, splits: Sequence[SpatialSplit], windows: Sequence[Window], *,
@@ -216,12 +262,92 @@ def spatial_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  halo: Halo) -> torch.Tensor:
     """convNd of a spatially split input: `x` is this rank's piece (N, C, *spatial); returns this rank's
     torch.chunk piece of the whole output along the split dimensions (whole along the others)."""
-    ext = halo_window(x, halo.splits, geom.windows(halo), log=halo.log, tag=halo.tag)
+    windows = geom.windows(halo)
+    if not x.is_meta and halo.splits:
+        y = _overlapped_conv(x, weight, bias, geom, halo, windows)
+        if y is not None:
+            return y
+    ext = halo_window(x, halo.splits, windows, log=halo.log, tag=halo.tag)
     empty = geom.empty_out_shape(ext, weight.shape[0], halo)
     if empty is not None:
         return _empty_piece(ext, empty, weight, bias)
     return _CONV[weight.dim() - 2](ext, weight, bias, geom.stride, geom.local_padding(halo), geom.dilation,
                                    geom.groups)
+
+
+def _interior(w: Window, plan: HaloPlan, me: int) -> tuple[int, int]:
+    """The output rows of this rank's piece whose input rows are all its own (or the op's zero padding
+    at the tensor's edges): computable before any halo row arrives. May be empty (stop <= start)."""
+    o0, o1 = plan.out_piece(me)
+    i0, i1 = plan.in_piece(me)
+    lo = -w.padding if i0 == 0 else i0  # padding rows are local only at the tensor's edges
+    hi = w.size + w.padding if i1 == w.size else i1
+    reach = w.dilation * (w.kernel - 1)
+    return max(o0, -(-(lo + w.padding) // w.stride)), min(o1, (hi - 1 - reach + w.padding) // w.stride + 1)
+
+
+def _overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geom: Sliding, halo: Halo,
+                     windows: Sequence[Window]) -> torch.Tensor | None:
+    """spatial_conv with the first split dim's halo in flight while the interior of the output piece
+    (`_interior` along every split dim) is computed; then the exchanges complete (later dims after
+    the first: they carry its corners) and the boundary slabs around the interior are computed from
+    the extended window and concatenated. Every output row is computed once, from the same input rows
+    and weights as the whole op. None when the interior is empty along some split dim."""
+    plans = [halo_plan(w, s.group.size) for s, w in zip(halo.splits, windows)]
+    outer = {s.dim: p.out_piece(s.group.index) for s, p in zip(halo.splits, plans)}
+    inner = {s.dim: _interior(w, p, s.group.index) for s, w, p in zip(halo.splits, windows, plans)}
+    if any(b <= a for a, b in inner.values()):
+        return None
+    first = halo.splits[0]
+    pending = _post_window(x, first.dim, plans[0], first.group, halo.tag)  # the halo goes out now ...
+    conv = _CONV[weight.dim() - 2]
+    pad = geom.local_padding(halo)
+    xin = x
+    for s, w, p in zip(halo.splits, windows, plans):  # ... while the interior computes on own rows
+        i0, i1 = p.in_piece(s.group.index)
+        a, b = w.needed(*inner[s.dim])
+        xin = _zero_pad(xin.narrow(s.dim, max(a, i0) - i0, min(b, i1) - max(a, i0)), s.dim, max(0, i0 - a),
+                        max(0, b - i1))
+    y_in = conv(xin, weight, bias, geom.stride, pad, geom.dilation, geom.groups)
+    ext = _HaloExchange.apply(x, first.dim, plans[0], first.group, 0.0, halo.log, halo.tag, pending)
+    for s, p in zip(halo.splits[1:], plans[1:]):
+        ext = _HaloExchange.apply(ext, s.dim, p, s.group, 0.0, halo.log, halo.tag)
+    base = {s.dim: p.window[s.group.index][0] for s, p in zip(halo.splits, plans)}
+    dims = [s.dim for s in halo.splits]
+    win = dict(zip(dims, windows))
+
+    def box(rows: dict[int, tuple[int, int]]) -> torch.Tensor:
+        t = ext
+        for d in dims:
+            a, b = win[d].needed(*rows[d])
+            t = t.narrow(d, a - base[d], b - a)
+        return conv(t, weight, bias, geom.stride, pad, geom.dilation, geom.groups)
+
+    def assemble(i: int) -> torch.Tensor:
+        if i == len(dims):
+            return y_in
+        d = dims[i]
+        (o0, o1), (u0, u1) = outer[d], inner[d]
+        rows = {**{e: inner[e] for e in dims[:i]}, **{e: outer[e] for e in dims[i + 1:]}}
+        parts = [box({**rows, d: (o0, u0)})] if u0 > o0 else []
+        parts.append(assemble(i + 1))
+        if o1 > u1:
+            parts.append(box({**rows, d: (u1, o1)}))
+        return torch.cat(parts, d) if len(parts) > 1 else parts[0]
+
+    if inner == outer:  # no row reads the halo here, but the peers' backward waits for its reduction
+        return y_in + ext.flatten()[:0].sum()
+    return assemble(0)
+
+
+def _zero_pad(t: torch.Tensor, dim: int, before: int, after: int) -> torch.Tensor:
+    """`t` with zero rows before and after along `dim` (the op's padding at the tensor's edges)."""
+    if not before and not after:
+        return t
+    pad = [0, 0] * (t.dim() - dim)  # F.pad's list: last dim first
+    k = 2 * (t.dim() - 1 - dim)
+    pad[k], pad[k + 1] = before, after
+    return F.pad(t, pad)
 
 
 def spatial_pool(x: torch.Tensor, kind: str, geom: Sliding, halo: Halo) -> torch.Tensor:

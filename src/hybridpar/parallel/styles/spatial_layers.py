@@ -11,6 +11,10 @@ whole on every rank; their gradients are partial sums over the spatial pieces an
 by the gradient sync over the grid's `stats_group` (sample x spatial ranks).
 
 - ConvNd (any kernel, stride, padding, dilation, groups; padding_mode 'zeros'): `SpatialConv`.
+- Under channel/filter splits too (G > 1): a Conv2d the channel/filter algorithm runs
+  (`splits_as_conv`) is `SpatialDistConv` (halo on the channel piece, then stationary-x/y/w);
+  pooling and upsampling run on the channel piece; other convolutions and transposed convolutions
+  take every channel (`channel_piece = False`: DTensor gathers them on channel_filter).
 - ConvTransposeNd (stride, padding, output_padding, dilation, groups): `SpatialConvTranspose`; output
   row j reads input rows i with i*stride + t*dilation = j + padding, so a rank's output piece reads an
   input window like a convolution's (`_TransposedWindow`), computed without padding and cropped.
@@ -45,6 +49,7 @@ from hybridpar.layout.halo import Window
 from hybridpar.parallel.comm.collectives import all_reduce_
 from hybridpar.parallel.mesh import Group, Meshes, ProcessGrid
 from hybridpar.parallel.styles.spatial import Halo, Sliding, SpatialSplit, halo_window, spatial_conv, spatial_pool
+from hybridpar.parallel.styles.table import splits_as_conv
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CONV_TRANSPOSES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -152,6 +157,10 @@ class SpatialLayer(nn.Module):
     """DTensor in (any placements), local piece under the spatial boundary placements, DTensor out."""
 
     meshes: Meshes | None = None  # set by parallelize
+    # with channel/filter splits too (G > 1): whether the op runs on this rank's channel piece (a
+    # per-channel op, or the composed convolution) or needs every channel (DTensor gathers them on
+    # channel_filter; computed alike on the G ranks, its output whole there)
+    channel_piece = True
 
     def __init__(self, name: str, grid: ProcessGrid):
         super().__init__()
@@ -165,6 +174,8 @@ class SpatialLayer(nn.Module):
             raise RuntimeError(f"{self.name}: a spatial layer runs inside a parallelized model only")
         with runtime_code():
             places = boundary_placements(meshes, ndim=x.dim())
+            if meshes.g_size > 1 and not self.channel_piece:
+                places[-1] = Replicate()
             splits, copies = [], 1
             for i, name in enumerate(meshes.spatial):
                 pl = places[1 + i]
@@ -212,6 +223,7 @@ class SpatialConv(SpatialLayer):
         self.weight = nn.Parameter(m.weight.detach().clone(), requires_grad=m.weight.requires_grad)
         self.bias = nn.Parameter(m.bias.detach().clone(), requires_grad=m.bias.requires_grad) \
             if m.bias is not None else None
+        self.channel_piece = grid.g_size == 1  # under channel/filter: a conv SpatialDistConv does not take
 
     def local(self, x, halo, grad_scale, shape):
         g = self.geom
@@ -222,6 +234,75 @@ class SpatialConv(SpatialLayer):
 
     def extra_repr(self) -> str:
         return f"{self.name}: weight={tuple(self.weight.shape)} {self.geom}"
+
+
+class SpatialDistConv(SpatialLayer):
+    """A Conv2d split over channel/filter and spatially at once (stationary-x/y/w on a spatial piece):
+    the halo exchange extends this rank's channel piece to its output piece's window, and the
+    channel/filter algorithm (hybridpar.parallel.styles.conv.DistConvFunction: gather x in the filter
+    group, reduce-scatter y in the channel group) runs on that window without padding along the split
+    dims. The filter and channel groups hold the same spatial piece, so their windows have one shape.
+    Weight and bias hold this rank's block; their gradients are summed over the stats group."""
+
+    def __init__(self, name: str, grid: ProcessGrid, weight: torch.Tensor, bias: torch.Tensor | None,
+                 geom: Sliding, comm: Any):
+        super().__init__(name, grid)
+        self.geom, self.comm = geom, comm
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    def local(self, x, halo, grad_scale, shape):
+        from hybridpar.parallel.styles.conv import ConvGeometry, DistConvFunction
+
+        g = self.geom
+        w, b = _scaled(self.weight, grad_scale), scale_grad(self.bias, grad_scale)
+        ext = halo_window(x, halo.splits, g.windows(halo), log=halo.log, tag=halo.tag)
+        filters = self.comm.out_sizes[self.comm.pos.g]
+        empty = g.empty_out_shape(ext, filters, halo)
+        if empty is not None:  # so is every rank's of its channel and filter groups (same spatial piece)
+            y = _empty_out(ext, empty, w, b)
+        else:
+            pad, st, dil = g.local_padding(halo), g.stride, g.dilation
+            geo = ConvGeometry((st[0], st[1]), (pad[0], pad[1]), (dil[0], dil[1]))
+            y = DistConvFunction.apply(ext, w, geo, self.comm)
+            if b is not None:
+                y = y + b.view(1, -1, 1, 1)
+        windows = [Window(n, g.kernel[d], g.stride[d], g.padding[d], g.dilation[d]) for d, n in enumerate(shape[2:])]
+        return y, _out_shape(shape, sum(self.comm.out_sizes), windows)
+
+    def extra_repr(self) -> str:
+        p = self.comm.pos
+        return f"{self.name}: P_C={p.channel} P_F={p.filter} g={p.g} weight={tuple(self.weight.shape)} {self.geom}"
+
+
+def _empty_out(ext: torch.Tensor, shape: tuple[int, ...], *params: torch.Tensor | None) -> torch.Tensor:
+    from hybridpar.parallel.styles.spatial import _empty_piece
+
+    return _empty_piece(ext, shape, *params)
+
+
+def _dist_conv(name: str, m: nn.Conv2d, lay, state) -> SpatialDistConv:
+    """The composed layer for `m` under `lay` (channel/filter and spatial), its weight block cut as
+    hybridpar.parallel.styles.table.conv_style cuts it, and where the block sits (full_state_dict)."""
+    from hybridpar.layout import piece_sizes, ranges
+    from hybridpar.parallel.state import ShardInfo
+    from hybridpar.parallel.styles.conv import ConvComm, weight_block
+
+    grid = state.grid
+    pos = grid.pos(lay.channel, lay.filter)
+    w, b = m.weight.detach(), (m.bias.detach() if m.bias is not None else None)
+    in_sizes, out_sizes = piece_sizes(w.shape[1], grid.g_size), piece_sizes(w.shape[0], grid.g_size)
+    comm = ConvComm(pos, tuple(in_sizes), tuple(out_sizes), grid.filter_group(lay.channel, lay.filter),
+                    grid.channel_group(lay.channel, lay.filter), grid.comm_log, name)
+    rows, cols = tuple(ranges(out_sizes, pos.out_piece_ids())), tuple(ranges(in_sizes, pos.in_piece_ids()))
+    bias_rng = tuple(ranges(out_sizes, [pos.g]))
+    bb = b[bias_rng[0][0]:bias_rng[0][0] + bias_rng[0][1]].clone() if b is not None else None
+    new = SpatialDistConv(name, grid, weight_block(w, pos, in_sizes, out_sizes), bb, _geometry(m, 2), comm)
+    new.weight.requires_grad_(m.weight.requires_grad)
+    w_shape, b_shape = tuple(w.shape), (tuple(b.shape) if b is not None else None)
+    state.shard_fns[name] = lambda: {"weight": ShardInfo(w_shape, (rows, cols)),
+                                     **({"bias": ShardInfo(b_shape, (bias_rng,))} if b_shape else {})}
+    return new
 
 
 class SpatialPool(SpatialLayer):
@@ -272,6 +353,8 @@ def _windowed(ext: torch.Tensor, halo: Halo, windows: Sequence[Any], out_local: 
 
 
 class SpatialConvTranspose(SpatialLayer):
+    channel_piece = False  # every input channel reaches every output channel
+
     def __init__(self, name: str, m: Any, grid: ProcessGrid):
         super().__init__(name, grid)
         self.nd = _NDIM[type(m)]
@@ -437,6 +520,8 @@ def spatial_wraps(m: nn.Module) -> bool:
 def spatial_style(name: str, m: nn.Module, lay, state):
     """The spatial wrapper for `m` under a spatial layout, or None (it runs through DTensor)."""
     grid = state.grid
+    if type(m) is nn.Conv2d and grid.g_size > 1 and lay.g_size > 1 and splits_as_conv(m):
+        return _dist_conv(name, m, lay, state)
     if type(m) in CONVS:
         return SpatialConv(name, m, grid)
     if type(m) in CONV_TRANSPOSES:

@@ -28,6 +28,7 @@ from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import LayerLayout, Plan, Prediction, parse_strategy
 from hybridpar.search import budget
+from hybridpar.search.layers import fsdp_baseline
 from hybridpar.search.layers.decomposition import (
     Distribution,
     Pruned,
@@ -116,12 +117,22 @@ class PlanResult:
     baseline_breakdown: StepBreakdown | None = None
     # every parameterised module with its gradient bytes (sums to breakdown.grad_bytes)
     gradients: tuple[ParamGradient, ...] = ()
+    # the second baseline, "FSDP + full recomputation" (search.layers.fsdp_baseline; None: see the note)
+    fsdp_baseline: Prediction | None = None
+    fsdp_note: str = ""
+    fsdp_breakdown: object | None = None  # fsdp_baseline.FsdpBreakdown
 
     @property
     def speedup_vs_dp(self) -> float | None:
         if self.baseline is None or self.prediction.step_time_s <= 0:
             return None
         return self.baseline.step_time_s / self.prediction.step_time_s
+
+    @property
+    def speedup_vs_fsdp(self) -> float | None:
+        if self.fsdp_baseline is None or self.prediction.step_time_s <= 0:
+            return None
+        return self.fsdp_baseline.step_time_s / self.prediction.step_time_s
 
 
 # -- graph -------------------------------------------------------------------------------------
@@ -691,6 +702,7 @@ class _Setup:
     input_shape: tuple[int, ...] | None
     cluster_name: str
     model_name: str
+    excluded: tuple[str, ...] = ()  # PlannerConfig.exclude_layouts: strategies never chosen
 
 
 @dataclass(frozen=True)
@@ -717,6 +729,9 @@ class PlannerConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     runnable_only: bool = True
+    # strategies the search never chooses (hybridpar.api.plan: layouts its dry run refused for this model)
+    exclude_layouts: tuple[str, ...] = ()
+    recompute: str = "auto"  # auto: the planner chooses (with zero=2|3) when memory binds; none | all fix it
 
     @classmethod
     def of(cls, config: PlannerConfig | None = None, options: dict | None = None) -> PlannerConfig:
@@ -750,7 +765,7 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, cfg: PlannerCon
     ctx = CostContext(cl, batch, gpus, dtype, cfg.calibration, optimizer=cfg.optimizer, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay)
     ctx.kept = frozenset(kept_activations(lg.graph))
-    return _Setup(lg, ctx, capacity, shape, cl.name, name)
+    return _Setup(lg, ctx, capacity, shape, cl.name, name, tuple(cfg.exclude_layouts))
 
 
 def _to_plan(s: _Setup, opts: list[VertexOptions], choice: Sequence[int], pred: Prediction,
@@ -842,13 +857,33 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
 
     t0 = time.perf_counter()
     cfg = PlannerConfig.of(config, options)
+    fsdp_baseline.check_recompute(cfg.recompute)
     s = _setup(model, cluster, gpus, batch, cfg)
     spaces = _runnable_spaces(s, cfg, gpus, batch)
     baseline, base_brk, note = _data_parallel(s, cfg, gpus, batch)
+    fsdp = fsdp_baseline.baseline(s, cfg.grad_sync, gpus, batch)
     if cfg.strategy is not None:
         plan, rows, pred, brk, opts, choice = _plan_fixed(s, cfg, gpus, batch)
         return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0, brk, base_brk,
-                          _gradients(s, opts, choice))
+                          _gradients(s, opts, choice), *fsdp)
+    if cfg.recompute == "all":  # every candidate recomputes: sample-only layouts (where recomputation runs)
+        return _searched(s, cfg, spaces, (baseline, base_brk, note, fsdp, t0), progress)
+    from hybridpar.search.layers import spatial_plan  # uniform spatial layouts beside the search (issue 30)
+
+    return spatial_plan.with_spatial(s, cfg, (gpus, batch, t0), (baseline, base_brk, note, fsdp),
+                                     lambda: _searched(s, cfg, spaces, (baseline, base_brk, note, fsdp, t0), progress))
+
+
+def _searched(s: _Setup, cfg: PlannerConfig, spaces: dict[str, list[LayerLayout]], base: tuple,
+              progress: Callable[[str], None] | None) -> PlanResult:
+    """plan_model's search over the sample/channel/filter spaces (and sharding when memory binds)."""
+    import time
+
+    baseline, base_brk, note, fsdp, t0 = base
+    if cfg.recompute == "all" or baseline is None:  # memory binds (or recomputation is asked for)
+        if progress:
+            progress("pricing sharded / recomputing layouts")
+        return fsdp_baseline.plan_with_sharding(s, cfg, spaces, (baseline, base_brk, note, fsdp, t0), progress)
     choice, pred, method, opts, brk = _best_of_spaces(s, cfg, spaces, progress)
     notes = [f"optimiser: {method}"] + ([note] if note else [])
     notes += sorted({f"WHAT-IF, the runtime cannot run it: {r}" for r in (
@@ -858,7 +893,7 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
     plan, rows = _to_plan(s, opts, choice, pred, None, notes)
     pruned = {vo.vertex.node.module or vo.vertex.name: vo.pruned for vo in opts if vo.pruned}
     return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0, brk, base_brk,
-                      _gradients(s, opts, choice))
+                      _gradients(s, opts, choice), *fsdp)
 
 
 def _runnable_spaces(s: _Setup, cfg: PlannerConfig, gpus: int, batch: int) -> dict[str, list[LayerLayout]]:
@@ -870,6 +905,7 @@ def _runnable_spaces(s: _Setup, cfg: PlannerConfig, gpus: int, batch: int) -> di
         spaces = {"free": [lay for lay in all_layouts(gpus) if batch % lay.sample == 0]}
     else:
         spaces = {f"S={k}": v for k, v in runtime_layouts(gpus, batch).items()}
+    spaces = {k: [lay for lay in v if lay.to_strategy() not in s.excluded] for k, v in spaces.items()}
     refusals = {k: [cfg.runnable_only and layout_refusal(s.lg.graph, lay) for lay in v] for k, v in spaces.items()}
     runnable = {k: [lay for lay, r in zip(v, refusals[k]) if not r] for k, v in spaces.items()}
     first = next((r for rs in refusals.values() for r in rs if r), None)
@@ -908,6 +944,12 @@ def _plan_fixed(s: _Setup, cfg: PlannerConfig, gpus: int, batch: int):
     refusal = layout_refusal(s.lg.graph, strat.layout)
     if refusal and cfg.runnable_only:
         raise UserError(refusal)
+    if strat.layout.spatial > 1:  # priced on one rank's view of the graph (search.layers.spatial_plan)
+        from hybridpar.search.layers import spatial_plan
+
+        return spatial_plan.fixed(s, cfg, strat.layout, refusal)
+    if strat.layout.zero or cfg.recompute == "all":  # priced on the sharded simulator (fsdp_baseline)
+        return fsdp_baseline.fixed(s, cfg, strat.layout, refusal)
     opts, choice, pred, brk = _evaluate_uniform(s, strat.layout, cfg.grad_sync)
     notes = [f"fixed layout {strat.layout.to_strategy()} evaluated (not searched)"]
     notes += [f"WHAT-IF, the runtime cannot run it: {refusal}"] if refusal else []
@@ -956,6 +998,12 @@ def evaluate_plan(plan: Plan, *, grad_sync: str = "buckets", time_share: float |
     shape = tuple(plan.input_shape) if plan.input_shape else None
     s = _setup(plan.model, plan.cluster, plan.world_size, plan.batch,
                PlannerConfig(input_shape=shape, calibration=calibration, time_share=time_share))
+    if any(lay.spatial > 1 for lay in (plan.default_layout, *plan.layers.values())):  # uniform only
+        from hybridpar.search.layers import spatial_plan
+
+        if any(lay != plan.default_layout for lay in plan.layers.values()):
+            raise UserError("evaluate_plan: spatial layouts run uniformly (no per-layer layouts)")
+        return spatial_plan.evaluate_spatial(s, plan.default_layout, grad_sync).pred
     opts = []
     whole, sources, inputs_from = _whole_outputs(s.lg), _sources(s.lg), _inputs_from(s.lg)
     whole_in, joined = _whole_inputs(s.lg), _joined_convs(s.lg)
@@ -978,6 +1026,8 @@ def planned_grad_buckets(model, strategy: str, *, gpus: int, batch: int, cluster
     uniform `strategy` prices, in launch order (`grad_bucket_schedule`), to set beside what
     hybridpar.parallel.comm.grad_sync.GradSync launches (GradSync.buckets)."""
     s = _setup(model, cluster, gpus, batch, PlannerConfig(input_shape=tuple(input_shape) if input_shape else None))
+    if parse_strategy(strategy, gpus).layout.spatial > 1:
+        raise UserError(f"planned_grad_buckets: {strategy}: spatial layouts' buckets are not listed here")
     opts, choice, _, _ = _evaluate_uniform(s, parse_strategy(strategy, gpus).layout, "buckets")
     return [(k.sample, k.channel * k.filter, b) for k, b, _ in grad_bucket_schedule(s.lg, opts, choice, s.ctx,
                                                                                  bucket_bytes)]

@@ -53,10 +53,15 @@ class PlaceOutcome:
     notes: tuple[str, ...] = field(default=())
 
     @property
+    def step_time_s(self) -> float:
+        """The predicted step as the plan runs: with its micro-batches (placer.micro)."""
+        return self.plan.predicted.step_time_s if self.plan.predicted is not None else self.result.step_time_s
+
+    @property
     def speedup(self) -> float | None:
-        if self.result.step_time_s <= 0:
+        if self.step_time_s <= 0:
             return None
-        return self.single_step_s / self.result.step_time_s
+        return self.single_step_s / self.step_time_s
 
     @property
     def problem(self) -> PlacementProblem:
@@ -67,7 +72,8 @@ class PlaceOutcome:
         return {"model": self.plan.model, "cluster": self.plan.cluster, "devices": self.plan.mp,
                     "device_ids": list(self.problem.device_ids), "batch": self.plan.batch, "solver": r.solver,
                     "status": r.status, "nodes": len(self.graph), "fine_nodes": self.fine_nodes,
-                    "step_time_s": r.step_time_s, "single_device_step_s": self.single_step_s,
+                    "step_time_s": self.step_time_s, "single_device_step_s": self.single_step_s,
+                    "micro_batches": self.plan.micro_batches, "one_micro_batch_step_s": r.step_time_s,
                     "single_device_fits": self.single_fits,
                     "speedup": self.speedup, "gap": r.gap, "bound_s": r.bound_s, "solve_time_s": r.solve_time_s,
                     "compute_s": bd.compute_s, "exposed_comm_s": bd.exposed_comm_s, "comm_s": bd.comm_s,
@@ -232,8 +238,34 @@ def place_model(model, cluster: str | Cluster = DEFAULT_CLUSTER, gpus: int = 2, 
     plan = _outcome_plan(name, cl, gpus, cfg, result, coarse, fine)
     if notes and not k:
         plan = plan.model_copy(update={"notes": [*plan.notes, *notes]})
+    plan = _with_micro_batches(plan, result, cfg, fine)
     return PlaceOutcome(result, one_process_step_s(prob), "single" in baselines, baselines, plan, coarse, len(fine),
                         notes)
+
+
+def _with_micro_batches(plan: Plan, result: PlacementResult, cfg: PlacerConfig, fine: Graph) -> Plan:
+    """The plan with its GPipe micro-batch count (placer.micro): the one given, or the one with the
+    shortest predicted step; the predicted step is then the pipelined one."""
+    from hybridpar.search.placer.micro import choose_micro_batches, micro_batch_step_s
+
+    samples = plan.batch // plan.dp
+    if cfg.micro_batches is not None:
+        if cfg.micro_batches > samples:
+            raise UserError(f"micro_batches {cfg.micro_batches} exceeds the {samples} samples per replica",
+                            param="micro_batches")
+        k, steps = cfg.micro_batches, {cfg.micro_batches: micro_batch_step_s(result.problem, result.assignment,
+                                                                             cfg.micro_batches)}
+        why = "as asked"
+    elif any(n.op == "batchnorm" for n in fine.nodes):
+        k, steps, why = 1, {1: result.step_time_s}, "batch norm: statistics over the whole batch"
+    else:
+        k, steps = choose_micro_batches(result.problem, result.assignment, samples)
+        why = "the shortest predicted step of " + ", ".join(f"{n}: {v * 1e3:.3g} ms" for n, v in steps.items())
+    note = f"micro-batches: {k} ({why})"
+    update: dict = {"micro_batches": k, "notes": [*plan.notes, note]}
+    if k > 1 and plan.predicted is not None:
+        update["predicted"] = plan.predicted.model_copy(update={"step_time_s": steps[k]})
+    return plan.model_copy(update=update)
 
 
 def _baselines(prob: PlacementProblem) -> dict[str, float]:

@@ -43,7 +43,9 @@ class PlacerConfig:
     prices each recurrent node as K time chunks (a what-if the runtime does not run; None or 0: off).
     `free_order` prices DLPlacer's free schedule instead of the MP runtime's program order (a what-if).
     `optimizer`/`momentum`: what training steps with (its state in memory, its update in the step), in
-    `train`'s words."""
+    `train`'s words. `micro_batches`: GPipe micro-batches per replica (placer.micro); None: the placer
+    chooses the count with the shortest predicted step (1 for a model with batch norm, whose statistics
+    would be each micro-batch's); 1: no pipelining."""
 
     solver: str = "ilp"
     time_limit_s: float = 30.0
@@ -61,6 +63,7 @@ class PlacerConfig:
     # train with; `optimizer` given alone (keywords, `--optimizer`) is that optimizer with momentum 0
     optimizer: str = "sgd"
     momentum: float = 0.9
+    micro_batches: int | None = None
 
     @property
     def optimizer_kind(self) -> str:

@@ -193,6 +193,20 @@ class CostModelBackend:
                 "solver": f"{res.solver} ({res.status})", "gap": res.gap,
                 "device_param_bytes": _device_param_bytes(g, res, mp, self.dtype)}
 
+    def fsdp_memory(self, gpus: int, batch: int) -> int:
+        """Bytes per GPU of FSDP + full recomputation over `gpus` at `batch` per GPU: the runtime's rule
+        (cost.memory.predict_rank_memory with zero=3 and recompute="all")."""
+        return int(self._cache.get(self._key("fsdp_memory", gpus, batch), lambda: self._fsdp_memory(gpus, batch)))
+
+    def _fsdp_memory(self, gpus: int, batch: int) -> int:
+        from hybridpar.cost.memory import framework_bytes_for, predict_rank_memory
+        from hybridpar.layout import LayerLayout
+
+        mem = predict_rank_memory(self.graph(batch), LayerLayout(sample=gpus, zero=3), batch=batch * gpus,
+                                  dtype=self.dtype, recompute="all",
+                                  framework_bytes=framework_bytes_for(self.cluster(1).device))
+        return int(mem.total_bytes)
+
     def cf_step(self, gpus: int, groups: int, batch_global: int) -> CFStep | None:
         if gpus > self.cf_max_gpus:
             note = (f"channel/filter layouts planned up to {self.cf_max_gpus} GPUs only (planner cost); "

@@ -91,7 +91,8 @@ def explain(best: Point, t: Terms, dp: Point | None, curve: WorkloadCurve, budge
     total = t.compute_s + t.allreduce_s + t.extra_epochs_s
     pct = {k: 100 * v / total for k, v in
            (("compute", t.compute_s), ("allreduce", t.allreduce_s), ("extra epochs", t.extra_epochs_s))}
-    how = (f"{best.dp} data-parallel workers" if best.mp == 1 else
+    how = (f"{best.dp} data-parallel workers with the parameters sharded (FSDP, zero=3) and every block "
+           "recomputed" if best.family == "FSDP" else f"{best.dp} data-parallel workers" if best.mp == 1 else
            f"{best.dp} data-parallel workers x {best.mp}-way "
            f"{'model parallelism' if best.family == 'hybrid' else 'channel/filter parallelism'}")
     s = (f"On {budget} GPUs the fastest option is {best.strategy}: {how} at {best.global_batch // best.dp} "

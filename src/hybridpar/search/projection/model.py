@@ -125,6 +125,32 @@ def overlapped_end(ready: Sequence[tuple[float, int]], bucket_bytes: int, ar_s: 
     return net
 
 
+FSDP_DETAIL = "FSDP + full recomputation (zero=3, every block recomputed)"
+
+
+def fsdp_recompute_step(prof: Profile, ar_s: Callable[[int], float]) -> tuple[float, float]:
+    """(step s, exposed communication s) of FSDP + full recomputation on the one-GPU profile: the
+    parameters all-gathered under forward and again under backward, the gradients reduce-scattered
+    under backward, each priced as half the ring allreduce of the parameters (a ring allreduce is a
+    reduce-scatter then an all-gather of the same bytes), prefetching hiding them behind compute up to
+    its length; backward recomputes the forward. The per-layer planner prices it block by block
+    (hybridpar.search.layers.fsdp_baseline)."""
+    half = ar_s(prof.param_bytes) / 2
+    compute = 2 * prof.fwd_s + prof.bwd_s
+    step = max(prof.fwd_s, half) + max(prof.fwd_s + prof.bwd_s, 2 * half)
+    return step, step - compute
+
+
+def _fsdp_points(costs: StepCosts, prof: Profile, n: int, batch: int, scale: _Scale) -> list[Point]:
+    """FSDP + full recomputation at n > 1 GPUs, where the backend prices its memory (`fsdp_memory`:
+    a backend without it projects no FSDP points)."""
+    fsdp_memory = getattr(costs, "fsdp_memory", None)
+    if n == 1 or fsdp_memory is None:
+        return []
+    step, exposed = fsdp_recompute_step(prof, lambda nb: costs.allreduce_s(nb, n))
+    return [scale.point(n, "FSDP", n, 1, step, exposed, fsdp_memory(n, batch), FSDP_DETAIL)]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Projection
 
@@ -155,7 +181,9 @@ class Point:
 
     @property
     def family(self) -> str:
-        return "DP" if self.strategy == "DP" else ("hybrid" if self.strategy.startswith("DPxMP") else "CF")
+        if self.strategy in ("DP", "FSDP"):  # FSDP: the second baseline, FSDP + full recomputation
+            return self.strategy
+        return "hybrid" if self.strategy.startswith("DPxMP") else "CF"
 
 
 @dataclass(frozen=True)
@@ -272,6 +300,7 @@ def project(costs: StepCosts, curve: WorkloadCurve, gpus: Sequence[int], batch_p
             end = overlapped_end(prof.grad_ready, bucket, lambda nb, n=n: costs.allreduce_s(nb, n))
             exposed = max(0.0, end - prof.bwd_s)
         pts.append(scale.point(n, "DP", n, 1, prof.compute_s + exposed, exposed, prof.memory_bytes))
+        pts += _fsdp_points(costs, prof, n, batch_per_gpu, scale)
         for m in mp_degrees:
             if m > n or n % m or m > costs.gpus_per_node:
                 continue

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.utils.data as tud
+from torch.utils._pytree import tree_map
 
 from hybridpar.errors import UserError
 from hybridpar.user_code import call_factory
@@ -208,7 +209,8 @@ class Checked(tud.Dataset):
     """A user's data set with every item brought to the shapes and dtypes training needs."""
 
     def __init__(self, inner: tud.Dataset, name: str, shape: tuple[int, ...], vocab: int | None,
-                 label_shape: tuple[int, ...], num_classes: int | None = None, source: tuple[str, str] | None = None):
+                 label_shape: tuple[int, ...] | None, num_classes: int | None = None,
+                 source: tuple[str, str] | None = None):
         self.inner, self.name, self.shape, self.vocab, self.label_shape = inner, name, shape, vocab, label_shape
         self.model_outputs = num_classes
         self.source = source  # (the user's .py file, the module name it was imported as)
@@ -260,6 +262,8 @@ class Checked(tud.Dataset):
             if self.vocab is not None and (x.is_floating_point() or (x.numel() and (int(x.min()) < 0
                                                                                     or int(x.max()) >= self.vocab))):
                 raise UserError(f"{where}: x must hold token ids in [0, {self.vocab})")
+        if self.label_shape is None:  # the targets of the run's own loss (hybridpar.train.loss): as given
+            return x, tree_map(lambda v: _tensor(where, v) if isinstance(v, (np.ndarray, torch.Tensor)) else v, y)
         y = torch.as_tensor(np.asarray(y) if not isinstance(y, torch.Tensor) else y)
         if y.is_floating_point() or y.dtype == torch.bool or tuple(y.shape) != tuple(self.label_shape):
             raise UserError(f"{where}: y must be an integer label of shape {tuple(self.label_shape)}, "
@@ -293,18 +297,35 @@ def _user_module(spec: str) -> tuple[str, str] | None:
     return None
 
 
+MAX_SAMPLES = 2**31  # each rank shuffles a permutation of the whole data set: 8 bytes a sample (16 GiB here)
+
+
+def _length(made, where: str) -> int:
+    """len() of the user's data set: what it raises, a negative length (Python's ValueError) and more
+    samples than a shuffle can hold (10**12: an 8 TB permutation in every rank) are one line."""
+    try:
+        n = len(made)
+    except Exception as err:  # noqa: BLE001 - their __len__ can raise anything
+        raise UserError(f"{where}: len() of the data set raised {type(err).__name__}: {err}") from None
+    if n > MAX_SAMPLES:
+        raise UserError(f"{where}: the data set has {n:,} samples, over {MAX_SAMPLES:,} (each rank shuffles a "
+                        "permutation of them, 8 bytes a sample)")
+    return n
+
+
 def from_factory(spec: str, input_shape: tuple[int, ...], *, vocab: int | None = None,
-                 label_shape: tuple[int, ...] = (), num_classes: int | None = None) -> Checked:
+                 label_shape: tuple[int, ...] | None = (), num_classes: int | None = None) -> Checked:
     """`path/to/file.py:factory` -> the data set factory() returns, checked."""
     where = f"--data {spec}"
     made = call_factory(spec, "dataset", where, sep=".py:")
     if isinstance(made, tud.IterableDataset) or not hasattr(made, "__getitem__") or not hasattr(made, "__len__"):
         raise UserError(f"{where}: the factory must return a map-style torch.utils.data.Dataset (with __len__ "
                         f"and __getitem__), got {type(made).__name__}")
-    n = len(made)
+    n = _length(made, where)
     if n < 1:
         raise UserError(f"{where}: the data set is empty")
-    ds = Checked(made, spec, tuple(input_shape), vocab, tuple(label_shape), num_classes, _user_module(spec))
+    ds = Checked(made, spec, tuple(input_shape), vocab, None if label_shape is None else tuple(label_shape),
+                 num_classes, _user_module(spec))
     try:
         ds.convert(0, made[0])
     except UserError:

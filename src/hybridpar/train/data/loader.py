@@ -76,7 +76,7 @@ def _take(x, idx):
 
 def open_dataset(spec: str, input_shape: tuple[int, ...], *, num_classes: int | None = None,
                  size: int = 1024, seed: int = 0, vocab: int | None = None,
-                 label_shape: tuple[int, ...] = (), example_inputs: tuple | None = None) -> tud.Dataset:
+                 label_shape: tuple[int, ...] | None = (), example_inputs: tuple | None = None) -> tud.Dataset:
     """The data set `spec` for a model with per-sample `input_shape`, as a map-style
     torch.utils.data.Dataset of (x, y) items; UserError (one line) on anything unusable.
 
@@ -86,6 +86,13 @@ def open_dataset(spec: str, input_shape: tuple[int, ...], *, num_classes: int | 
     `example_inputs` (the model's, batch first) checks a multi-input .pt against the model, makes
     synthetic data for every input of a multi-input model, and marks a model whose first input is
     integer (token ids) even without a known `vocab`."""
+    if label_shape is None:  # a loss's own targets (hybridpar.train.loss: mse, a user's loss): the user's data only
+        if ".py:" not in spec and not spec.endswith(".py"):
+            raise UserError(f"--data {spec}: holds class ids; this loss takes its targets from "
+                            "--data path/to/file.py:factory")
+        from hybridpar.train.data.files import from_factory
+
+        return from_factory(spec, input_shape, vocab=vocab, label_shape=None, num_classes=None)
     label_shape = tuple(label_shape)
     ids = vocab is not None or (bool(example_inputs) and isinstance(example_inputs[0], torch.Tensor)
                                 and _is_int(example_inputs[0]))
@@ -374,6 +381,27 @@ def default_workers(dataset, local_ranks: int = 1) -> int:
 PREFETCH_FACTOR = 2  # batches each loader process prepares ahead
 
 
+def die_with_parent(_worker_id: int = 0) -> None:
+    """A loader worker's worker_init_fn: the kernel SIGKILLs it when its rank exits (PR_SET_PDEATHSIG).
+    A rank dies with its launcher (train/launch.py), so a SIGKILLed launcher takes the workers down
+    at once; torch's own check of the parent only runs between batches, and a worker blocked in
+    the user's __getitem__ outlived a killed launcher by minutes."""
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the rank is already gone
+        os._exit(1)
+
+
 def batches(dataset, batch: int, *, start: int = 0, stop: int, seed: int = 0, shuffle: bool = True,
             part: tuple[int, int] | None = None, workers: int | None = None, device=None,
             pin_memory: bool | None = None) -> Iterator[tuple[int, Any, torch.Tensor]]:
@@ -399,7 +427,7 @@ def batches(dataset, batch: int, *, start: int = 0, stop: int, seed: int = 0, sh
     else:
         source = iter(tud.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin,
                                      prefetch_factor=PREFETCH_FACTOR if workers else None,
-                                     persistent_workers=False))
+                                     persistent_workers=False, worker_init_fn=die_with_parent))
     for step, (x, y) in zip(range(start, stop), source):
         if isinstance(x, list):  # default_collate turns a tuple of inputs into a list
             x = tuple(x)
@@ -438,6 +466,12 @@ def data_spec(loaded) -> DataSpec:
     with torch.no_grad():
         out = module.eval()(*args, **kwargs)
     module.train(was_training)
+    if isinstance(out, torch.Tensor) and not out.is_floating_point():  # cross-entropy needs float logits
+        raise UserError(f"model {loaded.name}: forward returned {out.dtype} logits; training needs floating "
+                        "point logits (a float/double output)", param="model")
+    if not any(p.requires_grad for p in module.parameters()):  # else every rank's optimizer refuses it
+        raise UserError(f"model {loaded.name}: has no trainable parameters; there is nothing to train",
+                        param="model")
     if out.dim() > 2:
         return DataSpec(vocab, int(out.shape[-1]), tuple(int(d) for d in out.shape[1:-1]))
     return DataSpec(vocab, int(out.shape[1]), ())

@@ -1,0 +1,203 @@
+"""One rank's view of a model under a uniform spatial layout (depth/height/width splits, with sample),
+and the time of its halo exchanges: the cost rule of hybridpar.parallel.styles.spatial(_layers).
+
+The runtime runs a spatial layout only uniformly (every layer under the one `sample=S,height=H,...`
+layout). A rank then holds B/S samples of every activation, cut along each split spatial dim to its
+torch.chunk piece (the first piece is the largest: ceil(size / parts)); tensors without those dims
+(after a flatten or a global pooling) whole, their ops computed on every spatial rank for its samples.
+Every convolution or pooling first builds its input window (`_HaloExchange`: the piece, the halo
+rows the neighbours send and the edge padding, concatenated into a new tensor) and runs on it with no
+padding along the split dims; autograd keeps that window for backward (the halo buffer).
+
+`local_graph` writes this as a graph the sample-parallel rules price unchanged: every shape at its
+piece, a `halo` node (a copy, kept by its consumer) before each sliding-window op, and the batch
+multiplied by the spatial ranks P, so that `sample = S x P` gives each rank B/S samples of the pieces
+and sums weight gradients and batch-norm statistics over all S x P ranks, as the runtime's
+`stats_group` does. FLOPs scale with the output elements a rank computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from math import ceil, prod
+
+from hybridpar.cluster.model import Cluster
+from hybridpar.graph.types import Graph, Node
+from hybridpar.layout.halo import SPATIAL_DIMS, Window, coords_of, halo_plan, split_dims
+from hybridpar.layout.layer import ORDER, LayerLayout
+
+SLIDING = ("conv2d", "conv", "maxpool", "avgpool")  # ops that read a window of their input (graph.ops kinds)
+# the window copy local_graph adds before a sliding op: priced as an elementwise copy; its own backward
+# (the halo reduction) keeps nothing, the op reading it keeps it (graph.ops' "saves" attribute)
+HALO_OP = "pointwise"
+
+
+def model_ndim(graph: Graph) -> int:
+    """Spatial dims of the model's (first) input: 2 for N C H W images, 3 for N C D H W volumes."""
+    first = next((n for n in graph.nodes if n.op == "input"), None)
+    return max(0, len(first.out_shape) - 2) if first is not None and first.out_shape else 0
+
+
+def spatial_dims(layout: LayerLayout, nd: int) -> list[tuple[int, int]]:
+    """(tensor dim, parts) of each split dim of an N C *spatial activation (ValueError: a split the
+    model does not have, e.g. depth on images)."""
+    return split_dims({k: getattr(layout, k) for k in SPATIAL_DIMS}, nd)
+
+
+def _piece_shape(shape: tuple[int, ...], dims: list[tuple[int, int]], nd: int, batch: int, p: int) -> tuple[int, ...]:
+    if not shape or shape[0] != batch:
+        return shape
+    out = [batch * p, *shape[1:]]
+    if len(shape) == 2 + nd:
+        for d, parts in dims:
+            out[d] = ceil(shape[d] / parts)
+    return tuple(out)
+
+
+def _window_rows(node: Node, d: int, size: int, parts: int) -> int:
+    """Rows of the input window the first rank's output piece reads along tensor dim `d` (its piece,
+    its halo and the edge padding; torch.chunk's first piece is the largest)."""
+    k, s, p, dil = (node.attr(a) for a in ("kernel", "stride", "padding", "dilation"))
+    i = d - 2
+    if node.attr("transposed"):  # output row j reads input rows i with i*s + t*dil = j + p (spatial_layers)
+        extra = int(node.attr("output_padding", (0,) * 3)[i] or 0)
+        out = (size - 1) * s[i] - 2 * p[i] + dil[i] * (k[i] - 1) + extra + 1
+        o1 = ceil(out / parts)
+        return max(0, min(size, (o1 - 1 + p[i]) // s[i] + 1))
+    a, b = halo_plan(Window(size, k[i], s[i], p[i], dil[i]), parts).window[0]
+    return b - a
+
+
+def _sliding(node: Node, nd: int) -> bool:
+    return node.op in SLIDING and bool(node.in_shapes) and len(node.in_shapes[0]) == 2 + nd \
+        and node.attr("kernel") is not None
+
+
+def local_graph(graph: Graph, layout: LayerLayout) -> Graph:
+    """`graph` (shapes at its global batch) as the first rank of the uniform spatial `layout` holds
+    it, at batch graph.batch x P (module docstring). ValueError for a split the model lacks."""
+    nd = model_ndim(graph)
+    dims = spatial_dims(layout, nd)
+    b, p = graph.batch, layout.spatial
+    nodes: list[Node] = []
+    for n in graph.nodes:
+        out = _piece_shape(n.out_shape, dims, nd, b, p)
+        ins = tuple(_piece_shape(s, dims, nd, b, p) for s in n.in_shapes)
+        inputs = n.inputs
+        if _sliding(n, nd) and n.inputs:
+            ext = list(ins[0])
+            for d, parts in dims:
+                ext[d] = _window_rows(n, d, n.in_shapes[0][d], parts)
+            halo = Node(f"{n.name}__halo", HALO_OP, (n.inputs[0],), (ins[0],), tuple(ext),
+                        attrs=(("scope", n.attr("scope")), ("saves", "nothing"), ("halo", True)))
+            nodes.append(halo)
+            inputs, ins = (halo.name, *n.inputs[1:]), (tuple(ext), *ins[1:])
+        whole = prod(n.out_shape) if n.out_shape else 0
+        k = prod(out) / whole if whole else p
+        nodes.append(dataclasses.replace(n, inputs=inputs, in_shapes=ins, out_shape=out,
+                                         fwd_flops=int(n.fwd_flops * k), bwd_data_flops=int(n.bwd_data_flops * k),
+                                         bwd_weight_flops=int(n.bwd_weight_flops * k)))
+    return dataclasses.replace(graph, nodes=tuple(nodes), batch=b * p)
+
+
+def proxy_layout(layout: LayerLayout) -> LayerLayout:
+    """The sample-parallel layout that prices `layout` on its `local_graph`."""
+    return LayerLayout(sample=layout.sample * layout.spatial, zero=layout.zero)
+
+
+# -- halo exchange time ---------------------------------------------------------------------------
+
+def _rank(layout: LayerLayout, coords: dict[str, int]) -> int:
+    r = 0
+    for k in ORDER:
+        r = r * getattr(layout, k) + coords.get(k, 0)
+    return r
+
+
+def _slowest_links(layout: LayerLayout, cluster: Cluster) -> dict[str, tuple[float, float]]:
+    """Per split dim, (latency s, bandwidth B/s) of the slowest link between neighbours along it in
+    sample group 0: all exchanges of a layer run at once, so the slowest pair sets the pace."""
+    hit = _LINKS.get((layout, id(cluster)))
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
+    out: dict[str, tuple[float, float]] = {}
+    ranks = layout.spatial * layout.g_size
+    for name in SPATIAL_DIMS:
+        deg = getattr(layout, name)
+        if deg == 1:
+            continue
+        stride = prod(getattr(layout, k) for k in ORDER[ORDER.index(name) + 1:])
+        pairs = [(r, r + stride) for r in range(ranks)
+                 if (r // stride) % deg < deg - 1]
+        out[name] = min(((cluster.p2p_latency_s(a, b), cluster.p2p_bw_Bps(a, b)) for a, b in pairs),
+                        key=lambda lb: (lb[1], -lb[0]))
+    _LINKS[(layout, id(cluster))] = (cluster, out)
+    return out
+
+
+_LINKS: dict[tuple[LayerLayout, int], tuple[Cluster, dict[str, tuple[float, float]]]] = {}
+
+
+def _rank_classes(layout: LayerLayout) -> list[int]:
+    """Ranks of sample group 0 standing for all along each split dim: the edges, their neighbours and
+    the middle (an interior rank with whole neighbours sends the most; every rank would cost
+    O(parts) exchanges per layer and layout). Approximation: where pieces are uneven, a rank in the
+    middle of torch.chunk's short tail may send more and is not sampled."""
+    per_dim: dict[str, list[int]] = {}
+    for name in SPATIAL_DIMS:
+        deg = getattr(layout, name)
+        per_dim[name] = sorted({c for c in (0, 1, deg // 2, deg - 2, deg - 1) if 0 <= c < deg})
+    out: list[dict[str, int]] = [{}]
+    for name, cs in per_dim.items():
+        out = [{**o, name: c} for o in out for c in cs]
+    return [_rank(layout, c) for c in out]
+
+
+def halo_cost(node: Node, layout: LayerLayout, cluster: Cluster, elem: int = 4) -> tuple[float, float, int, int]:
+    """(forward s, backward s, forward bytes, backward bytes) of `node`'s halo exchanges
+    (cost.layout_comm.halo_collectives: bytes = what the runtime sends) on the rank of sample group 0
+    that takes longest. Each exchange is point-to-point with the rank's neighbours along one split
+    dim, both directions at once (the bytes halved between two neighbours), on the slowest link
+    between neighbours along that dim, one dim after the other, and not overlapped with the
+    convolution (the runtime waits for the halo before computing)."""
+    from hybridpar.cost.layout_comm import halo_collectives
+
+    key = (node.op, node.in_shapes[:1], *(node.attr(a) for a in ("kernel", "stride", "padding", "dilation",
+                                                                  "transposed")), layout, id(cluster), elem)
+    hit = _HALO.get(key)
+    if hit is not None and hit[0] is cluster:  # ResNet-50's 16 bottlenecks have a few distinct shapes
+        return hit[1]
+    links = _slowest_links(layout, cluster)
+    # sample group 0's exchanges, of the whole batch's rows divided by the sample degree (bytes are
+    # linear in the rank's samples, B/S of them: torch.chunk of a divisible batch), without building
+    # the S pieces of the batch per call (S in the hundreds: the planner's hot spot)
+    s = layout.sample if node.in_shapes and node.in_shapes[0][0] % layout.sample == 0 else 1
+    one = layout.model_copy(update={"sample": layout.sample // s})
+    worst = (0.0, 0.0, 0, 0)
+    for rank in _rank_classes(one):
+        fwd = bwd = 0.0
+        fb = bb = 0
+        for full in halo_collectives(node, one, rank=rank, dtype_bytes=elem):
+            op = dataclasses.replace(full, bytes_=full.bytes_ // s)
+            sides = len(_neighbours(layout, rank, op.group))
+            lat, bw = links[op.group]
+            t = lat + op.bytes_ / sides / bw if op.bytes_ else 0.0
+            if op.phase == "fwd":
+                fwd, fb = fwd + t, fb + op.bytes_
+            else:
+                bwd, bb = bwd + t, bb + op.bytes_
+        if (fwd + bwd, fb + bb) > (worst[0] + worst[1], worst[2] + worst[3]):
+            worst = (fwd, bwd, fb, bb)
+    _HALO[key] = (cluster, worst)
+    return worst
+
+
+_HALO: dict[tuple, tuple[Cluster, tuple[float, float, int, int]]] = {}
+
+
+def _neighbours(layout: LayerLayout, rank: int, name: str) -> list[int]:
+    """The ranks next to `rank` along spatial dim `name` (row-major over layout.ORDER)."""
+    degrees = {k: getattr(layout, k) for k in ORDER}
+    coords = coords_of(degrees, rank, ORDER)
+    stride = prod(degrees[k] for k in ORDER[ORDER.index(name) + 1:])
+    return [rank + dc * stride for dc in (-1, 1) if 0 <= coords[name] + dc < degrees[name]]
