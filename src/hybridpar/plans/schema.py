@@ -41,6 +41,18 @@ class Prediction(_Frozen):
     per_layer: dict[str, dict[str, float]] = Field(default_factory=dict)
 
 
+def _boolean_at(data: Any, path: str) -> str | None:
+    """The path of the first boolean in plain JSON data, or None."""
+    if isinstance(data, bool):
+        return path
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _boolean_at(value, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 class Plan(_Frozen):
     schema_version: Literal[1] = SCHEMA_VERSION
     model: str = Field(min_length=1)
@@ -62,6 +74,15 @@ class Plan(_Frozen):
     # GPipe micro-batches per replica of a model-parallel plan, as the placer chose them (its bubble
     # priced); None: not chosen (one, unless the run says). Serialised only when set, as recompute.
     micro_batches: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans(cls, data: Any) -> Any:
+        """`true` is not 1: a plan holds no booleans, and pydantic's lax ints would take them."""
+        where = _boolean_at(data, "")
+        if where is not None:
+            raise ValueError(f"{where or 'plan'}: true/false where a number or text is expected")
+        return data
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> Any:

@@ -15,8 +15,10 @@ checkpoint and before `save`, so the last good checkpoint is never replaced by a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -160,13 +162,16 @@ def _import(spec: str) -> Callable:
 def run_rank(cfg: TrainConfig, queue=None) -> TrainResult:
     """Train on this rank (torch.distributed already initialised). Returns the result on every rank
     (param bytes gathered from all ranks)."""
-    run = _RankRun(cfg, queue)
-    feed = run.feed()  # the same global batches on every rank, read by loader workers
-    for step, x, y in feed:
-        if not run.step(step, x, y):
-            break
-    feed.close()  # stops the loader's workers when the loop ended early
-    return run.finish()
+    # What the user's code prints in a rank (a model's forward) goes to stderr: the command's stdout
+    # is its report, and with --json a parser reads it.
+    with contextlib.redirect_stdout(sys.stderr):
+        run = _RankRun(cfg, queue)
+        feed = run.feed()  # the same global batches on every rank, read by loader workers
+        for step, x, y in feed:
+            if not run.step(step, x, y):
+                break
+        feed.close()  # stops the loader's workers when the loop ended early
+        return run.finish()
 
 
 class _RankRun:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -123,10 +124,12 @@ def train_cmd(json_: bool, config: str | None, **options) -> None:
     # script's pipe they are printed together when the first step ran, so that a refusal found later
     # (in the ranks' own checks) is still the one line on stderr that scripts read.
     startup.listen(None)
-    setup = run_config(TrainConfig.from_options(**options),
-                       launcher_world=int(os.environ["WORLD_SIZE"]) if launched else None,
-                       local_ranks=_local_world() if launched else None,
-                       place=None if launched else with_placement)  # ranks must agree: no search there
+    # the model's own prints while it is traced and dry-run go to stderr: stdout is the report (--json)
+    with contextlib.redirect_stdout(sys.stderr):
+        setup = run_config(TrainConfig.from_options(**options),
+                           launcher_world=int(os.environ["WORLD_SIZE"]) if launched else None,
+                           local_ranks=_local_world() if launched else None,
+                           place=None if launched else with_placement)  # ranks must agree: no search there
     if rank0:
         if _live_phases():
             for name, seconds in startup.phases().items():
