@@ -223,6 +223,29 @@ def test_image_folder_errors(tmp_path):
     bad = next(i for i, (f, _) in enumerate(ds.files) if f.endswith("9.png"))
     with pytest.raises(UserError, match="cannot decode .*9.png"):
         ds[bad]
+    # A decompression bomb past the first image of its class (checked at start) is the same bad input.
+    (root / "dog" / "8.png").write_bytes(_bomb_png())
+    ds = open_dataset(f"imagefolder:{root}", (3, 8, 8))
+    bomb = next(i for i, (f, _) in enumerate(ds.files) if f.endswith("8.png"))
+    with pytest.raises(UserError, match="cannot decode .*8.png.*decompression bomb"):
+        ds[bomb]
+
+
+def _bomb_png() -> bytes:
+    """A tiny PNG whose header claims 20000 x 20000 pixels (over twice Pillow's MAX_IMAGE_PIXELS)."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (1, 1)).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    at = data.index(b"IHDR")
+    data[at + 4:at + 12] = struct.pack(">II", 20000, 20000)
+    data[at + 17:at + 21] = struct.pack(">I", zlib.crc32(bytes(data[at:at + 17])))
+    return bytes(data)
 
 
 # ---- memory-mapped arrays ------------------------------------------------------------------------------

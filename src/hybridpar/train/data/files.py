@@ -112,7 +112,7 @@ class ImageFolder(tud.Dataset):
                 left, top = (size[0] - w) // 2, (size[1] - h) // 2
                 img = img.crop((left, top, left + w, top + h))
                 arr = np.asarray(img, dtype=np.uint8)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, Image.DecompressionBombError) as err:  # a bomb is bad input, as a corrupt file
             raise UserError(f"--data {self.name}: cannot decode {path}: {err}") from None
         t = torch.from_numpy(arr.copy()).float().div_(255.0)
         t = t.permute(2, 0, 1) if t.dim() == 3 else t.unsqueeze(0)
