@@ -83,14 +83,16 @@ def free_port() -> int:
 STOP_GRACE_S = 10.0  # how long stopped ranks get to exit on SIGTERM before SIGKILL
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when its parent exits (Linux prctl PR_SET_PDEATHSIG)."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send `sig` to this process when its parent exits (Linux prctl
+    PR_SET_PDEATHSIG); leave at once when the parent is already gone. Ranks (SIGTERM: they stop
+    cleanly) and their loader workers (SIGKILL) use it."""
     if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
     if os.getppid() == 1:  # the parent is already gone
@@ -125,7 +127,7 @@ def context():
 
 
 def _entry(rank: int, world: int, port: int, out_path: str, fn, args, env=None) -> None:
-    _die_with_parent()
+    die_with_parent()
     if env is not None:  # the launcher's environment at this spawn, not the fork server's
         os.environ.clear()
         os.environ.update(env)

@@ -386,20 +386,11 @@ def die_with_parent(_worker_id: int = 0) -> None:
     A rank dies with its launcher (train/launch.py), so a SIGKILLed launcher takes the workers down
     at once; torch's own check of the parent only runs between batches, and a worker blocked in
     the user's __getitem__ outlived a killed launcher by minutes."""
-    import os
     import signal
-    import sys
 
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
+    from hybridpar.train.launch import die_with_parent as _die
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the rank is already gone
-        os._exit(1)
+    _die(signal.SIGKILL)
 
 
 def batches(dataset, batch: int, *, start: int = 0, stop: int, seed: int = 0, shuffle: bool = True,
