@@ -11,12 +11,13 @@ tests/conformance/hf_families.py) and wrapped as `forward(x) -> model(pixel_valu
 - plan b1: `hybridpar plan --gpus 1 --batch 1`; plan b8: `--gpus 2 --batch 8`; place: `hybridpar place
   --gpus 2 --batch 8 --time-limit 10` (cluster localhost).
 
-- train sample=2 / channel=2 / filter=2 / channel=2,filter=2: `hybridpar train --model
+- train sample=2 / channel=2 / filter=2 / channel=2,filter=2 / height=2: `hybridpar train --model
   hf_families.py:<family>_train --strategy S --batch 4 --steps 2 --lr 0.01 --no-shuffle --init-from
   --save` (dropout off) against plain PyTorch SGD in one process: exact when every weight and running
   statistic is within 1e-4; refused when `train`'s checks before any rank starts (for channel/filter
-  layouts, the dry run on meta tensors) refuse it with one line (exit 2). Runs share one spawned world
-  per rank count (tests/conformance/train_checks.py says how this is the CLI's code path);
+  layouts, the dry run on meta tensors) refuse it with one line (exit 2). height=2 splits each
+  sample's rows over 2 ranks (spatial parallelism, halo exchange; docs/spatial.md). Runs share one
+  spawned world per rank count (tests/conformance/train_checks.py says how this is the CLI's code path);
 - grad bytes: `hybridpar plan --strategy sample=2 --gpus 2 --batch 4 --json`'s predicted allreduce
   bytes against the bytes the sample=2 run logged in its last step, within 1%.
 
@@ -28,7 +29,7 @@ Writes bench-results/conformance.md and, with HYBRIDPAR_BENCH_OUT, a JSON summar
 `--readme` also replaces the README's conformance section with the table.
 
     python benchmarks/bench_conformance.py [--families vit,resnet] [--graph-only | --no-train | --train-only]
-        [--layouts "sample=2;channel=2"] [--cf-families resnet,bit] [--readme]
+        [--layouts "sample=2;channel=2;height=2"] [--cf-families resnet,bit] [--readme]
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tests" / "conformance"))
 import hf_families  # noqa: E402
 
 GRAPH = ("inspect", "params", "fwd_flops", "bwd_flops", "plan_b1", "plan_b8", "place")
-TRAIN = ("sample=2", "channel=2", "filter=2", "channel=2,filter=2", "grad_bytes")
+TRAIN = ("sample=2", "channel=2", "filter=2", "channel=2,filter=2", "height=2", "grad_bytes")
 CHECKS = GRAPH + TRAIN
 CHUNK = 6  # families per spawned world (a dead world costs one chunk at most; rows written as they come)
 
@@ -77,7 +78,7 @@ def _cell(r) -> str:
 
 HEADERS = {"fwd_flops": "fwd FLOPs", "bwd_flops": "bwd FLOPs", "plan_b1": "plan b1", "plan_b8": "plan b8",
            "sample=2": "train s=2", "channel=2": "train c=2", "filter=2": "train f=2",
-           "channel=2,filter=2": "train c=2,f=2 (4 ranks)", "grad_bytes": "grad bytes"}
+           "channel=2,filter=2": "train c=2,f=2 (4 ranks)", "height=2": "train h=2", "grad_bytes": "grad bytes"}
 
 
 def table(rows: list[dict], checks: tuple[str, ...], command: str, started: str) -> str:
@@ -147,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graph-only", action="store_true", help="inspect, params and FLOPs only")
     ap.add_argument("--no-train", action="store_true", help="no train checks")
     ap.add_argument("--train-only", action="store_true", help="train checks only")
-    ap.add_argument("--layouts", default="sample=2;channel=2;filter=2;channel=2,filter=2",
-                    help="train layouts, ';'-separated (default: sample=2;channel=2;filter=2;channel=2,filter=2)")
+    ap.add_argument("--layouts", default="sample=2;channel=2;filter=2;channel=2,filter=2;height=2",
+                    help="train layouts, ';'-separated (default: all of sample=2;channel=2;filter=2;"
+                         "channel=2,filter=2;height=2). Without sample=2 (with --train-only): no grad bytes "
+                         "column, only the layouts given (e.g. --layouts height=2 for the spatial column)")
     ap.add_argument("--cf-families", default=None,
                     help="comma-separated: run the layouts other than sample=2 on these families only (the "
                          "others' cells say 'not run'; default: every family)")
@@ -172,13 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     from train_checks import LAYOUTS
 
     layouts = tuple(lay for lay in LAYOUTS if lay[0] in args.layouts.split(";"))
-    if not layouts or "sample=2" not in [lay[0] for lay in layouts]:
-        print(f"--layouts: give sample=2 and any of {'; '.join(lay[0] for lay in LAYOUTS)}", file=sys.stderr)
+    # the grad bytes column compares with the sample=2 run: without it only with --train-only, no bytes
+    with_bytes = "sample=2" in [lay[0] for lay in layouts]
+    if not layouts or not (with_bytes or args.train_only) or (args.cf_families and not with_bytes):
+        print(f"--layouts: give sample=2 (or --train-only) and any of {'; '.join(lay[0] for lay in LAYOUTS)}",
+              file=sys.stderr)
         return 2
-    if layouts[0][0] != "sample=2":
+    if with_bytes and layouts[0][0] != "sample=2":
         layouts = (("sample=2", 2), *(lay for lay in layouts if lay[0] != "sample=2"))
     cf_families = set(args.cf_families.split(",")) if args.cf_families else None
-    train = tuple(c for c in TRAIN if c == "grad_bytes" or c in [lay[0] for lay in layouts])
+    train = tuple(c for c in TRAIN if (c == "grad_bytes" and with_bytes) or c in [lay[0] for lay in layouts])
     checks = GRAPH[:4] if args.graph_only else GRAPH if args.no_train else train if args.train_only else GRAPH + train
     command = "python benchmarks/bench_conformance.py " + " ".join(argv if argv is not None else sys.argv[1:])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -205,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             per_family = {f.name: layouts if cf_families is None or f.name in cf_families else layouts[:1]
                           for f in fams}
-            got = check_train(fams, work, layouts=per_family)
+            got = check_train(fams, work, layouts=per_family, with_bytes=with_bytes)
             for f in fams:
                 for strategy, _ in layouts[len(per_family[f.name]):]:
                     got[f.name][strategy] = Result("not run", "not run in this run (--cf-families)")

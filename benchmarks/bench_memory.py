@@ -24,6 +24,10 @@ steady) within 20% of the prediction; each channel/filter layout's measured peak
 parallelism's (`sample=2`) by at least the predicted factor; the launcher's peak under 1 GiB.
 
 The machine may be shared with other work: the figures are resident memory of our processes only.
+
+`--spatial [--quick]`: issue 30's rows instead (benchmarks/_spatial_memory.py): a U-Net under height=2,
+width=2, height=2,width=2 and CosmoFlow under depth=2, each rank's step memory (from the CPU allocator's
+events) against one process's and the prediction, and each rank's resident peak against `plan`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ MODEL, SHAPE, BATCH, LR = "resnet50_w8", "3,32,32", 2, 0.001
 LAYOUTS = {"sample=2": 2, "channel=2": 2, "filter=2": 2, "channel=2,filter=2": 4}
 TOLERANCE = 0.20
 GiB = 2**30
+TRAIN_EXTRA: list[str] = []  # more `hybridpar train` options (the spatial rows': --synthetic-size, --loss)
 
 
 def _status(pid: int) -> dict[str, int] | None:
@@ -77,13 +82,25 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _is_rank(pid: int) -> bool:
-    """A rank: a spawned child running multiprocessing's spawn_main (not its resource tracker)."""
+def _cmdline(pid: int) -> str:
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
+        return ""
+
+
+def _is_rank(pid: int) -> bool:
+    """A rank: a spawned child running multiprocessing's spawn_main, or a child of the fork server
+    (hybridpar.train.launch starts ranks from one: they carry its command line; not the server itself,
+    nor the resource tracker)."""
+    cmd = _cmdline(pid)
+    if "spawn_main" in cmd:
+        return True
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
         return False
-    return "spawn_main" in cmd
+    return "forkserver" in cmd and "forkserver" in _cmdline(ppid)
 
 
 def _steps_done(metrics: Path) -> int:
@@ -102,7 +119,7 @@ def measure(strategy: str, nproc: int, steps: int, interval: float, run_args: li
         cmd = [sys.executable, "-m", "hybridpar.cli.main", "train", "--model", MODEL, "--input-shape", SHAPE,
                "--batch", str(batch or BATCH), "--steps", str(steps), *(run_args or ["--strategy", strategy]),
                "--nproc", str(nproc), "--metrics", str(metrics), "--log-every", "1000", "--json",
-               "--lr", str(LR)]  # memory does not depend on it; at lr 0.1 sample=2 reaches NaN at step 2
+               "--lr", str(LR), *TRAIN_EXTRA]  # memory does not depend on lr; at 0.1 sample=2 reaches NaN at step 2
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t0 = time.time()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -303,8 +320,19 @@ def main() -> None:
                     help="only `make run`'s layout (one sample group of it, 8 ranks, at 3x32x32) vs its prediction")
     ap.add_argument("--margin", type=float, default=MARGIN,
                     help="run a layout only when its predicted peaks times this fit 90%% of the free memory")
+    ap.add_argument("--spatial", action="store_true",
+                    help="only the spatial rows (issue 30): U-Net under height=2, width=2, height=2,width=2 and "
+                         "CosmoFlow under depth=2, step memory against one process and the prediction")
+    ap.add_argument("--quick", action="store_true", help="with --spatial: small inputs (about 2 minutes)")
     args = ap.parse_args()
     BATCH, MARGIN = args.batch, args.margin
+    if args.spatial:
+        from _spatial_memory import run_spatial
+
+        rows = run_spatial(args, sys.modules[__name__])
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2))
+        return
     if args.make_run:
         row = make_run_check(args)
         if args.out:

@@ -19,6 +19,14 @@ quiet-machine figure.
 Every model is measured in `--worlds` fresh 2-rank worlds one after another; its measured speedup is
 the median of the per-world ratios (each world's is printed too).
 
+The wavefront row (lstm4_k4: one nn.LSTM(num_layers=4) written in _wavefront_model.py) is placed and
+run with 4 time chunks per recurrent layer (parallel/pipeline/wavefront.py: the layers of the stacked
+module placed one by one, layer l+1 running chunk t while layer l runs chunk t+1), and also placed and
+run whole (`--time-chunks 1`, which puts the one module on one device), interleaved in the same trials:
+both measured speed-ups over one process beside both predictions.
+
+    python benchmarks/bench_mp.py --models lstm4_k4 --quick   # a smaller model, 1 world x 4 trials, 1 round
+
 Prints a table and writes JSON to $HYBRIDPAR_BENCH_OUT when set.
 """
 
@@ -50,7 +58,9 @@ from hybridpar.plans import Plan  # noqa: E402
 from hybridpar.train.engine import task_loss_sum  # noqa: E402
 from hybridpar.train.launch import spawn  # noqa: E402
 
-MODELS = {"branchy": BRANCHY, "inception_mini": "inception_mini", "two_tower_lstm": TWO_TOWER, "lstm2": "lstm2"}
+MODELS = {"branchy": BRANCHY, "inception_mini": "inception_mini", "two_tower_lstm": TWO_TOWER, "lstm2": "lstm2",
+          "lstm4_k4": f"{HERE / '_wavefront_model.py'}:lstm4"}
+CHUNKS = {"lstm4_k4": 4}  # placed and run with K time chunks per recurrent layer (and also whole: K = 1)
 BATCH, WARMUP = 32, 2
 QUIET = 0.05  # a trial counts as quiet when no rank waited on a run queue for more than 5% of it
 
@@ -110,22 +120,24 @@ def _summary(trials: list[tuple[float, float, float]]) -> dict:
             "run_queue_mean_of_ranks_s": statistics.median(m for _, _, m in use)}
 
 
-def _ranks(cases: list[tuple[str, str, dict, int]]) -> dict:
-    """In each of 2 ranks: for every (label, model, placement, trials) case, interleave eager (rank 0
-    alone), MP and all-on-device-0 steps; rank 0 returns medians (wall, and both ranks' run-queue wait)."""
+def _ranks(cases: list[tuple]) -> dict:
+    """In each of 2 ranks: for every (label, model, placement, trials, time chunks, whole placement)
+    case, interleave eager (rank 0 alone), MP, all-on-device-0 steps and, with time chunks, the whole-
+    layer placement's MP steps; rank 0 returns medians (wall, and both ranks' run-queue wait)."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
     out = {}
-    for label, spec, placement, trials in cases:
+    for label, spec, placement, trials, chunks, whole in cases:
         torch.manual_seed(0)
         eager = load_model(spec, batch=BATCH).module if rank == 0 else None
         eopt = torch.optim.SGD(eager.parameters(), lr=0.01) if eager is not None else None
         engines = {}
-        for name, pl in (("mp", placement), ("all_on_0", {})):
-            plan = Plan(model=spec, world_size=2, batch=BATCH, mp=2, placement=pl)
+        variants = [("mp", placement, chunks), ("all_on_0", {}, 1)] + ([("whole", whole, 1)] if chunks > 1 else [])
+        for name, pl, k in variants:
+            plan = Plan(model=spec, world_size=2, batch=BATCH, mp=2, placement=pl, time_chunks=k)
             eng = MPEngine(load_model(spec, batch=BATCH).module, plan, loss_fn=task_loss_sum)
             engines[name] = (eng, torch.optim.SGD(eng.parameters(), lr=0.01))
-        rec: dict[str, list] = {"eager": [], "mp": [], "all_on_0": []}
+        rec: dict[str, list] = {"eager": [], **{name: [] for name in engines}}
 
         for i, (x, y) in enumerate(_batches(spec, WARMUP + trials)):
             dist.barrier()
@@ -162,7 +174,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="hybridpar profile rounds (per op the median is kept)")
     ap.add_argument("--keep", choices=("median", "fastest"), default="median",
                     help="per op, which profile round to keep (fastest: the choice before 2026-12-01)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a check that it runs: 1 world x 4 trials, 1 profile round, lstm4_k4 at 96 units x 16 steps")
     args = ap.parse_args()
+    if args.quick:
+        args.trials, args.worlds, args.rounds = 4, 1, 1
+        os.environ["HYBRIDPAR_BENCH_LSTM4"] = "96,16"  # before the ranks load the model
     names = [m for m in args.models.split(",") if m]
     bad = [m for m in names if m not in MODELS]
     if bad:
@@ -177,15 +194,19 @@ def main() -> None:
     load_before = os.getloadavg()
     prof_s = 0.0 if args.no_profile else profile([MODELS[m] for m in names],
                                                  Path(os.environ["HYBRIDPAR_CALIBRATION"]), args.rounds, args.keep)
-    placed = {}
+    placed, whole = {}, {}
     for m in names:
-        outcome = place_model(MODELS[m], "localhost", 2, batch=BATCH, time_limit_s=args.time_limit,
-                              optimizer="sgd")  # what the runs train with (train's default)
-        placed[m] = (outcome, placement_from_outcome(outcome, load_model(MODELS[m]).module))
+        # what the runs train with (train's default), with the time chunks they run (1: whole recurrent
+        # layers); the wavefront row is also placed whole (K = 1)
+        for k, into in ((CHUNKS.get(m, 1), placed), *(((1, whole),) if m in CHUNKS else ())):
+            outcome = place_model(MODELS[m], "localhost", 2, batch=BATCH, time_limit_s=args.time_limit,
+                                  optimizer="sgd", time_chunks=k)
+            into[m] = (outcome, placement_from_outcome(outcome, load_model(MODELS[m]).module))
     load_run = os.getloadavg()
     # Each world is one draw of this VM's drifting speed (a process's speed is set for tens of seconds):
     # a model's figures are medians over fresh worlds, its speedup the median of the per-world ratios
-    worlds = [spawn(_ranks, 2, [(m, MODELS[m], placed[m][1], args.trials) for m in names])
+    worlds = [spawn(_ranks, 2, [(m, MODELS[m], placed[m][1], args.trials, CHUNKS.get(m, 1),
+                                 whole[m][1] if m in whole else None) for m in names])
               for _ in range(args.worlds)]
     load_after = os.getloadavg()
     rows = {}
@@ -196,7 +217,7 @@ def main() -> None:
                  for f in ("step_s", "run_queue_s", "run_queue_mean_of_ranks_s")}
              | {"quiet_trials": sum(w[m][k]["quiet_trials"] for w in worlds),
                 "trials": sum(w[m][k]["trials"] for w in worlds)}
-             for k in ("eager", "mp", "all_on_0")}
+             for k in ("eager", "mp", "all_on_0", "whole") if k in worlds[0][m]}
         r["p2p_bytes"] = worlds[0][m]["p2p_bytes"]
         measured = statistics.median(per_world)
         bd = outcome.result.breakdown
@@ -216,7 +237,12 @@ def main() -> None:
             "p2p_bytes_measured_vs_predicted": r["p2p_bytes"] / max(predicted_p2p_bytes(outcome), 1),
             "quiet_trials": {k: f"{r[k]['quiet_trials']}/{r[k]['trials']}" for k in ("eager", "mp", "all_on_0")},
             "measured_speedup_per_world": per_world,
+            "time_chunks": CHUNKS.get(m, 1),
         }
+        if m in whole:  # the same model placed and run with whole recurrent layers
+            rows[m] |= {"whole_placement": whole[m][1], "whole_predicted_speedup": whole[m][0].speedup,
+                        "whole_measured_speedup": statistics.median(
+                            w[m]["eager"]["step_s"] / w[m]["whole"]["step_s"] for w in worlds)}
     summary = {"batch": BATCH, "trials": args.trials, "worlds": args.worlds, "profile_rounds": args.rounds,
                "profile_keep": args.keep, "load_avg_before": load_before, "load_avg_at_run": load_run,
                "load_avg_after": load_after, "profile_s": prof_s, "wall_s": time.perf_counter() - t0,
@@ -236,6 +262,10 @@ def main() -> None:
               f"{r['run_queue_share_eager']:4.0%}/{r['run_queue_share_mp']:4.0%} "
               f"{r['p2p_bytes_measured_vs_predicted']:6.3f} {r['quiet_trials']['eager']} {r['quiet_trials']['mp']}"
               f"   per world: {' '.join(f'{v:.2f}' for v in r['measured_speedup_per_world'])}")
+        if "whole_measured_speedup" in r:
+            print(f"{'':16s} K={r['time_chunks']} time chunks above; whole layers (K=1): predicted "
+                  f"{r['whole_predicted_speedup']:.2f}, measured {r['whole_measured_speedup']:.2f}; "
+                  f"measured K={r['time_chunks']} / whole: {r['measured_speedup'] / r['whole_measured_speedup']:.2f}")
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:
         Path(out).write_text(json.dumps(summary, indent=2))

@@ -283,7 +283,8 @@ def place_mp(model: str, batch: int, dp: int, plan_file: Path) -> dict:
     from hybridpar.search.placer import place_model
     from hybridpar.search.placer.module_placement import placement_from_outcome
 
-    out = place_model(model, "localhost", 2, batch=batch // dp, time_limit_s=10, optimizer="sgd")  # train's default
+    out = place_model(model, "localhost", 2, batch=batch // dp, time_limit_s=10, optimizer="sgd",  # train's default
+                      time_chunks=1)  # whole recurrent layers: the plan written below runs them so
     placement = placement_from_outcome(out, load_model(model).module)
     strategy = "mp=2" if dp == 1 else f"mp=2,sample={dp}"
     Plan(model=out.plan.model, world_size=2 * dp, batch=batch, dp=dp, mp=2, placement=placement,

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-FAST = ("make-run", "lassen", "nvlink")  # a few plans; "projection" runs DLPlacer's ILP several times (slow)
+# a few plans and the GPU check's table; "projection" runs DLPlacer's ILP several times (slow)
+FAST = ("make-run", "lassen", "nvlink", "gpu-check")
 
 
 def _load_script():

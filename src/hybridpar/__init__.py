@@ -58,13 +58,17 @@ def parallelize(module, plan_or_strategy, **options):
         plan_or_strategy = load_plan(plan_or_strategy)
     cluster = options.pop("cluster", "localhost")
     if options.get("example_inputs") is not None and "place" not in options and "placement" not in options:
-        options["place"] = _placer(tuple(options["example_inputs"]), cluster)
+        options["place"] = _placer(tuple(options["example_inputs"]), cluster, options.get("time_chunks"),
+                                   options.get("schedule"), options.get("micro_batches"))
     return _parallelize(module, plan_or_strategy, **options)
 
 
-def _placer(example_inputs: tuple, cluster: str):
+def _placer(example_inputs: tuple, cluster: str, time_chunks: int | None = None, schedule: str | None = None,
+            micro_batches: int | None = None):
     """place(plan, module) for hybridpar.parallel: DLPlacer's placement of one replica's batch (a
-    slice of `example_inputs`), found on rank 0 and sent to every rank (the ranks must agree)."""
+    slice of `example_inputs`), found on rank 0 and sent to every rank (the ranks must agree); with
+    `time_chunks` K, priced (and its stacked recurrent layers placed one by one) as the wavefront runs;
+    with `schedule` (and `micro_batches`), placed and priced for it (1f1b: a chain of stages)."""
 
     def place(plan_, module):
         import torch.distributed as dist
@@ -78,9 +82,13 @@ def _placer(example_inputs: tuple, cluster: str):
             n = batch_rows(example_inputs)
             mine = tuple(split_rows(list(example_inputs), n, plan_.dp)[0]) if plan_.dp > 1 else example_inputs
             try:
-                outcome = _place(module, cluster, plan_.mp, example_inputs=mine, batch=batch_rows(mine))
+                asked = {} if schedule is None else {"schedule": schedule, "micro_batches": micro_batches}
+                outcome = _place(module, cluster, plan_.mp, example_inputs=mine, batch=batch_rows(mine),
+                                 time_chunks=time_chunks, **asked)
                 box[0] = {"placement": placement_from_outcome(outcome, module, mine),
-                          "micro_batches": outcome.plan.micro_batches}  # the placer's GPipe count
+                          "micro_batches": outcome.plan.micro_batches,  # the placer's GPipe count
+                          "schedule": outcome.plan.schedule,  # and schedule (step()'s)
+                          "time_chunks": outcome.plan.time_chunks}
             except Exception as err:  # noqa: BLE001 - every rank raises it, not only rank 0
                 box[0] = {"error": f"{type(err).__name__}: {err}"}
         dist.broadcast_object_list(box, src=0)
@@ -90,7 +98,9 @@ def _placer(example_inputs: tuple, cluster: str):
             from hybridpar.errors import UserError
 
             raise UserError(f"placement of mp={plan_.mp} on rank 0 failed: {got['error']}")
-        return plan_.model_copy(update={"placement": got["placement"], "micro_batches": got["micro_batches"]})
+        return plan_.model_copy(update={"placement": got["placement"], "micro_batches": got["micro_batches"],
+                                        "schedule": got.get("schedule"),
+                                        "time_chunks": got.get("time_chunks")})
 
     return place
 

@@ -54,9 +54,12 @@ def plan(model, cluster=DEFAULT_CLUSTER, gpus: int = 1, batch: int = 32, config:
 
     gpus = options.pop("devices", gpus)
     cfg = PlannerConfig.of(config, {**options, "runnable_only": dry_run is not False})
+    from hybridpar.search.layers.uncalibrated import with_uncalibrated_note
+
     if not (dry_run if dry_run is not None else (isinstance(model, str) and ":" in model)):
-        return with_baseline_notes(plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, cfg,
-                                              progress=progress))
+        res = with_baseline_notes(plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, cfg,
+                                             progress=progress))
+        return with_uncalibrated_note(res, _model_arg(model, example_inputs), cluster, cfg)
     excluded: dict[str, str] = {}  # strategy -> the dry run's refusal
     while True:  # ends: each pass excludes a layout the last plan used, or returns
         cfg_ = dataclasses.replace(cfg, exclude_layouts=(*cfg.exclude_layouts, *excluded))
@@ -71,7 +74,8 @@ def plan(model, cluster=DEFAULT_CLUSTER, gpus: int = 1, batch: int = 32, config:
             if cfg.strategy is not None or not refused or set(refused) <= set(excluded):
                 raise  # a fixed --strategy, or a refusal no exclusion can avoid: the user's to see
             excluded.update(dict.fromkeys(refused, str(err)))
-    return with_baseline_notes(_with_exclusion_notes(res, excluded))
+    res = with_baseline_notes(_with_exclusion_notes(res, excluded))
+    return with_uncalibrated_note(res, _model_arg(model, example_inputs), cluster, cfg)
 
 
 def _split_layouts(plan_: Plan) -> list[str]:
@@ -168,12 +172,15 @@ def place(model, cluster=DEFAULT_CLUSTER, gpus: int = 2, config: PlacerConfig | 
 
 def with_placement(plan_: Plan, module: nn.Module, *, time_limit_s: float = PLACER_TIME_LIMIT_S,
                    optimizer: str = "sgd", momentum: float = 0.0, example_inputs: tuple | None = None,
-                   micro_batches: int | None = None) -> Plan:
+                   micro_batches: int | None = None, time_chunks: int | None = None,
+                   schedule: str | None = None) -> Plan:
     """`plan_` with its placement filled in before any rank starts (unchanged when it has one, or when
     mp == 1): DLPlacer's for the plan's model, cluster and per-replica batch. The ranks never search.
     `optimizer`/`momentum`: the run's, as `train` takes them (its state in memory, its update in the step);
     `example_inputs`: at one forward's batch, for a model the runtime runs on torch.export's graph;
-    `micro_batches`: the run's GPipe count (priced), None: the placer chooses it (Plan.micro_batches)."""
+    `micro_batches`: the run's GPipe count (priced), None: the placer chooses it (Plan.micro_batches);
+    `time_chunks`: the run's recurrent time chunks (priced as the wavefront runs; None: whole layers);
+    `schedule`: the run's micro-batch schedule (gpipe | 1f1b), None: the placer chooses it with the count."""
     if plan_.placement is not None or plan_.mp == 1:
         return plan_
     from hybridpar.search.placer import place_model
@@ -182,9 +189,10 @@ def with_placement(plan_: Plan, module: nn.Module, *, time_limit_s: float = PLAC
     shape = tuple(plan_.input_shape) if plan_.input_shape else None
     outcome = place_model(plan_.model, plan_.cluster, plan_.mp, batch=max(1, plan_.batch // plan_.dp),
                           input_shape=shape, time_limit_s=time_limit_s, optimizer=optimizer, momentum=momentum,
-                          micro_batches=micro_batches)
+                          micro_batches=micro_batches, time_chunks=time_chunks, schedule=schedule)
     return plan_.model_copy(update={"placement": placement_from_outcome(outcome, module, example_inputs),
-                                    "micro_batches": outcome.plan.micro_batches})
+                                    "micro_batches": outcome.plan.micro_batches, "schedule": outcome.plan.schedule,
+                                    "time_chunks": outcome.plan.time_chunks})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,8 @@ def ckpt_dir(tmp_path, interrupted):
 def test_resume_same_layout_is_bitwise_equal(ckpt_dir, interrupted, uninterrupted):
     info = ckpt.latest_checkpoint(ckpt_dir)
     assert info is not None and info.step == 4 and info.world_size == 2
-    assert sorted(p.name for p in info.path.iterdir()) == ["manifest.json", "rank-00000.pt", "rank-00001.pt"]
+    # channel=2 holds sharded weights: a torch.distributed.checkpoint directory (train.checkpoint_dcp)
+    assert sorted(p.name for p in info.path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
     resumed = _run(ckpt_dir, resume=True)
     assert resumed["start"] == 4
     assert interrupted[1]["losses"] + resumed["losses"] == uninterrupted["losses"]
@@ -68,7 +69,7 @@ def test_resume_with_another_layout_and_rank_count(ckpt_dir, uninterrupted):
 def test_corrupt_or_incomplete_newest_checkpoint_is_skipped(ckpt_dir):
     newest = ckpt.latest_checkpoint(ckpt_dir)
     assert newest.step == 4 and (ckpt_dir / "step-00000002").is_dir()
-    shard = newest.path / "rank-00001.pt"
+    shard = newest.path / "__1_0.distcp"  # rank 1's DCP data file
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one flipped byte: only the hash can tell
     shard.write_bytes(bytes(data))

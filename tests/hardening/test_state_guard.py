@@ -68,10 +68,23 @@ def test_loss_ratio():
             check_max_loss_ratio(bad)
 
 
-def _all_finite(info) -> bool:
+def _stored_tensors(info) -> list:
+    """Every tensor a checkpoint holds (weights, buffers, optimizer state), in either format."""
+    if info.manifest.get("version") == ckpt.VERSION_DCP:
+        from hybridpar.train import checkpoint_dcp as cd
+
+        reader = cd._CheckedReader(info.path, info.manifest)
+        out = {k: cd.empty_like_stored(m) for k, m in cd.stored(reader.read_metadata(), "").items()}
+        cd.load_boxes(info.path, info.manifest, {k: (tuple(t.shape), cd.boxes(t, None)) for k, t in out.items()},
+                      reader)
+        return list(out.values())
     parts = ckpt._load_rank_files(info)
     tensors = [t for p in parts for t in p["tensors"].values()]
-    tensors += [v for p in parts for st in p["optimizer"].values() for v in st.values() if torch.is_tensor(v)]
+    return tensors + [v for p in parts for st in p["optimizer"].values() for v in st.values() if torch.is_tensor(v)]
+
+
+def _all_finite(info) -> bool:
+    tensors = _stored_tensors(info)
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 

@@ -1,6 +1,7 @@
 """Issue 31: checkpoints of FSDP-sharded state (`zero=2|3`): each rank writes only its FSDP shard (with its
-place in the undistributed tensor, hybridpar.train.checkpoint_sharded) in the own checksummed format, and a
-run resumed under another layout equals an uninterrupted one."""
+place in the undistributed tensor, hybridpar.train.checkpoint_sharded) as chunks of a
+torch.distributed.checkpoint directory (hybridpar.train.checkpoint_dcp), and a run resumed under another
+layout equals an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ def test_zero3_checkpoint_resumes_under_another_layout(tmp_path, capsys):
          "--checkpoint-every", "2")
     info = ckpt.latest_checkpoint(ck)  # manifest and every file's SHA-256 check out
     assert info is not None and info.step == 2 and info.world_size == 2
-    parts = [ckpt._load_rank_file(info, r) for r in range(2)]
+    from hybridpar.train.checkpoint_dcp import read_metadata
+
+    md = read_metadata(info.path, info.manifest).state_dict_metadata  # a DCP checkpoint: chunks of full tensors
     w = "stem.conv.weight"
-    assert [tuple(p["tensors"][w].shape) for p in parts] == [(3, 3, 3, 3), (3, 3, 3, 3)]  # each rank its FSDP shard
-    assert [p["shards"][w].dims[0] for p in parts] == [((0, 3),), ((3, 3),)]
-    assert tuple(parts[0]["optimizer"][w]["momentum_buffer"].shape) == (3, 3, 3, 3)
+    for key in (f"model.{w}", f"optim.state.{w}.momentum_buffer"):  # each rank its FSDP shard's rows
+        assert tuple(md[key].size) == (6, 3, 3, 3)
+        assert sorted((c.offsets[0], c.sizes[0]) for c in md[key].chunks) == [(0, 3), (3, 3)]
     full = ckpt.full_model_state(info)
     assert tuple(full[w].shape) == (6, 3, 3, 3)
     _run(capsys, "--strategy", "sample=2", "--nproc", "2", "--steps", "4", "--checkpoint-dir", str(ck), "--resume",

@@ -1,5 +1,6 @@
-"""The per-step finiteness check (train_loop._finite_here): exact per entry, one device sync for all
-tensors, no false alarm where a sum of finite values overflows (the old per-tensor sum test's flaw)."""
+"""The per-step finiteness check (hybridpar.parallel.finite, hybridpar.train.guard): exact per entry,
+one device sync for all tensors, no false alarm where a sum of finite values overflows (the old
+per-tensor sum test's flaw)."""
 
 import torch
 
@@ -25,24 +26,31 @@ def test_sparse_gradients_are_checked_by_their_values():
 
 
 def _verdicts() -> dict:
-    """On each of 2 ranks, the train loop's verdict for engines that agree on finiteness in different
-    ways, with a NaN gradient on rank 1 only (where ranks hold different gradients) or on both (where
-    the gradients were summed over every rank, so a NaN shows everywhere)."""
+    """On each of 2 ranks, the train loop's verdict (hybridpar.train.guard: the loss and gradients
+    before the update, the state after it) for engines that agree on finiteness in different ways,
+    with a NaN gradient on rank 1 only (where ranks hold different gradients) or on both (where the
+    gradients were summed over every rank, so a NaN shows everywhere), and a NaN weight on rank 1."""
     import torch.distributed as dist
 
-    from hybridpar.train.trainer import _nonfinite_step
+    from hybridpar.train.guard import StateGuard
 
     rank = dist.get_rank()
 
     class Engine:
-        def __init__(self, grad, **attrs):
-            p = torch.nn.Parameter(torch.zeros(3))
+        def __init__(self, grad, weight=None, **attrs):
+            p = torch.nn.Parameter(torch.zeros(3) if weight is None else weight)
             p.grad = grad
             self._p = [p]
+            self._local_state = {"w": p}  # what a checkpoint holds (the MP engine's form)
             self.__dict__.update(attrs)
 
         def parameters(self):
             return iter(self._p)
+
+    def _nonfinite_step(loss, engine, _device):
+        guard = StateGuard(engine, torch.optim.SGD(engine.parameters(), lr=0.1), "cpu",
+                           agreed=getattr(engine, "grads_agree", False))
+        return guard.check_step(guard.before_update(loss))
 
     nan_on_1 = torch.tensor([0.0, float("nan") if rank == 1 else 0.0, 0.0])
     nan_everywhere = torch.tensor([0.0, float("nan"), 0.0])
@@ -51,6 +59,7 @@ def _verdicts() -> dict:
             "split loss": _nonfinite_step(float("nan") if rank == 1 else 1.0, Engine(torch.zeros(3)), "cpu"),
             "summed": _nonfinite_step(1.0, Engine(nan_everywhere, grads_agree=True), "cpu"),  # no collective
             "mp": _nonfinite_step(1.0, Engine(torch.zeros(3), step_grads_finite=False), "cpu"),
+            "split state": _nonfinite_step(1.0, Engine(torch.zeros(3), nan_on_1.clone()), "cpu"),
             "rank": rank}
 
 
@@ -61,3 +70,4 @@ def test_every_rank_stops_on_a_nan_that_only_one_rank_holds():
     assert r["rank"] == 0
     assert r["split"] == "gradients" and r["split ok"] is None and r["split loss"] == "loss", r
     assert r["summed"] == "gradients" and r["mp"] == "gradients", r
+    assert r["split state"] == "state:w", r  # rank 1's weight, named on rank 0 too

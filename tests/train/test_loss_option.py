@@ -184,3 +184,39 @@ def test_cross_entropy_labels_follow_dimension_1(tmp_path, capsys):
     _refused(capsys, ["--model", f"{tmp_path}/m.py:unet", "--input-shape", "3,8,8", "--strategy", "sample=2"],
              "returns dense outputs ((4, 8, 8) per sample): say which loss: --loss cross_entropy (classes on "
              "dimension 1, labels [N, 8, 8])")
+
+
+AUX_MODEL = """
+import torch
+from torch import nn
+
+
+class WithAux(nn.Module):
+    '''Logits in eval mode, (logits, aux logits) in training mode, as torchvision's Inception-V3.'''
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten())
+        self.head, self.aux = nn.Linear(4, 5), nn.Linear(4, 5)
+
+    def forward(self, x):
+        h = self.body(x)
+        return (self.head(h), self.aux(h)) if self.training else self.head(h)
+
+
+def build():
+    return WithAux(), (torch.randn(2, 3, 8, 8),)
+"""
+
+
+def test_default_loss_refuses_a_tuple_returned_in_training_mode_before_start(tmp_path, capsys):
+    """The output check ran in eval mode only: such a model passed it and every rank then failed inside
+    the loss ('tuple' object has no attribute 'dim'), after start."""
+    path = tmp_path / "aux.py"
+    path.write_text(AUX_MODEL)
+    code = main(["train", "--model", f"{path}:build", "--strategy", "sample=1", "--nproc", "1", "--batch", "2",
+                 "--steps", "1"])
+    err = "".join(ln for ln in capsys.readouterr().err.splitlines(True) if not ln.startswith("hybridpar: start-up"))
+    assert code == 2, err
+    assert "returns tuple in training mode" in err and err.count("\n") == 1, err

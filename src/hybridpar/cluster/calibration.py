@@ -143,6 +143,9 @@ class Calibration(_Model):
     # rank's CPU time per lockstep iteration over one process's; hybridpar.profile.rank_skew); empty in
     # older files: no such stretch then
     rank_skew: dict[int, Annotated[float, Field(ge=1)]] = {}  # >= 1: more ranks never compute faster
+    # op-table key -> why `hybridpar profile --model` could not time the op at that local shape
+    # (hybridpar.profile.graph_ops): priced by the roofline, and the plan's notes say so
+    untimed: dict[str, str] = {}
 
     def skew(self, ranks: int) -> float:
         """rank_skew at `ranks` (1.0 for one rank), else at the measured rank count nearest to it."""

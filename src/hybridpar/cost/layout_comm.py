@@ -102,16 +102,13 @@ SPATIAL_REFUSED_OPS = {"layernorm": "a layer/group/instance norm (its statistics
 def spatial_refusal(graph: Graph, layout: LayerLayout) -> str | None:
     """Why the runtime cannot run `graph` under the spatial `layout`, from the traced graph alone (the
     planner's twin of hybridpar.parallel.styles.spatial_layers.spatial_refusal, which the dry run
-    applies to the modules): spatial x channel/filter in one layer, a split dim the model does not
-    have, convolutions padded other than with zeros, pooling with ceil_mode, normalisations whose
-    statistics span the pieces, and sequence layers."""
+    applies to the modules): a split dim the model does not have, convolutions padded other than
+    with zeros, pooling with ceil_mode, normalisations whose statistics span the pieces, and sequence
+    layers. Spatial x channel/filter in one layer runs (SpatialDistConv) and is priced
+    (search.layers.spatial_plan, `spatial_conv_collectives`' bytes)."""
     from hybridpar.cost.spatial import model_ndim, spatial_dims
 
     name = layout.to_strategy()
-    if layout.g_size > 1:
-        return (f"{name}: spatial splits (depth/height/width) combined with channel/filter splits in one layer "
-                "are not priced by the planner yet (the runtime runs them: train --strategy / "
-                "hybridpar.parallelize); plan sample x spatial, or sample x channel/filter")
     try:
         spatial_dims(layout, model_ndim(graph))
     except ValueError as err:

@@ -13,8 +13,9 @@ Allocator fragmentation and framework workspace are not modelled by `training_me
 
 Spatial layouts (depth/height/width, uniform over the model): the same sum over one rank's view of
 the graph (hybridpar.cost.spatial.local_graph): activations cut to the rank's spatial piece (about
-1/(depth x height x width) of a sample's), plus each convolution's and pooling's input window (piece,
-halo rows and edge padding, a new tensor autograd keeps: the halo buffer); weights whole.
+1/(depth x height x width) of a sample's), plus the halo rows each convolution and pooling received
+(kept for backward, where the input window is re-assembled: a transient of the conv's backward; max
+pools recompute their indices there); weights whole.
 
 `predict_rank_memory` is what one rank of hybridpar's runtime holds at its peak of a training step,
 the figure `hybridpar plan` states per device and `hybridpar train` compares its measurement with
@@ -61,6 +62,7 @@ from hybridpar.cost.compute import local_shapes
 from hybridpar.cost.scaling import graph_at_batch, shape_at_batch
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 from hybridpar.layout import LayerLayout
+from hybridpar.layout.blocks import block_of, block_zeros  # one rule with the runtime (block_of re-exported)
 
 if TYPE_CHECKING:
     from hybridpar.cluster.calibration import Calibration
@@ -114,6 +116,8 @@ def _fractions(node: Node, layouts: Mapping[str, Fractions] | None, default: Fra
 def _is_view(node: Node) -> bool:
     """A node whose output aliases its input: flatten/reshape, and dropout that drops nothing (a dropout
     in training with p > 0 writes a new tensor and keeps its noise: `internal_numel`)."""
+    if node.attr("window_freed") is True:  # a spatial window (cost.spatial.local_graph): its op keeps the piece
+        return True
     return node.op in _VIEWS and not (node.op == "dropout" and node.attr("p"))
 
 
@@ -201,6 +205,8 @@ def internal_numel(node: Node) -> float:
     Measured with saved_tensors_hooks on nn.TransformerEncoderLayer (docs/planner.md)."""
     if not node.out_numel:
         return 0
+    if node.attr("window_freed") is True:  # the halo rows a spatially split op keeps (cost.spatial.local_graph)
+        return float(node.attr("kept_numel") or 0)
     if node.op == "lstm":
         return _recurrent_numel(node)
     if node.op == "dropout" and node.attr("p"):  # its noise (CPU: the activation's dtype; GPUs a bool mask)
@@ -233,7 +239,8 @@ def node_kept_bytes(node: Node, kept: bool, elem: int, out_numel: float | None =
     inner = internal_numel(node)
     if inner:
         acts += inner * local / node.out_numel * elem
-    if node.op == "maxpool" or (node.op == "adaptive_avgpool" and node.attr("max")):
+    if (node.op == "maxpool" or (node.op == "adaptive_avgpool" and node.attr("max"))) \
+            and node.attr("indices") is not False:  # a spatially split max pool recomputes them instead
         acts += local * _INDEX_BYTES
     return acts
 
@@ -426,6 +433,8 @@ def conv_transient_bytes(node: Node, layout: LayerLayout, batch: int, elem: int,
     y_rows, cout = _rows_channels(node.out_shape, node.op, batch, s)
     partial = y_rows * ceil(cout / f) if c > 1 else 0
     dx = x_rows * ceil(cin / c) if input_grad else 0
+    if node.attr("rebuilds_window"):  # a spatially split conv re-assembles its input window in backward
+        dx += x_rows * ceil(cin / c)
     return float(max(partial, partial + dx) * elem)
 
 
@@ -537,7 +546,8 @@ def _as_layout(spec: LayerLayout | str) -> LayerLayout:
 def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapping[str, LayerLayout] | None = None,
                         batch: int | None = None, optimizer: str = DEFAULT_OPTIMIZER, momentum: float = 0.0,
                         weight_decay: float = 0.0, dtype: str = "fp32",
-                        framework_bytes: float | None = None, recompute: str = "none") -> RankMemory:
+                        framework_bytes: float | None = None,
+                        recompute: str | Collection[str] = "none") -> RankMemory:
     """Peak memory of one rank of hybridpar's runtime training `graph` at global batch `batch`
     (default graph.batch) under `layout` (a LayerLayout or a strategy string such as "channel=2"),
     with per-module layouts `layers` overriding it (a Plan's `layers` and `default_layout`).
@@ -548,9 +558,11 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
 
     `layout.zero` 2/3 (parameters sharded over the sample ranks, FSDP2) and `recompute="all"` (each
     block's activations recomputed in backward): `sharded_step_memory`'s rule, over the runtime's
-    blocks (`block_of`)."""
+    blocks (`block_of`). A mixed per-block plan: `layers` whose zero levels differ by block
+    (hybridpar.layout.blocks.block_zeros) and `recompute` the blocks that recompute (a collection of
+    names, Plan.recompute_blocks)."""
     optimizer_state_copies(optimizer, momentum)  # validates the name
-    if recompute not in RECOMPUTE:
+    if isinstance(recompute, str) and recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
     default = _as_layout(layout)
     layers = layers or {}
@@ -564,8 +576,53 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
         return predict_rank_memory(pieces, proxy_layout(default), batch=pieces.batch, optimizer=optimizer,
                                    momentum=momentum, weight_decay=weight_decay, dtype=dtype,
                                    framework_bytes=framework_bytes, recompute=recompute)
+    zeros, why = block_zeros(layers, default)
+    if why is not None:
+        raise ValueError(why)
+    parts = block_memory(graph, default, layers=layers, batch=batch, optimizer=optimizer, momentum=momentum,
+                         weight_decay=weight_decay, dtype=dtype, framework_bytes=framework_bytes)
+    if any(z != default.zero for z in zeros.values()):  # a mixed per-block plan
+        return parts.at({b: zeros.get(b, default.zero) for b in dict.fromkeys([*parts.owners, *parts.params])},
+                        recompute)
+    return parts.at(default.zero, recompute)
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """One split's per-layer memory terms by runtime block (`block_of`), priced at any per-block choice
+    of sharding and recomputation (`at`) without walking the graph again: the planner's per-block
+    search (hybridpar.search.layers.fsdp_blocks) and `predict_rank_memory` share it."""
+
+    layers: tuple[LayerMemory, ...]
+    owners: tuple[str, ...]  # the block of each entry of `layers` ("" the root's own)
+    block_inputs: Mapping[str, float]  # a block's input on this rank: what recomputation keeps of it
+    params: Mapping[str, tuple[float, float]]  # fsdp_block_bytes: what FSDP would hold per block, and the rest
+    sample: int
+    framework_bytes: float
+    io_bytes: float
+    optimizer: str = DEFAULT_OPTIMIZER
+    weight_decay: float = 0.0
+
+    def at(self, zero: int | Mapping[str, int] = 0, recompute: str | Collection[str] = "none") -> RankMemory:
+        """The peak with `zero` (a level, or block -> level) and `recompute` ("none", "all" or blocks)."""
+        if (zero if isinstance(zero, int) else any(zero.values())) or recompute != "none":
+            mem = sharded_step_memory(self.layers, self.owners, self.block_inputs, sample=self.sample, zero=zero,
+                                      recompute=recompute, params=self.params, optimizer=self.optimizer,
+                                      weight_decay=self.weight_decay)
+            return replace(mem, framework_bytes=self.framework_bytes, io_bytes=self.io_bytes)
+        return step_memory(self.layers, framework_bytes=self.framework_bytes, io_bytes=self.io_bytes,
+                           optimizer=self.optimizer, weight_decay=self.weight_decay)
+
+
+def block_memory(graph: Graph, default: LayerLayout, *, layers: Mapping[str, LayerLayout] | None = None,
+                 batch: int | None = None, optimizer: str = DEFAULT_OPTIMIZER, momentum: float = 0.0,
+                 weight_decay: float = 0.0, dtype: str = "fp32", framework_bytes: float | None = None) -> BlockMemory:
+    """`predict_rank_memory`'s per-layer terms of a sample x channel/filter split (`default`, per-module
+    `layers`; their zero levels are `BlockMemory.at`'s to choose), by block."""
     from hybridpar.cost.layout_comm import splits_by_layout
 
+    layers = layers or {}
+    batch = int(batch if batch is not None else graph.batch)
     graph = graph_at_batch(graph, batch)  # its shapes at the batch, as the planner prices them
     elem = DTYPE_BYTES[dtype]
     per_layer: list[LayerMemory] = []
@@ -604,26 +661,14 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
                                       momentum=momentum, kept=kept, graph_batch=graph.batch))
         owners.append("")
     fw = framework_bytes_for() if framework_bytes is None else float(framework_bytes)
-    if default.zero or recompute != "none":
-        mem = sharded_step_memory(per_layer, owners, block_inputs, sample=default.sample, zero=default.zero,
-                                  recompute=recompute, params=fsdp_block_bytes(graph, default, elem),
-                                  optimizer=optimizer, weight_decay=weight_decay)
-        return replace(mem, framework_bytes=fw, io_bytes=io_bytes(graph, batch, elem))
-    return step_memory(per_layer, framework_bytes=fw, io_bytes=io_bytes(graph, batch, elem), optimizer=optimizer,
-                       weight_decay=weight_decay)
+    held = fsdp_block_bytes(graph, default.model_copy(update={"zero": 3}), elem)  # what FSDP would hold
+    return BlockMemory(tuple(per_layer), tuple(owners), block_inputs, held, default.sample, fw,
+                       io_bytes(graph, batch, elem), optimizer, weight_decay)
+
+
 
 
 RECOMPUTE = ("none", "all")
-
-
-def block_of(module: str) -> str:
-    """The runtime's block (hybridpar.parallel.fsdp.blocks: what FSDP shards and recomputation
-    checkpoints) that module `module` belongs to: the root's child, or an item of a ModuleList child
-    ("layers.3"); "" for the root itself."""
-    parts = module.split(".") if module else []
-    if len(parts) > 1 and parts[1].isdigit():
-        return ".".join(parts[:2])
-    return parts[0] if parts else ""
 
 
 def fsdp_block_bytes(graph: Graph, layout: LayerLayout, elem: int) -> dict[str, tuple[float, float]]:
@@ -643,20 +688,25 @@ def fsdp_block_bytes(graph: Graph, layout: LayerLayout, elem: int) -> dict[str, 
 
 
 def sharded_step_memory(layers: Sequence[LayerMemory], owners: Sequence[str], block_inputs: Mapping[str, float], *,
-                        sample: int, zero: int = 0, recompute: str = "none",
+                        sample: int, zero: int | Mapping[str, int] = 0, recompute: str | Collection[str] = "none",
                         params: Mapping[str, tuple[float, float]] | None = None,
                         optimizer: str = DEFAULT_OPTIMIZER, weight_decay: float = 0.0) -> RankMemory:
     """Peak of one rank when the sample dimension shards the parameters (`zero`, FSDP2 over `sample`
     ranks) and/or blocks recompute their activations; `owners[i]`: the block of `layers[i]` ("": the
-    root's own, never recomputed); `block_inputs`: a block's input bytes on this rank.
+    root's own, never recomputed); `block_inputs`: a block's input bytes on this rank. `zero` and
+    `recompute` per block (a mixed plan): a mapping block -> level (blocks it does not name: 0) and
+    the collection of blocks that recompute.
 
     zero=3: parameters, gradients and optimizer state / S, plus one block's parameters gathered whole
     (in flight: the largest block's) and the root's own (FSDP2 keeps the root gathered); zero=2: the
     parameters / S plus all of them whole (each block stays gathered from its forward until its
     backward, so at the start of backward every block is); gradients: / S plus one block's whole
-    gradient before its reduce-scatter (in `buckets_bytes`, replacing the allreduce buckets).
-    recompute="all": a block keeps only its input for backward; the one block being recomputed holds
-    its activations again (the largest block's); the root's own activations are kept as they are.
+    gradient before its reduce-scatter (in `buckets_bytes`, replacing the allreduce buckets). A mixed
+    plan: its zero-2 blocks whole, its largest zero-3 block, its replicated blocks whole with their
+    gradients and GradSync buckets.
+    recompute: a recomputed block keeps only its input for backward; the one block being recomputed
+    holds its activations again (the largest recomputed block's); the root's own and the other blocks'
+    activations are kept as they are.
     `params` (`fsdp_block_bytes`, composed layouts): per block the bytes FSDP shards and those kept
     replicated; only the former are divided by S and gathered, the latter stay whole with their
     GradSync buckets. None: every parameter of `layers` sharded. Framework and I/O bytes: the caller's."""
@@ -668,29 +718,34 @@ def sharded_step_memory(layers: Sequence[LayerMemory], owners: Sequence[str], bl
                                   have.activations_bytes + m.activations_bytes, have.buckets_bytes + m.buckets_bytes,
                                   max(have.transient_bytes, m.transient_bytes))
     blocks = {b: m for b, m in by_block.items() if b}
-    root = by_block.get("", LayerMemory())
     weights = sum(m.weights_bytes for m in by_block.values())
     grads = sum(m.grads_bytes for m in by_block.values())
     opt = sum(m.optimizer_bytes for m in by_block.values())
     buckets = sum(m.buckets_bytes for m in by_block.values())
     held = weights
-    if zero and sample > 1:
+    level = (lambda b: zero.get(b, 0)) if isinstance(zero, Mapping) else (lambda b: zero)  # noqa: E731
+    if sample > 1 and any(level(b) for b in by_block):
         copies = opt / weights if weights else 0.0
         if params is None:
             params = {b: (m.weights_bytes, 0.0) for b, m in by_block.items()}
-        fsdp = sum(f for f, _ in params.values())
+        sharded = {b: f for b, (f, _) in params.items() if level(b)}
+        whole_rep = sum(f for b, (f, _) in params.items() if not level(b))  # replicated blocks: held whole
         kept = sum(k for _, k in params.values())
-        largest = max((f for b, (f, _) in params.items() if b), default=0.0)
-        whole = largest + params.get("", (0.0, 0.0))[0] if zero == 3 else fsdp
-        held = grads = fsdp / sample + kept
+        z3 = max((f for b, f in sharded.items() if b and level(b) == 3), default=0.0)
+        whole = (z3 + sum(f for b, f in sharded.items() if level(b) == 2)
+                 + (sharded.get("", 0.0) if level("") == 3 else 0.0))
+        held = grads = sum(sharded.values()) / sample + kept + whole_rep
         opt = held * copies
         weights = held + whole
-        # one block's whole gradient before its reduce-scatter; the kept ones' GradSync buckets
-        buckets = max((f for f, _ in params.values()), default=0.0) + kept
+        # one block's whole gradient before its reduce-scatter; the kept ones' and the replicated
+        # blocks' GradSync buckets
+        rep_buckets = sum(m.buckets_bytes for b, m in by_block.items() if not level(b))
+        buckets = max(sharded.values(), default=0.0) + kept + rep_buckets
     acts = sum(m.activations_bytes for m in by_block.values())
-    if recompute == "all" and blocks:
-        acts = (root.activations_bytes + sum(block_inputs.get(b, 0.0) for b in blocks)
-                + max(m.activations_bytes for m in blocks.values()))
+    redo = set(blocks) if recompute == "all" else set() if recompute == "none" else set(recompute) & set(blocks)
+    if redo:
+        acts = (sum(m.activations_bytes for b, m in by_block.items() if b not in redo)
+                + sum(block_inputs.get(b, 0.0) for b in redo) + max(blocks[b].activations_bytes for b in redo))
     transient = max([held * optimizer_step_copies(optimizer, weight_decay),
                      *(m.transient_bytes for m in layers)])
     return RankMemory(framework_bytes=0.0, weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt,

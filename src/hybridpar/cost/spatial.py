@@ -5,12 +5,15 @@ The runtime runs a spatial layout only uniformly (every layer under the one `sam
 layout). A rank then holds B/S samples of every activation, cut along each split spatial dim to its
 torch.chunk piece (the first piece is the largest: ceil(size / parts)); tensors without those dims
 (after a flatten or a global pooling) whole, their ops computed on every spatial rank for its samples.
-Every convolution or pooling first builds its input window (`_HaloExchange`: the piece, the halo
-rows the neighbours send and the edge padding, concatenated into a new tensor) and runs on it with no
-padding along the split dims; autograd keeps that window for backward (the halo buffer).
+Every convolution or pooling first builds its input window (the piece, the halo rows the neighbours
+send and the edge padding, concatenated into a new tensor) and runs on it with no padding along the
+split dims; for backward it keeps only its input piece (which the producer keeps anyway) and the halo
+rows it received, and re-assembles the window from them (`_HaloOp`); a max pool recomputes its
+indices there. The window itself lives only while the op runs (forward, and again in its backward).
 
 `local_graph` writes this as a graph the sample-parallel rules price unchanged: every shape at its
-piece, a `halo` node (a copy, kept by its consumer) before each sliding-window op, and the batch
+piece, a `halo` node before each sliding-window op (priced as an elementwise copy of the window; for
+memory, with `window_freed`, a view of the piece keeping `kept_numel` elements: its halo rows), and the batch
 multiplied by the spatial ranks P, so that `sample = S x P` gives each rank B/S samples of the pieces
 and sums weight gradients and batch-norm statistics over all S x P ranks, as the runtime's
 `stats_group` does. FLOPs scale with the output elements a rank computes.
@@ -27,8 +30,8 @@ from hybridpar.layout.halo import SPATIAL_DIMS, Window, coords_of, halo_plan, sp
 from hybridpar.layout.layer import ORDER, LayerLayout
 
 SLIDING = ("conv2d", "conv", "maxpool", "avgpool")  # ops that read a window of their input (graph.ops kinds)
-# the window copy local_graph adds before a sliding op: priced as an elementwise copy; its own backward
-# (the halo reduction) keeps nothing, the op reading it keeps it (graph.ops' "saves" attribute)
+# the window copy local_graph adds before a sliding op: priced as an elementwise copy; for memory its
+# op keeps the piece it was built from and the halo rows (cost.memory: the "halo" attribute)
 HALO_OP = "pointwise"
 
 
@@ -54,18 +57,36 @@ def _piece_shape(shape: tuple[int, ...], dims: list[tuple[int, int]], nd: int, b
     return tuple(out)
 
 
-def _window_rows(node: Node, d: int, size: int, parts: int) -> int:
-    """Rows of the input window the first rank's output piece reads along tensor dim `d` (its piece,
-    its halo and the edge padding; torch.chunk's first piece is the largest)."""
+def _window_rows(node: Node, d: int, size: int, parts: int) -> tuple[int, int]:
+    """(rows of the input window the first rank's output piece reads along tensor dim `d`: its piece, its
+    halo and the edge padding; of those, the halo rows it receives from the others), torch.chunk's
+    first piece being the largest."""
     k, s, p, dil = (node.attr(a) for a in ("kernel", "stride", "padding", "dilation"))
     i = d - 2
+    own = ceil(size / parts)
     if node.attr("transposed"):  # output row j reads input rows i with i*s + t*dil = j + p (spatial_layers)
         extra = int(node.attr("output_padding", (0,) * 3)[i] or 0)
         out = (size - 1) * s[i] - 2 * p[i] + dil[i] * (k[i] - 1) + extra + 1
         o1 = ceil(out / parts)
-        return max(0, min(size, (o1 - 1 + p[i]) // s[i] + 1))
-    a, b = halo_plan(Window(size, k[i], s[i], p[i], dil[i]), parts).window[0]
-    return b - a
+        rows = max(0, min(size, (o1 - 1 + p[i]) // s[i] + 1))
+        return rows, max(0, rows - own)
+    plan = halo_plan(Window(size, k[i], s[i], p[i], dil[i]), parts)
+    a, b = plan.window[0]
+    return b - a, plan.rows_received(0)
+
+
+def _kept_numel(node: Node, piece: tuple[int, ...], dims: list[tuple[int, int]], graph_input: bool) -> int:
+    """Elements a spatially split op keeps for backward besides its input piece (whose producer keeps
+    it): the halo rows each exchange received (hybridpar.parallel.styles.spatial._HaloOp; an exchange
+    along a later dim moves rows of the window the earlier ones extended), and the piece itself when it
+    is the model's input (a copy cut from the whole batch)."""
+    window = list(piece)
+    kept = prod(piece) if graph_input else 0
+    for d, parts in dims:
+        rows, received = _window_rows(node, d, node.in_shapes[0][d], parts)
+        kept += prod(window[:d]) * received * prod(window[d + 1:])
+        window[d] = rows
+    return kept
 
 
 def _sliding(node: Node, nd: int) -> bool:
@@ -80,21 +101,33 @@ def local_graph(graph: Graph, layout: LayerLayout) -> Graph:
     dims = spatial_dims(layout, nd)
     b, p = graph.batch, layout.spatial
     nodes: list[Node] = []
+    inputs_of_graph = {n.name for n in graph.nodes if n.op == "input"}
     for n in graph.nodes:
         out = _piece_shape(n.out_shape, dims, nd, b, p)
         ins = tuple(_piece_shape(s, dims, nd, b, p) for s in n.in_shapes)
         inputs = n.inputs
+        attrs = n.attrs
         if _sliding(n, nd) and n.inputs:
             ext = list(ins[0])
             for d, parts in dims:
-                ext[d] = _window_rows(n, d, n.in_shapes[0][d], parts)
+                ext[d] = _window_rows(n, d, n.in_shapes[0][d], parts)[0]
+            # _HaloOp keeps the piece and the halo rows, not the window, except (channel/filter too) a
+            # convolution's input: SpatialDistConv keeps its window, the others their input gathered
+            # over channels, about a window each (cost.memory's rules, with the "window_freed" attribute)
+            freed = layout.g_size == 1 or n.op in ("maxpool", "avgpool")
+            kept = _kept_numel(n, ins[0], dims, n.inputs[0] in inputs_of_graph) if freed else 0
             halo = Node(f"{n.name}__halo", HALO_OP, (n.inputs[0],), (ins[0],), tuple(ext),
-                        attrs=(("scope", n.attr("scope")), ("saves", "nothing"), ("halo", True)))
+                        attrs=(("scope", n.attr("scope")), ("saves", "nothing"), ("halo", True),
+                               ("window_freed", freed), ("kept_numel", kept)))
             nodes.append(halo)
             inputs, ins = (halo.name, *n.inputs[1:]), (tuple(ext), *ins[1:])
+            if n.op == "maxpool":  # recomputed in backward from the piece and its halo rows: no indices kept
+                attrs = (*attrs, ("indices", False))
+            elif freed and n.op != "avgpool":  # a convolution's backward re-assembles its window (a transient)
+                attrs = (*attrs, ("rebuilds_window", True))
         whole = prod(n.out_shape) if n.out_shape else 0
         k = prod(out) / whole if whole else p
-        nodes.append(dataclasses.replace(n, inputs=inputs, in_shapes=ins, out_shape=out,
+        nodes.append(dataclasses.replace(n, inputs=inputs, in_shapes=ins, out_shape=out, attrs=attrs,
                                          fwd_flops=int(n.fwd_flops * k), bwd_data_flops=int(n.bwd_data_flops * k),
                                          bwd_weight_flops=int(n.bwd_weight_flops * k)))
     return dataclasses.replace(graph, nodes=tuple(nodes), batch=b * p)

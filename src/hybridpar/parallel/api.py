@@ -61,6 +61,11 @@ def parallelize(module: nn.Module, spec: Plan | LayerLayout | str, *, check_inpu
     if mp_plan is not None:
         return _parallelize_mp(module, mp_plan, check_inputs, options)
     options.pop("example_inputs", None)  # for the placer and torch.export of model parallelism only
+    if options.pop("time_chunks", None) not in (None, 1):  # the wavefront runs across an MP group's devices
+        raise UserError("time_chunks needs a model-parallel plan (mp > 1): recurrent layers run whole here")
+    if options.pop("schedule", None) is not None or options.pop("loss_fn", None) is not None:
+        raise UserError("schedule/loss_fn (pipelined micro-batches, model.hybridpar.step) need a model-parallel "
+                        "plan (mp > 1)")
     if check_inputs is not None:  # before the first collective (group creation)
         check(module, spec, check_inputs, world_size=dist.get_world_size(), inputs=options.get("inputs", "global"))
     return fsdp.finish(apply_layout(module, spec, **options), recompute, mixed)

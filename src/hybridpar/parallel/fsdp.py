@@ -6,6 +6,9 @@ backward) or `zero=2` (gathered once, kept until the block's backward is done: F
 `reshard_after_forward=False`) first runs apply_layout as it is, then hands gradient synchronisation
 to FSDP2: `fully_shard` on every block (`blocks`) and on the root, over the `sample` dimension of the
 plan's one DeviceMesh (a 1-D mesh of the sample ranks for sample-only layouts, which build none).
+A mixed per-block plan (its layers' layouts differ in zero level only, hybridpar.layout.blocks) shards
+the blocks at zero 2|3, each at its own level, and keeps the others replicated with GradSync (FSDP's
+ignored parameters); recomputation likewise runs on the blocks a plan names (Plan.recompute_blocks).
 With channel/filter layouts our layers stay on the other dimensions and FSDP shards, over the sample
 ranks, what each rank holds of them (its local weight pieces); what FSDP cannot hold there (replicated
 DTensor parameters, pieces summed over more ranks than the sample ranks) stays with GradSync
@@ -35,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar.errors import UserError
+from hybridpar.layout.blocks import block_of, block_zeros, same_but_zero
 from hybridpar.plans import LayerLayout, Plan, parse_strategy
 
 RECOMPUTE = ("none", "all")
@@ -43,12 +47,15 @@ MIXED_PRECISION = ("none", "bf16")
 __all__ = ["MIXED_PRECISION", "RECOMPUTE", "blocks", "finish", "recompute_blocks", "sharding_refusal", "take_options"]
 
 
-def sharding_refusal(layouts: list[LayerLayout], mp: int, recompute: str) -> str | None:
-    """Why `zero` / `recompute` cannot run with these layouts yet (None: they can). Pure: before any rank
-    starts (hybridpar train's checks) and before parallelize's first collective."""
-    if recompute not in RECOMPUTE:
+def sharding_refusal(layouts: list[LayerLayout], mp: int, recompute: str | tuple[str, ...],
+                     named: dict[str, LayerLayout] | None = None) -> str | None:
+    """Why `zero` / `recompute` cannot run with these layouts yet (None: they can). `recompute`: "none",
+    "all" or the blocks that recompute (a plan's recompute_blocks); `named`: the plan's per-layer
+    layouts, whose zero levels must agree inside each block (a mixed per-block plan: blocks replicated,
+    zero=2 or zero=3 over one split). Pure: before any rank starts (hybridpar train's checks) and before
+    parallelize's first collective."""
+    if isinstance(recompute, str) and recompute not in RECOMPUTE:
         return f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}"
-    zeros = {lay.zero for lay in layouts}
     zeroed = next((lay for lay in layouts if lay.zero), None)
     if zeroed is not None:
         why = zeroed.zero_refusal()
@@ -56,9 +63,12 @@ def sharding_refusal(layouts: list[LayerLayout], mp: int, recompute: str) -> str
             return why
         if mp > 1:
             return f"zero={zeroed.zero} does not run with model parallelism (mp > 1) yet"
-        if len(zeros) > 1 or any(lay != layouts[0] for lay in layouts):
-            return (f"zero={zeroed.zero}: a plan whose layers differ in their layout or zero level does not "
-                    "run yet; give every layer the same layout (sample, channel and filter degrees and zero level)")
+        if any(not same_but_zero(lay, layouts[0]) for lay in layouts):
+            return (f"zero={zeroed.zero}: a plan whose layers differ in their sample, channel or filter degrees "
+                    "does not run with sharding yet; give every layer the same split (blocks may differ in zero level)")
+        why = block_zeros(named or {}, layouts[0])[1]
+        if why is not None:
+            return why
     if recompute != "none":
         if mp > 1:
             return f"recompute={recompute} does not run with model parallelism (mp > 1) yet"
@@ -80,33 +90,60 @@ def _layouts_of(spec: Plan | LayerLayout | str, world_size: int) -> tuple[list[L
     raise TypeError(f"expected a Plan, LayerLayout or strategy string, got {type(spec).__name__}")
 
 
-def take_options(spec: Plan | LayerLayout | str, options: dict[str, Any], world_size: int) -> tuple[str, str]:
+def plan_recompute(spec: Plan | LayerLayout | str) -> str | tuple[str, ...]:
+    """What a plan asks to recompute: "all", the blocks of its per-block choice (recompute_blocks), or
+    "none" (strategies and layouts ask nothing)."""
+    if isinstance(spec, Plan):
+        if spec.recompute_blocks is not None:
+            return tuple(spec.recompute_blocks)
+        return spec.recompute or "none"
+    return "none"
+
+
+def take_options(spec: Plan | LayerLayout | str, options: dict[str, Any],
+                 world_size: int) -> tuple[str | tuple[str, ...], str]:
     """Pop parallelize's `recompute` and `mixed_precision` options and refuse what does not run, before any
-    collective. Returns (recompute, mixed_precision)."""
-    recompute = options.pop("recompute", None) or "none"
+    collective. Returns (recompute, mixed_precision); recompute: the option where given, else the plan's
+    (`plan_recompute`: "all", or its per-block choice)."""
+    recompute = options.pop("recompute", None) or plan_recompute(spec)
     mixed = options.pop("mixed_precision", None) or "none"
     if mixed not in MIXED_PRECISION:
         raise UserError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got {mixed!r}")
     layouts, mp = _layouts_of(spec, world_size)
-    why = sharding_refusal(layouts, mp, recompute)
+    why = sharding_refusal(layouts, mp, recompute, dict(spec.layers) if isinstance(spec, Plan) else None)
+    if why is None and mixed == "bf16" and len({lay.zero for lay in layouts}) > 1:
+        # FSDP2's policy casts the root's inputs to bf16, which a replicated block's fp32 weights refuse
+        why = "mixed_precision=bf16 with a plan whose blocks differ in zero level does not run yet"
     if why is not None:
         raise UserError(why)
     return recompute, mixed
 
 
-def finish(module: nn.Module, recompute: str, mixed_precision: str = "none") -> nn.Module:
-    """After apply_layout: recomputation, then FSDP2 on the sample dimension (zero > 0). Collective.
+def finish(module: nn.Module, recompute: str | tuple[str, ...], mixed_precision: str = "none") -> nn.Module:
+    """After apply_layout: recomputation ("all", or these blocks), then FSDP2 on the sample dimension
+    for the blocks whose zero level is 2 or 3 (`zero_of_blocks`). Collective.
     mixed_precision="bf16": FSDP2 gathers and computes with bf16 copies of the fp32 parameters and
     reduce-scatters the gradients in fp32 (MixedPrecisionPolicy); only with zero (else nothing)."""
     state = getattr(module, "hybridpar", None)
     if state is None:
         return module
-    if recompute == "all":
-        recompute_blocks(module)
-    zero = state.layouts.default.zero
-    if zero and state.grid.sample > 1:
-        _shard(module, state, zero, mixed_precision)
+    if recompute != "none":
+        recompute_blocks(module, None if recompute == "all" else tuple(recompute))
+    zeros = zero_of_blocks(module, state.layouts.per_module, state.layouts.default)
+    if any(zeros.values()) and state.grid.sample > 1:
+        _shard(module, state, zeros, mixed_precision)
     return module
+
+
+def zero_of_blocks(module: nn.Module, layers: dict[str, LayerLayout], default: LayerLayout) -> dict[str, int]:
+    """Each block's zero level (`blocks`; "" the root's own parameters): the level its layers' layouts
+    carry (hybridpar.layout.blocks.block_zeros), else the default layout's."""
+    named, why = block_zeros(layers, default)
+    if why is not None:
+        raise UserError(why)
+    out = {name: named.get(name, named.get(block_of(name), default.zero)) for name, _ in blocks(module)}
+    out[""] = named.get("", default.zero)
+    return out
 
 
 # -- blocks ------------------------------------------------------------------------------------------
@@ -193,13 +230,26 @@ def _active_rules() -> list[Any]:
     return [m for m in _get_current_function_mode_stack() if isinstance(m, DTensorRules)]
 
 
-def recompute_blocks(module: nn.Module) -> list[str]:
-    """Wrap every block's forward (`blocks`) with non-reentrant torch.utils.checkpoint; returns their
-    names. Forwards without gradients (eval, no_grad) run as they are."""
+def recompute_blocks(module: nn.Module, only: tuple[str, ...] | None = None) -> list[str]:
+    """Wrap every block's forward (`blocks`; `only`: these of them, a UserError naming one the module
+    does not have) with non-reentrant torch.utils.checkpoint; returns their names. Forwards without
+    gradients (eval, no_grad) run as they are. A block already wrapped is left as it is (parallelize
+    honours a plan's choice; hybridpar train's --recompute all may ask again)."""
     from contextlib import nullcontext
 
     names = []
-    for name, block in blocks(module):
+    found = blocks(module)
+    unknown = sorted(set(only or ()) - {name for name, _ in found})
+    if unknown:
+        raise UserError(f"recompute_blocks: the model has no block {unknown[0]!r} (its blocks: "
+                        f"{', '.join(name for name, _ in found[:8])}{' ...' if len(found) > 8 else ''})")
+    for name, block in found:
+        if only is not None and name not in only:
+            continue
+        names.append(name)
+        if getattr(block, "_hybridpar_recomputed", False):
+            continue
+        setattr(block, "_hybridpar_recomputed", True)  # noqa: B010
         inner = block.forward
 
         def forward(*args: Any, _inner: Any = inner, _block: nn.Module = block, **kwargs: Any) -> Any:
@@ -210,7 +260,6 @@ def recompute_blocks(module: nn.Module) -> list[str]:
                               context_fn=lambda: (nullcontext(), _Recomputing(_block, modes)), **kwargs)
 
         block.forward = forward  # the instance's, inside nn.Module's hooks
-        names.append(name)
     return names
 
 
@@ -326,14 +375,26 @@ def _norm_units(module: nn.Module) -> list[tuple[str, nn.Module, Any]]:
             if name and isinstance(m, kinds) and next(m.parameters(recurse=False), None) is not None]
 
 
-def _shard(module: nn.Module, state: Any, zero: int, mixed_precision: str = "none") -> None:
+def _replicated(module: nn.Module, zeros: dict[str, int]) -> list[nn.Parameter]:
+    """The parameters of the blocks a mixed plan keeps replicated (zero 0; "" the root's own)."""
+    out = [p for name, block in blocks(module) if not zeros.get(name) for p in block.parameters()]
+    if not zeros.get(""):
+        inside = {id(p) for _, block in blocks(module) for p in block.parameters()}
+        out += [p for p in module.parameters() if id(p) not in inside]
+    return out
+
+
+def _shard(module: nn.Module, state: Any, zeros: dict[str, int], mixed_precision: str = "none") -> None:
+    """FSDP2 on the blocks whose zero level is 2 or 3 (`zeros`) and on the root; the replicated blocks'
+    parameters are FSDP's ignored ones and keep GradSync (ShardedSync.rest)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from hybridpar.parallel.comm.grad_sync import GradSync
 
+    zero = max(zeros.values())
     mesh = _sample_mesh(module, state, zero)
     ranks = tuple(sorted(dist.get_process_group_ranks(mesh.get_group())))
-    kept = _not_sharded(module, state, ranks)
+    kept = list({id(p): p for p in [*_not_sharded(module, state, ranks), *_replicated(module, zeros)]}.values())
     old, rest = state.grad_sync, None
     if old is not None:  # FSDP synchronises the gradients of what it shards now
         for h in old.handles:
@@ -344,12 +405,14 @@ def _shard(module: nn.Module, state: Any, zero: int, mixed_precision: str = "non
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     ignored = set(kept)
-    units = [(name, block, policy) for name, block in [*blocks(module), ("", module)]]
+    # the root always: FSDP2's root runs the lazy init and the prefetching of the blocks under it
+    units = [(name, block, policy) for name, block in [*blocks(module), ("", module)] if zeros.get(name) or not name]
     if mixed_precision == "bf16":  # norms keep fp32 weights (their kernels refuse bf16 weights on fp32 statistics)
         units = [*_norm_units(module), *units]
     sharded: list[Any] = []  # FSDPModule
     for name, block, unit_policy in units:
-        m = fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=unit_policy,
+        level = zeros.get(name, zero)  # a norm unit (bf16 only: every block sharded) as the default
+        m = fully_shard(block, mesh=mesh, reshard_after_forward=level == 3, mp_policy=unit_policy,
                         ignored_params=ignored or None)
         gather, scatter = _logged_comms(state.grid.comm_log, name)
         m.set_custom_all_gather(gather)

@@ -71,9 +71,19 @@ class Plan(_Frozen):
     # "all": every block recomputes its activations in backward (`train --recompute all`); None: not
     # set (the run's --recompute decides). Serialised only when set: older plans stay byte-identical.
     recompute: Literal["none", "all"] | None = None
+    # The blocks (hybridpar.layout.blocks.block_of names) that recompute: the planner's per-block choice
+    # (`plan --recompute auto`); None: `recompute` decides for every block. Serialised only when set.
+    recompute_blocks: list[str] | None = None
     # GPipe micro-batches per replica of a model-parallel plan, as the placer chose them (its bubble
     # priced); None: not chosen (one, unless the run says). Serialised only when set, as recompute.
     micro_batches: int | None = Field(None, ge=1)
+    # The micro-batch schedule of a model-parallel plan: "gpipe" (all forwards, then all backwards) or
+    # "1f1b" (torch.distributed.pipelining's one-forward-one-backward, for a chain of stages), as the
+    # placer chose it with the count; None: not chosen (gpipe). Serialised only when set, as recompute.
+    schedule: Literal["gpipe", "1f1b"] | None = None
+    # Time chunks per recurrent layer of a model-parallel plan (the time-step wavefront, as the placer
+    # chose and priced it; 1: whole layers); None: not chosen (whole). Serialised only when set.
+    time_chunks: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -88,7 +98,7 @@ class Plan(_Frozen):
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> Any:
         out = handler(self)
         if isinstance(out, dict):
-            for key in ("recompute", "micro_batches"):
+            for key in ("recompute", "micro_batches", "recompute_blocks", "schedule", "time_chunks"):
                 if getattr(self, key) is None:
                     out.pop(key, None)
         return out
@@ -101,6 +111,8 @@ class Plan(_Frozen):
         for name, lay in [("default_layout", self.default_layout), *self.layers.items()]:
             if lay.size != per_worker:
                 raise ValueError(f"layout of {name} uses {lay.size} ranks, expected {per_worker}")
+        if self.recompute_blocks is not None and self.recompute == "all":
+            raise ValueError("recompute_blocks: names some blocks, but recompute is 'all' (every block)")
         if self.placement is not None:
             bad = {k: v for k, v in self.placement.items() if not 0 <= v < self.mp}
             if bad:

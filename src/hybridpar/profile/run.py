@@ -69,6 +69,44 @@ def op_specs(opts: ProfileOptions) -> list:
     return ops.split_variants(ops.collect_op_specs(loaded.module, loaded.example_inputs), opts.splits)
 
 
+def graph_work(opts: ProfileOptions, covered: set[str]):
+    """(module, example inputs, graph, jobs) of the ops of `opts.model`'s graph that the hook path
+    (`op_specs`) does not time: every other op kind and shape (profile.graph_ops); None without a model."""
+    if not opts.model:
+        return None
+    from hybridpar.graph import trace
+    from hybridpar.graph.models import load_model
+    from hybridpar.profile.graph_ops import graph_jobs
+
+    loaded = load_model(opts.model, batch=opts.batch, input_shape=opts.input_shape)
+    try:
+        graph = trace(loaded.module, loaded.example_inputs, train=True)
+    except UserError:
+        return None  # a model the planner cannot trace either: its plan fails first, with the reason
+    return loaded.module, loaded.example_inputs, graph, graph_jobs(graph, opts.splits, covered)
+
+
+def _model_ops(opts: ProfileOptions, specs: list, work, step: Callable[[str], None]
+               ) -> tuple[dict[str, OpRecord], dict[str, str]]:
+    """The hook path's op records (profile.ops), then every other op of the graph (profile.graph_ops):
+    records by key, and the keys that could not be timed with the reason."""
+    from hybridpar.profile import ops
+
+    records: dict[str, OpRecord] = {}
+    for s in specs:
+        step(f"{s.op} {'x'.join(map(str, s.x))}")
+        rec = ops.profile_op(s, warmup=opts.warmup, repeats=max(3, opts.repeats // 2))
+        records[rec.key] = rec
+    if not work:
+        return records, {}
+    from hybridpar.profile.graph_ops import profile_graph_ops
+
+    module, inputs, graph, _ = work
+    got, untimed = profile_graph_ops(module, inputs, graph, opts.splits, set(records), warmup=opts.warmup,
+                                     repeats=max(3, opts.repeats // 2), progress=step)
+    return {**records, **got}, untimed
+
+
 def device_figures(*, warmup: int = 2, repeats: int = 10) -> dict:
     """One rank's single-thread matmul peaks (fp32, bf16), matmul rate by size and copy bandwidth:
     the Calibration fields that describe the device (seconds, not the gloo runs)."""
@@ -98,7 +136,6 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     import torch
 
     from hybridpar.cluster.localhost import physical_cores
-    from hybridpar.profile import ops
 
     torch.set_num_threads(1)  # one rank = one core: measure what one rank gets
     if specs is None:
@@ -106,16 +143,14 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     dist_layers = bool(opts.model) and any(k > 1 for k in opts.splits)
     path = calibration_path(out)
     overhead = overhead_to_keep(opts, path)
-    total = 5 + len(specs) + len(opts.ranks) + int(dist_layers) + int(overhead is None)
+    work = graph_work(opts, {s.key for s in specs})
+    n_graph = len(work[3]) if work else 0
+    total = 5 + len(specs) + n_graph + len(opts.ranks) + int(dist_layers) + int(overhead is None)
     step = progress or (lambda desc, total: None)
 
     step("matmul peaks and copy bandwidth", total)
     device = device_figures(warmup=opts.warmup, repeats=opts.repeats)
-    records: dict[str, OpRecord] = {}
-    for s in specs:
-        step(f"{s.op} {'x'.join(map(str, s.x))}", total)
-        rec = ops.profile_op(s, warmup=opts.warmup, repeats=max(3, opts.repeats // 2))
-        records[rec.key] = rec
+    records, untimed = _model_ops(opts, specs, work, lambda desc: step(desc, total))
     if dist_layers:
         step("channel/filter layers as the runtime runs them", total)
         from hybridpar.profile.dist_layers import measure_dist_layers
@@ -159,6 +194,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                                       for i, part in enumerate(("fwd", "bwd"))})
     old = _previous(path) if opts.merge else None
     if old is not None:
+        untimed = {k: v for k, v in {**old.untimed, **untimed}.items() if k not in records}
         records = {**old.ops, **records}
         fits = {**old.gloo, **fits}
         colls = [f for f in old.collectives if f.world_size not in opts.ranks] + colls
@@ -168,7 +204,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       collectives=colls, ops=records, framework_bytes=framework,
                       mp_node_overhead_s=node_overhead, runtime_overhead=overhead,
                       update={k: StepFit(**v) for k, v in per_step["update"].items()},
-                      loss=StepFit(**per_step["loss"]), rank_skew=skew)
+                      loss=StepFit(**per_step["loss"]), rank_skew=skew, untimed=untimed)
     return cal, save_calibration(cal, path)
 
 

@@ -56,6 +56,11 @@ def _prediction(plan: Plan, notes: list[str]) -> Section:
         why = "the plan carries no prediction (made by hand or by --strategy without a cost model)"
         notes.append(why)
         return s.note(why)
+    from hybridpar.cost.coverage import LABEL
+
+    for n in plan.notes:  # figures resting on the roofline where a measurement was expected: said first
+        if n.startswith(LABEL):
+            s.note(n)
     s.facts([("step time", seconds(p.step_time_s)), ("compute", seconds(p.compute_s)),
              ("communication", seconds(p.comm_s)), ("exposed communication", seconds(p.exposed_comm_s)),
              ("idle", seconds(p.idle_s)),

@@ -33,10 +33,13 @@ adopted by a resume; pruning removes only checkpoints whose manifest checks out 
 the lock file is opened without following symlinks, and a run whose lock file is gone (the directory
 deleted or replaced under it) stops before it writes or prunes anything.
 
-Why not torch.distributed.checkpoint: it describes shards through DTensor/ShardedTensor placements;
-this runtime's shards are plain tensors cut into uneven and (for stationary-w) strided pieces that
-those placements cannot express. FSDP-sharded state (`zero=2|3`) is written here too, each rank its
-FSDP shard of its piece with a composed ShardInfo (hybridpar.train.checkpoint_sharded).
+Two storage formats under the same directory, manifest, lock and pruning. Layouts whose state is
+sharded (channel/filter pieces, FSDP `zero=2|3` shards, their composition) write the step directory
+as a torch.distributed.checkpoint (DCP) directory (manifest version 2, hybridpar.train.checkpoint_dcp):
+each rank its pieces as chunks of the full tensors, resharded on load by DCP itself, readable by
+torch's own `dcp.load`. Layouts whose every tensor is whole on every rank (sample-only, replicated)
+and model-parallel stages keep the rank files above (version 1): there is nothing to reshard, rank 0's
+file alone is the model, and the own reader stays anyway for the checkpoints written before DCP.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ from hybridpar.errors import UserError
 from hybridpar.parallel.state import ShardInfo, place, take
 
 FORMAT = "hybridpar-checkpoint"
-VERSION = 1
+VERSION = 1  # rank files (whole-tensor layouts)
+VERSION_DCP = 2  # a torch.distributed.checkpoint directory (sharded layouts)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 LOCK_FILE = ".hybridpar.lock"
 
@@ -171,29 +175,20 @@ def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch
             failure = _write_failure(err, tmp)
     _agree(failure, tmp)
     tensors, shards = local_tensors(engine)
-    payload = {
-        "step": step, "rank": rank, "world_size": world,
-        "tensors": {k: _plain(t).detach().cpu().clone() for k, t in tensors.items()},
-        "shards": shards,
-        "optimizer": _opt_state_by_name(tensors, optimizer),
-        "rng": torch.get_rng_state(),
-    }
-    path = tmp / _rank_file(rank)
-    try:
-        with path.open("wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
-        failure = _write_failure(err, path)
+    sharded = _use_dcp(shards)
+    if sharded:  # pieces: chunks of the full tensors in a DCP directory (checkpoint_dcp)
+        failure, extra = _save_dcp(tmp, tensors, shards, optimizer)
+    else:
+        failure, extra = _save_rank_file(tmp, step, tensors, shards, optimizer), {}
     _agree(failure, tmp)  # every shard is on disk before the manifest names them
     if rank == 0:
         try:
-            files = [{"rank": r, "file": _rank_file(r), "bytes": (tmp / _rank_file(r)).stat().st_size,
-                      "sha256": _sha256(tmp / _rank_file(r))} for r in range(world)]
-            manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
-                        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-                        "files": files, **(meta or {})}
+            files = _dcp_files(tmp) if sharded else [
+                {"rank": r, "file": _rank_file(r), "bytes": (tmp / _rank_file(r)).stat().st_size,
+                 "sha256": _sha256(tmp / _rank_file(r))} for r in range(world)]
+            manifest = {"format": FORMAT, "version": VERSION_DCP if sharded else VERSION, "step": step,
+                        "world_size": world, "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+                        "files": files, **extra, **(meta or {})}
             manifest["manifest_sha256"] = manifest_digest(manifest)
             with (tmp / "manifest.json").open("w") as f:
                 json.dump(manifest, f, indent=2)
@@ -212,6 +207,60 @@ def save_checkpoint(root: str | os.PathLike, step: int, engine, optimizer: torch
             _prune(root, keep, step, (meta or {}).get("run_id"), overwrite)
     _agree(failure, tmp)  # when this returns, the checkpoint is committed for every rank
     return final
+
+
+def _use_dcp(shards: dict[str, ShardInfo | None]) -> bool:
+    """DCP (version 2) when some tensor is a piece; rank files (version 1) when every one is whole."""
+    return any(s is not None for s in shards.values())
+
+
+def _save_rank_file(tmp: Path, step: int, tensors: dict, shards: dict, optimizer) -> str | None:
+    """Version 1: this rank's tensors, optimizer state and RNG in rank-NNNNN.pt; a failure line or None."""
+    rank = dist.get_rank()
+    payload = {
+        "step": step, "rank": rank, "world_size": dist.get_world_size(),
+        "tensors": {k: _plain(t).detach().cpu().clone() for k, t in tensors.items()},
+        "shards": shards,
+        "optimizer": _opt_state_by_name(tensors, optimizer),
+        "rng": torch.get_rng_state(),
+    }
+    path = tmp / _rank_file(rank)
+    try:
+        with path.open("wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        return _write_failure(err, path)
+    return None
+
+
+def _save_dcp(tmp: Path, tensors: dict, shards: dict, optimizer) -> tuple[str | None, dict]:
+    """Version 2 (collective): every rank's pieces into DCP directory `tmp`; (failure line or None,
+    what the manifest adds). The pieces are cut first and the ranks agree on that before DCP's
+    collectives start, so that a rank refusing its state cannot leave the others waiting in DCP."""
+    from hybridpar.train import checkpoint_dcp as cd
+
+    pieces, failure = None, None
+    scalars: list[str] = []
+    updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    try:
+        pieces, scalars = cd.pieces_of(tensors, shards, _opt_state_by_name(tensors, optimizer),
+                                       {n for n, t in tensors.items() if id(t) in updated})
+    except ValueError as err:
+        failure = f"{tmp}: {err}"
+    _agree(failure, tmp)
+    assert pieces is not None  # (_agree raised otherwise)
+    try:
+        return None, cd.write_pieces(tmp, pieces, scalars, cd.pieces_digest(tensors, shards))
+    except (OSError, RuntimeError, ValueError, cd.CheckpointException) as err:  # DCP: every rank raises
+        return _write_failure(cd.unwrap(err), tmp), {}
+
+
+def _dcp_files(tmp: Path) -> list[dict]:
+    """The files DCP wrote into `tmp` (every rank's data file and `.metadata`), with sizes and hashes."""
+    return [{"file": p.name, "bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(tmp.iterdir()) if p.name != "manifest.json"]
 
 
 def _not_replaceable(final: Path, owner: str | None, overwrite: bool) -> str | None:
@@ -293,8 +342,9 @@ def read_manifest(path: Path, *, verify_hashes: bool = True) -> dict:
         raise UserError(f"checkpoint {path}: no readable manifest.json ({type(err).__name__})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise UserError(f"checkpoint {path}: not a hybridpar checkpoint")
-    if manifest.get("version") != VERSION:
-        raise UserError(f"checkpoint {path}: version {manifest.get('version')!r} unsupported (reads {VERSION})")
+    version = manifest.get("version")
+    if version not in (VERSION, VERSION_DCP) or isinstance(version, bool):
+        raise UserError(f"checkpoint {path}: version {version!r} unsupported (reads {VERSION} and {VERSION_DCP})")
     if manifest.get("manifest_sha256") != manifest_digest(manifest):
         raise UserError(f"checkpoint {path}: manifest.json does not match its checksum (damaged or edited)")
     named = _STEP_DIR.match(path.name)
@@ -303,18 +353,36 @@ def read_manifest(path: Path, *, verify_hashes: bool = True) -> dict:
         raise UserError(f"checkpoint {path}: the manifest's step {step!r} is not its directory's")
     files = manifest.get("files")
     world = manifest.get("world_size")
-    if not _is_count(world) or world < 1 or not isinstance(files, list) or len(files) != world:
+    if not _is_count(world) or world < 1 or not isinstance(files, list) or (
+            len(files) != world if version == VERSION else not files):
         raise UserError(f"checkpoint {path}: manifest lists {len(files) if isinstance(files, list) else 0} "
                         f"files for {world} ranks")
     for r, f in enumerate(files):
-        if not isinstance(f, dict) or f.get("file") != _rank_file(r) or f.get("rank") != r:
-            raise UserError(f"checkpoint {path}: manifest entry {r} is not {_rank_file(r)} of this directory")
-        p = path / _rank_file(r)
+        _check_entry(path, version, files, r)
+        p = path / f["file"]
         if p.is_symlink() or not p.is_file() or p.stat().st_size != f.get("bytes"):
             raise UserError(f"checkpoint {path}: {f.get('file')} missing or truncated")
         if verify_hashes and _sha256(p) != f.get("sha256"):
             raise UserError(f"checkpoint {path}: {f.get('file')} does not match its SHA-256")
     return manifest
+
+
+def _check_entry(path: Path, version: int, files: list, r: int) -> None:
+    """Entry `r` of a manifest's file list names a file of this directory in its version's format:
+    `rank-NNNNN.pt` for rank r (version 1); a DCP data file or `.metadata`, each once (version 2)."""
+    f = files[r]
+    if version == VERSION:
+        if not isinstance(f, dict) or f.get("file") != _rank_file(r) or f.get("rank") != r:
+            raise UserError(f"checkpoint {path}: manifest entry {r} is not {_rank_file(r)} of this directory")
+        return
+    from hybridpar.train.checkpoint_dcp import DATA_FILE, METADATA
+
+    names = [g.get("file") if isinstance(g, dict) else None for g in files]
+    name = names[r]
+    if not isinstance(name, str) or not (name == METADATA or DATA_FILE.match(name)) or names.count(name) > 1:
+        raise UserError(f"checkpoint {path}: manifest entry {r} is not a DCP file of this directory")
+    if METADATA not in names:
+        raise UserError(f"checkpoint {path}: manifest lists no {METADATA}")
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -589,8 +657,8 @@ def load_checkpoint(info: CheckpointInfo, module: nn.Module) -> dict:
     checkpoint's undistributed weights into it before make_engine (which then cuts its own pieces).
     Reads every rank file whole; channel/filter/sample engines use `load_pieces` instead. Returns the
     rank files, for `restore_training_state`."""
-    parts = _load_rank_files(info)
-    weights = full_state(parts)
+    parts = None if _is_dcp(info) else _load_rank_files(info)
+    weights = full_model_state(info) if parts is None else full_state(parts)
     try:
         module.load_state_dict(weights)
     except RuntimeError as err:
@@ -607,6 +675,12 @@ def restore_training_state(loaded: dict, engine, optimizer: torch.optim.Optimize
     engines may settle a layer's shard shape only at the first forward. Each slot is read piece by
     piece (`_piece`): with the layout it was saved with, a rank reads only its own pieces."""
     info, parts = loaded["info"], loaded["parts"]
+    if _is_dcp(info):
+        from hybridpar.train import checkpoint_dcp as cd
+
+        cd.restore_training_state(info.path, info.manifest, engine, optimizer, restore_rng=restore_rng)
+        return info.step
+
     def sliced(v) -> bool:  # a per-element slot (momentum, Adam moments), cut like its parameter
         return torch.is_tensor(v) and v.dim() > 0
 
@@ -756,7 +830,13 @@ def load_init_pieces(path: str | os.PathLike, engine) -> None:
 def load_pieces(info: CheckpointInfo, engine) -> dict:
     """A resume after make_engine: this rank's pieces of the checkpoint's weights, read from the
     memory-mapped rank files (the same layout: its own file's pieces only; another layout: one tensor
-    at a time). Returns the mapped rank files, for `restore_training_state`."""
+    at a time). Returns the mapped rank files, for `restore_training_state`. A DCP checkpoint (version 2):
+    DCP reads the stored chunks that overlap this rank's pieces (checkpoint_dcp)."""
+    if _is_dcp(info):
+        from hybridpar.train import checkpoint_dcp as cd
+
+        cd.load_pieces(info.path, info.manifest, engine)
+        return {"info": info, "parts": None}
     parts = [_load_rank_file(info, r, mmap=True) for r in range(len(info.manifest["files"]))]
     tensors, shards = local_tensors(engine)
     own = dist.get_rank() if info.world_size == dist.get_world_size() else 0
@@ -768,5 +848,13 @@ def load_pieces(info: CheckpointInfo, engine) -> dict:
 
 def full_model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The undistributed model's state_dict stored in a checkpoint (no process group needed)."""
+    if _is_dcp(info):
+        from hybridpar.train import checkpoint_dcp as cd
+
+        return cd.full_model_state(info.path, info.manifest)
     return full_state(_load_rank_files(info))
+
+
+def _is_dcp(info: CheckpointInfo) -> bool:
+    return info.manifest.get("version") == VERSION_DCP
 

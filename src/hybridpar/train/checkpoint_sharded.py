@@ -1,14 +1,15 @@
-"""FSDP-sharded tensors (`zero=2|3`, hybridpar.parallel.fsdp) in hybridpar's own checkpoint format
-(hybridpar.train.checkpoint): each rank writes only its FSDP shard, described by a ShardInfo like any
-other piece, so a checkpoint saved under `sample=2,zero=3` resumes under `sample=2`, one rank or
-`sample=2,channel=2,zero=3` through the same resharding, manifest and checksums.
+"""FSDP-sharded tensors (`zero=2|3`, hybridpar.parallel.fsdp) in checkpoints (hybridpar.train.checkpoint):
+each rank writes only its FSDP shard, described by a ShardInfo like any other piece (and so written as
+chunks of the full tensor, hybridpar.train.checkpoint_dcp), so a checkpoint saved under `sample=2,zero=3`
+resumes under `sample=2`, one rank or `sample=2,channel=2,zero=3` through the same resharding.
 
 An FSDP2 parameter (and its optimizer slots) is a DTensor on the plan's `sample` mesh dimension,
 Shard(0), over what the rank would hold without sharding: the whole tensor (sample-only layouts) or
 this rank's channel/filter piece (its ShardInfo). The rows of that it holds are DTensor's even-chunk
 split (FSDP2's); composing them with the piece's ranges gives the shard's place in the undistributed
-tensor. (torch.distributed.checkpoint cannot say this: the piece under the FSDP shard is itself an
-uneven or strided cut of the parameter, which no DTensor placement expresses.)"""
+tensor. (No DTensor placement says this: the piece under the FSDP shard is itself an uneven or strided
+cut of the parameter. DCP's storage does not need one: a ShardInfo is a product of ranges, i.e. boxes,
+and each box is a DCP chunk.)"""
 
 from __future__ import annotations
 

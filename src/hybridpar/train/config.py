@@ -61,17 +61,23 @@ class ParallelConfig:
     strategy: str | None = None
     gpus: int | None = None
     micro_batches: int | None = None
+    # recurrent layers in K time chunks (the wavefront; model-parallel plans only; None: the plan's, else 1)
+    time_chunks: int | None = None
+    # the micro-batch schedule, "gpipe" | "1f1b" (model-parallel plans only; None: the plan's, the placer's)
+    schedule: str | None = None
     bn_stats: str = "global"
     recompute: str = "none"
 
     def check(self) -> None:
-        check_counts(gpus=self.gpus, micro_batches=self.micro_batches)
+        check_counts(gpus=self.gpus, micro_batches=self.micro_batches, time_chunks=self.time_chunks)
         if (self.strategy is None) == (self.plan is None):
             raise UserError("give exactly one of `strategy` or `plan`", param="strategy")
         if self.bn_stats not in ("global", "local"):
             raise UserError(f"bn_stats must be global or local, got {self.bn_stats!r}", param="bn_stats")
         if self.recompute not in ("none", "all"):
             raise UserError(f"recompute must be none or all, got {self.recompute!r}", param="recompute")
+        if self.schedule not in (None, "gpipe", "1f1b"):
+            raise UserError(f"schedule must be gpipe or 1f1b, got {self.schedule!r}", param="schedule")
 
 
 @dataclass(frozen=True)
@@ -110,8 +116,8 @@ SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig
 FLAT_OPTIONS: dict[str, tuple[str | None, str]] = {
     **{name: (None, name) for name in ("model", "input_shape", "batch", "steps", "epochs", "seed", "gns",
                                        "deterministic", "callbacks", "max_loss_ratio", "loss")},
-    **{name: ("parallel", name) for name in ("plan", "strategy", "gpus", "micro_batches", "bn_stats",
-                                                       "recompute")},
+    **{name: ("parallel", name) for name in ("plan", "strategy", "gpus", "micro_batches", "time_chunks", "schedule",
+                                                       "bn_stats", "recompute")},
     "nproc": ("parallel", "gpus"), "devices": ("parallel", "gpus"),  # the device count's old names
     "data": ("data", "source"), "synthetic_size": ("data", "synthetic_size"), "shuffle": ("data", "shuffle"),
     "workers": ("data", "workers"), "local_ranks": ("data", "local_ranks"),
@@ -280,6 +286,12 @@ def run_config(config: TrainConfig | None = None, *, launcher_world: int | None 
     micro = cfg.parallel.micro_batches  # absent: the placer's choice (the plan's), else one
     if micro is None:
         micro = (the_plan.micro_batches or 1) if the_plan.mp > 1 else 1
+    the_plan = _with_time_chunks(the_plan, cfg.parallel.time_chunks)
+    from hybridpar.parallel.pipeline.schedule import settle_schedule
+
+    # --schedule (refused before start if it cannot run), else the placer's (gpipe where 1f1b cannot)
+    the_plan = settle_schedule(m.loaded.module, the_plan, cfg.parallel.schedule, batch, micro,
+                               tuple(m.loaded.example_inputs))
     cfg = replace(cfg, parallel=replace(cfg.parallel, plan=the_plan, recompute=recompute, micro_batches=micro))
     with startup.phase("dry run of the layout"):
         _check_layout(m.loaded.module, the_plan, batch, cfg.parallel.micro_batches, cfg.optim.precision,
@@ -343,7 +355,18 @@ def _placed(cfg: TrainConfig, m: _Loaded, place: Callable[..., Plan] | None) -> 
         the_plan = the_plan.model_copy(update={"input_shape": list(m.shape)})
     # priced with the update this run makes (its state in memory, its time in the step)
     return place(the_plan, m.loaded.module, optimizer=cfg.optim.optimizer, momentum=cfg.optim.momentum,
-                 example_inputs=examples, micro_batches=cfg.parallel.micro_batches)
+                 example_inputs=examples, micro_batches=cfg.parallel.micro_batches,
+                 time_chunks=cfg.parallel.time_chunks,
+                 **({"schedule": cfg.parallel.schedule} if cfg.parallel.schedule is not None else {}))
+
+
+def _with_time_chunks(plan: Plan, chunks: int | None) -> Plan:
+    """The plan with the run's recurrent time chunks: --time-chunks, else the plan's (the placer's), else 1."""
+    if plan.mp == 1:
+        if chunks not in (None, 1):
+            raise UserError(f"time_chunks {chunks} needs a model-parallel plan (mp > 1)", param="time_chunks")
+        return plan
+    return plan.model_copy(update={"time_chunks": chunks if chunks is not None else plan.time_chunks or 1})
 
 
 def _checked_length(cfg: TrainConfig, n: int) -> int:
@@ -362,7 +385,8 @@ def _rank_memory(cfg: TrainConfig, m: _Loaded, data_bytes: int) -> int:
     """Bytes one rank's process needs: the cost model's figure for this layout plus the data set held
     whole, else the coarser estimate from the model."""
     batch, optim = cfg.batch, cfg.optim
-    predicted = _predicted_memory(m.loaded, cfg.plan, batch, optim.optimizer, optim.momentum, optim.weight_decay)
+    predicted = _predicted_memory(m.loaded, cfg.plan, batch, optim.optimizer, optim.momentum, optim.weight_decay,
+                                  cfg.parallel.recompute)
     if predicted is not None:
         per_rank = int(predicted) + data_bytes
     else:
@@ -593,10 +617,13 @@ def _check_sharding(cfg: TrainConfig, plan: Plan) -> None:
     from hybridpar.parallel.fsdp import sharding_refusal
 
     layouts = [plan.default_layout, *plan.layers.values()]
-    why = sharding_refusal(layouts, plan.mp, cfg.parallel.recompute)
+    recompute = cfg.parallel.recompute  # a plan's per-block choice runs unless --recompute all overrides it
+    if recompute == "none" and plan.recompute_blocks is not None:
+        recompute = tuple(plan.recompute_blocks)
+    why = sharding_refusal(layouts, plan.mp, recompute, dict(plan.layers))
     if why is not None:
         raise UserError(why, param="recompute" if "recompute" in why.split(":")[0] else "strategy")
-    # zero=2|3 checkpoints: each rank its FSDP shard, in the own format (train.checkpoint_sharded)
+    # zero=2|3 checkpoints: each rank its FSDP shard, as DCP chunks (train.checkpoint_sharded, checkpoint_dcp)
 
 
 def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision: str = "fp32", examples=(),
@@ -608,7 +635,9 @@ def _check_layout(module, plan: Plan, batch: int, micro_batches: int, precision:
             raise UserError(f"micro_batches {micro_batches} needs a model-parallel plan (mp > 1)",
                             param="micro_batches")
         check_parallelizable(module, as_layouts(plan), batch)
-        if plan.default_layout.g_size > 1:
+        # activations are DTensors (channel/filter or spatial splits): what the layout cannot serve
+        # (an op, a module reading a conv's attributes the spatial wrapper lacks) refused before start
+        if plan.default_layout.g_size > 1 or plan.default_layout.spatial > 1:
             _layout_dry_run(module, plan, batch, examples)
         return
     from hybridpar.parallel.pipeline import check_mp_plan
@@ -697,7 +726,7 @@ def _check_init_state(module, path: str, state) -> None:
 
 
 def _predicted_memory(loaded, plan: Plan, batch: int, optimizer: str, momentum: float,
-                      weight_decay: float) -> float | None:
+                      weight_decay: float, recompute: str = "none") -> float | None:
     """One rank's peak in a step as the cost model predicts it (hybridpar.cost.memory, the planner's
     own sum) from the model's graph, or None where it does not apply (model-parallel plans, a model
     the tracer cannot read)."""
@@ -708,8 +737,10 @@ def _predicted_memory(loaded, plan: Plan, batch: int, optimizer: str, momentum: 
 
     try:
         graph = trace(loaded.module, loaded.example_inputs)
+        # what recomputes: --recompute all (or a plan's "all"), else the plan's per-block choice
+        blocks = plan.recompute_blocks if recompute == "none" and plan.recompute_blocks is not None else recompute
         return predict_rank_memory(graph, plan.default_layout, layers=plan.layers, batch=batch, optimizer=optimizer,
-                                   momentum=momentum, weight_decay=weight_decay).total_bytes
+                                   momentum=momentum, weight_decay=weight_decay, recompute=blocks).total_bytes
     except Exception:  # noqa: BLE001 - then the coarser estimate below
         return None
 

@@ -73,6 +73,11 @@ class ChannelFilterEngine:
         self.grid = self.state.grid
         self.comm_log: CommLog = self.grid.comm_log
         self._dtensor_records: list[dict] | None = None
+        # rider(): a few float flags of this rank's, sent with the step's loss (no collective of their
+        # own: hybridpar.train.guard's verdict on this rank's batch-norm buffers); rider_values: their
+        # mean over the sample groups after train_step
+        self.rider = None
+        self.rider_values: list[float] | None = None
 
     def parameters(self):
         return self.module.parameters()
@@ -134,7 +139,7 @@ class ChannelFilterEngine:
         value = None
         if self.state.meshes is None or self._dtensor_records is not None:
             loss = self.loss_fn(self.forward(x), y)
-            value = loss.detach().clone().reshape(1)
+            value = self._with_rider(loss.detach().clone().reshape(1))
             if gs is not None and gs.enabled and replicas.size > 1:
                 gs.carry(value, replicas, "loss")
             loss.backward()
@@ -151,10 +156,18 @@ class ChannelFilterEngine:
                 loss.backward()
             self._dtensor_records = list(rec.records)
         if value is not None and gs is not None and gs.carried():
-            return float(value.item())  # summed over the replicas and divided by their number with the gradients
-        value = loss.detach().clone().reshape(1) / self.grid.sample
+            return self._loss_of(value)  # summed over the replicas and divided by their number with the gradients
+        value = self._with_rider(loss.detach().clone().reshape(1)) / self.grid.sample
         all_reduce_(value, replicas, self.comm_log, "loss")  # for reporting only
-        return float(value.item())
+        return self._loss_of(value)
+
+    def _with_rider(self, value: torch.Tensor) -> torch.Tensor:
+        return value if self.rider is None else torch.cat([value, self.rider().to(value)])
+
+    def _loss_of(self, value: torch.Tensor) -> float:
+        values = value.tolist()  # one sync for the loss and the rider
+        self.rider_values = values[1:] if self.rider is not None else None
+        return float(values[0])
 
     def sync_gradients(self) -> None:
         """Gradients are synchronised during backward; kept for the engine protocol."""
@@ -175,13 +188,15 @@ class MPModuleEngine:
     `hybridpar.parallelize` returns for the plan (hybridpar.parallel.pipeline.module), trained as a
     user's own loop trains it: every rank passes the global batch, gets the whole outputs, computes the
     run's loss (the same value on every rank) and calls backward, which sends the gradients back to the
-    producing stages and sums the weights' gradients over the replicas. No loss belongs to the engine."""
+    producing stages and sums the weights' gradients over the replicas. No loss belongs to the engine.
+    Under the plan's schedule "1f1b" the step runs through torch.distributed.pipelining instead
+    (`module.hybridpar.step`, pipeline.schedule), the run's loss given to the schedule."""
 
     def __init__(self, module: nn.Module, plan: Plan, *, bn_stats: str = "global", loss_fn=task_loss,
                  micro_batches: int | None = None, example_inputs: tuple | None = None):
         self.loss_fn = loss_fn
         self.module = parallelize(module, plan, bn_stats=bn_stats, example_inputs=example_inputs,
-                                  micro_batches=micro_batches)
+                                  micro_batches=micro_batches, schedule=plan.schedule, loss_fn=loss_fn)
         self.state = module.hybridpar  # pipeline.module.MPState
         self.mp_engine = self.state.engine  # the stages, the owned weights and the gradient sync
         self.layout = self.state.layout
@@ -211,6 +226,8 @@ class MPModuleEngine:
         self.comm_log.mark_step()
         self.module.train()
         args, kwargs = as_call(x)
+        if self.state.schedule == "1f1b":  # forwards and backwards interleaved: the schedule owns backward
+            return float(self.state.step(*args, target=y, **kwargs))
         loss = self.loss_fn(self.module(*args, **kwargs), y.to(self.device) if torch.is_tensor(y) else y)
         loss.backward()
         return float(loss.detach())

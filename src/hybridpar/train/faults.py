@@ -18,6 +18,9 @@ DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "HYBRIDPAR_COLLECTIVE_TIMEOUT_S"
 # Test-only fault injection: rank FAIL_RANK exits abruptly before step FAIL_STEP, on the first attempt.
 FAIL_RANK_ENV, FAIL_STEP_ENV = "HYBRIDPAR_TEST_FAIL_RANK", "HYBRIDPAR_TEST_FAIL_STEP"
+# Test-only: every rank of a process with this variable waits before this step on the first attempt
+# (a node to be killed while its peers wait for it in a collective: tests/hardening/test_two_nodes.py).
+PAUSE_STEP_ENV = "HYBRIDPAR_TEST_PAUSE_STEP"
 FAIL_EXIT_CODE = 17
 
 
@@ -79,6 +82,17 @@ def maybe_inject_failure(step: int) -> None:
     if dist.is_initialized() and dist.get_rank() == int(rank_s) and step == int(step_s):
         print(f"hybridpar: test fault: rank {rank_s} exits at step {step}", file=sys.stderr, flush=True)
         os._exit(FAIL_EXIT_CODE)
+
+
+def maybe_pause(step: int) -> None:
+    """Wait (up to 10 minutes) before `step` if the test-only variable selects it, on the first attempt."""
+    step_s = os.environ.get(PAUSE_STEP_ENV)
+    if step_s is None or restart_count() > 0 or step != int(step_s):
+        return
+    import time
+
+    print(f"hybridpar: test pause before step {step}", file=sys.stderr, flush=True)
+    time.sleep(600)
 
 
 def is_peer_loss(err: BaseException) -> bool:

@@ -1,14 +1,25 @@
-"""Never save or continue from non-finite state: the check `hybridpar train` runs after every update.
+"""Never save or continue from non-finite state: the check `hybridpar train` runs around every update.
 
-The loss and the gradients are checked before the optimizer step (hybridpar.train.trainer). That is
-not enough: a step can leave finite weights and still put Inf into a batch norm's running variance
-(lr 1e7 on small_cnn does, from step 2 on), or overflow the weights or the optimizer's state in the
-update itself. `StateGuard.after_update` checks, after every optimizer step, every floating tensor a
-checkpoint would hold: the weights, the buffers (batch-norm running statistics) and the optimizer's
-state (momentum, Adam moments). Cost: one fused reduction per step (`torch._foreach_norm(.., inf)`
-over all of them, NaN propagates, no overflow), one stacked isfinite and one device sync; no
-collective where every rank holds the same state (sample-only layouts with global batch-norm
-statistics: every rank's verdict is the same), else one 8-byte allreduce.
+A step can leave finite weights and still put Inf into a batch norm's running variance (lr 1e7 on
+small_cnn does, from step 2 on), or overflow the weights or the optimizer's state in the update itself;
+the loss and the gradients alone do not show it. Every step, `StateGuard` checks the loss, this rank's
+gradients (`before_update`, taken before clipping and the optimizer step) and, after the update, every
+floating tensor a checkpoint would hold: the weights, the buffers (batch-norm running statistics) and the
+optimizer's state (momentum, Adam moments) (`check_step`). The verdict on all of them is taken once,
+after the update (nothing of a bad step is kept: the run stops and writes nothing), at the cost of:
+- one screen over the gradients and one over the state (hybridpar.parallel.finite.screens: on CPU a
+  float64 sum of the concatenated small tensors, which cannot overflow and is NaN/Inf exactly when an
+  entry is; elsewhere a multi-tensor max-|x|), one stacked isfinite and one device sync;
+- the tensors found by walking the modules' parameters and persistent buffers and the optimizer's
+  state (~50 us for small_cnn), not through state_dict and DTensor.to_local (~270 us); the walk is
+  checked once against the checkpoint's own list (`named_state`) and replaced by it where they differ;
+  the gradients are the optimizer's parameters'. Names are looked up only on the failing path;
+- no collective where every rank's verdict is the same (sample-only layouts: the loss, the summed
+  gradients, the weights and the optimizer state agree on every rank; with per-rank batch-norm
+  statistics the buffers' flag rides in the gradient allreduce, `use_buffer_rider`), else one 16-byte
+  allreduce (MAX of two flags) for all three. There were two (the loss/gradient check's before the
+  update and the state's after it): small_cnn `channel=2` paid 4.6% of its step for them
+  (docs/hardening.md). Measured: benchmarks/bench_train_overhead.py.
 
 `--max-loss-ratio R` (off by default): `loss_exploded` stops a run whose loss exceeds R times the
 first loss this run computed (the same value on every rank: no collective)."""
@@ -19,12 +30,21 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hybridpar.parallel.finite import first_bad, nonfinite_flag, peaks, screens
+
+_LOSS, _GRADS = 2.0, 1.0  # the first flag's values, MAX-reduced: a bad loss on any rank names the loss
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _piece(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece without DTensor.to_local's autograd call (~20 us each): the same storage."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def named_state(engine, optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -52,60 +72,157 @@ def named_state(engine, optimizer) -> list[tuple[str, torch.Tensor]]:
 def first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first tensor holding a NaN or Inf, else None: one multi-tensor max-|x| kernel
     per dtype and device, one isfinite over the stacked peaks, one device sync."""
-    if not named:
+    named = [(n, t) for n, t in named if t.numel()]
+    i = first_bad(peaks([t for _, t in named]))
+    return None if i is None else named[i][0]
+
+
+def _modules(engine) -> list[nn.Module] | None:
+    module = getattr(engine, "module", None)
+    return None if module is None else list(module.modules())
+
+
+def _walk(modules: list[nn.Module] | None, optimizer, buffers: bool = True,
+          others: bool = True) -> list[torch.Tensor] | None:
+    """The tensors named_state finds, found without state_dict: the modules' parameters and persistent
+    buffers and the optimizer's state, as they are (DTensors not unwrapped), or only the buffers or
+    only the others; None without modules. The modules are listed once per run (the engine built
+    them); their tensors are read every step, so a buffer replaced by a new tensor is seen."""
+    if modules is None:
         return None
-    peaks = torch._foreach_norm([t for _, t in named], float("inf"))
-    kinds = {(p.dtype, p.device) for p in peaks}
-    if len(kinds) == 1:  # the common case: one stack, one isfinite, one sync
-        ok = torch.isfinite(torch.stack(peaks))
-        if bool(ok.all()):
-            return None
-        return named[int((~ok).nonzero()[0, 0])][0]
-    # stacked per dtype: a float64 peak above float32's range is finite, not Inf
-    groups: dict[tuple, list[int]] = {}
-    for i, p in enumerate(peaks):
-        groups.setdefault((p.dtype, p.device), []).append(i)
-    bad_at = None
-    flags = [(idx, torch.isfinite(torch.stack([peaks[i] for i in idx]))) for idx in groups.values()]
-    if all(bool(ok.all()) for _, ok in flags):
-        return None
-    for idx, ok in flags:
-        for j, good in zip(idx, ok.tolist()):
-            if not good and (bad_at is None or j < bad_at):
-                bad_at = j
-    return named[bad_at][0]
+    out: list[torch.Tensor] = []
+    for m in modules:
+        if others:
+            out.extend(p for p in m._parameters.values() if p is not None)
+        if buffers:
+            skip = m._non_persistent_buffers_set
+            out.extend(b for n, b in m._buffers.items() if b is not None and n not in skip)
+    if others:
+        for st in optimizer.state.values():
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _checkable(raw: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's pieces of the floating, dense tensors among `raw` (what named_state keeps)."""
+    return [_piece(t) for t in raw if t.is_floating_point() and not t.is_sparse]
+
+
+def _named_raw(engine, optimizer) -> list[torch.Tensor]:
+    from hybridpar.train.checkpoint import local_tensors
+
+    tensors, _ = local_tensors(engine)
+    raw = list(tensors.values())
+    for st in optimizer.state.values():
+        raw.extend(v for v in st.values() if torch.is_tensor(v))
+    return raw
 
 
 class StateGuard:
-    """After every optimizer step: is the state every rank holds finite? See the module docstring.
+    """Around every optimizer step: are the loss, the gradients and the state every rank holds finite?
+    See the module docstring.
 
-    `agreed`: every rank holds the same state (its own verdict is every rank's), so no collective."""
+    `agreed`: every rank holds the same state (its own verdict is every rank's), so no collective.
+    `step_agreed`: every rank holds the same loss and, for every gradient, the sum over all ranks (a
+    NaN anywhere shows everywhere); None: the engine's `grads_agree`."""
 
-    def __init__(self, engine, optimizer, device, *, agreed: bool, max_loss_ratio: float | None = None):
+    def __init__(self, engine, optimizer, device, *, agreed: bool, max_loss_ratio: float | None = None,
+                 step_agreed: bool | None = None):
         self.engine, self.optimizer, self.device = engine, optimizer, device
         self.agreed = agreed
+        self.step_agreed = bool(getattr(engine, "grads_agree", False)) if step_agreed is None else step_agreed
         self.max_loss_ratio = max_loss_ratio
         self.first_loss: float | None = None
+        self._walk_ok: bool | None = None  # the module walk finds exactly named_state's tensors (checked once)
+        self._mods: list[nn.Module] | None = None  # the engine's modules, listed at that check
+        self._params: list[torch.Tensor] | None = None  # the optimizer's parameters (fixed for a run)
+        self.buffer_rider = False  # this rank's buffers' verdict goes with the loss (use_buffer_rider)
 
     @classmethod
     def for_run(cls, engine, optimizer, device, *, bn_stats: str = "global",
                 max_loss_ratio: float | None = None) -> StateGuard:
         agreed = bool(getattr(engine, "grads_agree", False)) and bn_stats == "global"
-        return cls(engine, optimizer, device, agreed=agreed, max_loss_ratio=max_loss_ratio)
+        guard = cls(engine, optimizer, device, agreed=agreed, max_loss_ratio=max_loss_ratio)
+        if not agreed and bool(getattr(engine, "grads_agree", False)) and hasattr(engine, "rider"):
+            guard.use_buffer_rider()
+        return guard
 
-    def after_update(self) -> str | None:
-        """The name of a non-finite tensor (the same answer on every rank), else None. Collective
-        unless `agreed`."""
+    def use_buffer_rider(self) -> None:
+        """Sample-only layouts with per-rank batch-norm statistics: the weights, gradients and optimizer
+        state agree on every rank, only the buffers differ. Their verdict (taken after the forward
+        that updated them; nothing else writes them) goes with the step's loss in the engine's own
+        collective (`engine.rider`), so the check needs none of its own (one 8-byte allreduce was
+        ~2% of a small_cnn step)."""
+        self.buffer_rider = True
+        self.engine.rider = self._buffers_flag
+
+    def _buffers_flag(self) -> torch.Tensor:
+        if self._mods is None:
+            self._mods = _modules(self.engine)
+        return nonfinite_flag(screens(_checkable(_walk(self._mods, self.optimizer, others=False) or [])))
+
+    def before_update(self, loss: float) -> tuple:
+        """This step's loss and this rank's gradients, before clipping and the update: the gradients'
+        screens (no device sync), or the engine's own verdict (the MP engine's `step_grads_finite`,
+        agreed with the loss). For check_step."""
+        verdict = getattr(self.engine, "step_grads_finite", None)
+        if self._params is None:  # the optimizer's: the engine's parameters, without walking the modules
+            self._params = [p for g in self.optimizer.param_groups for p in g["params"]] \
+                if self.optimizer is not None else list(self.engine.parameters())
+        grads = [] if verdict is not None else [_piece(p.grad) for p in self._params if p.grad is not None]
+        return not math.isfinite(loss), verdict, screens(grads)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """This rank's pieces of every floating tensor a checkpoint holds (see the module docstring)."""
+        if self._walk_ok is None:
+            self._mods = _modules(self.engine)
+            walked, named = _walk(self._mods, self.optimizer), _named_raw(self.engine, self.optimizer)
+            self._walk_ok = walked is not None and \
+                {id(t) for t in _checkable(walked)} == {id(t) for t in _checkable(named)}
+        if not self._walk_ok:
+            return _checkable(_named_raw(self.engine, self.optimizer))
+        return _checkable(_walk(self._mods, self.optimizer, buffers=not self._riding()) or [])
+
+    def _riding(self) -> bool:
+        """Whether this step's buffers were judged by every rank through the engine's rider."""
+        return self.buffer_rider and bool(self._walk_ok) and getattr(self.engine, "rider_values", None) is not None
+
+    def check_step(self, pending: tuple | None) -> str | None:
+        """After the update: "loss", "gradients" (from `pending`, before_update's) or "state:NAME"
+        (a weight, buffer or optimizer slot), the same answer on every rank; None when all are finite.
+        One stacked isfinite, one device sync, and one allreduce unless every rank's verdict agrees."""
+        loss_bad, verdict, grad_screens = pending if pending is not None else (False, None, [])
+        i = first_bad(grad_screens + screens(self.state_tensors()))
+        step_flag = _LOSS if loss_bad else \
+            _GRADS if verdict is False or (i is not None and i < len(grad_screens)) else 0.0
+        state_bad = i is not None and i >= len(grad_screens)
+        riding = self._riding()
+        if riding:  # the buffers' verdict, every rank's (engine.rider); the rest agrees on every rank
+            state_bad = state_bad or any(v > 0 for v in self.engine.rider_values)
+            self.engine.rider_values = None  # used once: a step without the rider falls back to the collective
+        step_agreed = pending is None or self.step_agreed or verdict is not None
+        if not ((self.agreed or riding) and step_agreed) and dist.is_initialized() and dist.get_world_size() > 1:
+            flags = torch.tensor([step_flag, float(state_bad)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            step_flag, state_bad = flags.tolist()
+        if step_flag:
+            return "loss" if step_flag == _LOSS else "gradients"
+        return f"state:{self._agreed_name()}" if state_bad else None
+
+    def _agreed_name(self) -> str:
+        """The first non-finite tensor's name (only when stopping): this rank's, or a rank's that saw one."""
         bad = first_nonfinite(named_state(self.engine, self.optimizer))
         if self.agreed or not dist.is_initialized() or dist.get_world_size() == 1:
-            return bad
-        flag = torch.tensor([0.0 if bad is None else 1.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(flag)
-        if flag.item() == 0:
-            return None
-        names: list[str | None] = [None] * dist.get_world_size()  # only when stopping: who saw what
+            return bad or "?"
+        names: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(names, bad)
         return next((n for n in names if n), "?")
+
+    def after_update(self) -> str | None:
+        """The name of a non-finite weight, buffer or optimizer slot (the same answer on every rank),
+        else None: check_step without the loss and gradients. Collective unless `agreed`."""
+        bad = self.check_step(None)
+        return bad.removeprefix("state:") if bad else None
 
     def loss_exploded(self, loss: float) -> str | None:
         """A one-line reason when `loss` exceeds max_loss_ratio times the first loss, else None."""

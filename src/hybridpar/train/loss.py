@@ -123,6 +123,11 @@ def loss_data_spec(loaded, spec: str | None):
     from hybridpar.train.data.loader import DataSpec, data_spec
 
     if spec is None:
+        kind = _training_output_kind(loaded)
+        if kind is not None:
+            raise UserError(f"model {loaded.name} returns {kind} in training mode (e.g. auxiliary heads); the default "
+                            "loss takes one tensor of logits: give your own loss (--loss path/to/file.py:fn)"
+                            + (f" or use {loaded.name}_noaux" if loaded.name == "inception_v3" else ""), param="loss")
         got = data_spec(loaded)
         if len(got.label_shape) >= 2 and loaded.kind != "seq":
             # the default loss takes the last dimension as the classes (an LM's [N, T, V]): a dense
@@ -148,6 +153,36 @@ def loss_data_spec(loaded, spec: str | None):
                         "[N, C, ...] (classes on dimension 1); give your own loss (--loss path/to/file.py:fn)",
                         param="loss")
     return DataSpec(vocab, int(out.shape[1]), tuple(int(d) for d in out.shape[2:]))
+
+
+def _training_output_kind(loaded) -> str | None:
+    """What the model returns in training mode when that is not a tensor (inception's (logits, aux)),
+    found by one forward on meta copies of its weights and inputs (no values read, no statistics
+    updated); None for a tensor, or when the forward cannot run on meta (the loss then sees it)."""
+    from torch.func import functional_call
+    from torch.utils._pytree import tree_map_only
+
+    from hybridpar.train.data.loader import model_args
+
+    module = loaded.module
+    state = {k: torch.empty_like(v, device="meta") for k, v in module.state_dict(keep_vars=True).items()}
+    inputs = tuple(loaded.example_inputs)
+    n = inputs[0].shape[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else None
+
+    def on_meta(x: torch.Tensor) -> torch.Tensor:  # 2 samples at least: batch norm refuses 1 in training
+        rows = max(n, 2) if n is not None and x.dim() and x.shape[0] == n else None
+        return torch.empty((rows, *x.shape[1:]) if rows else x.shape, dtype=x.dtype, device="meta")
+
+    args, kwargs = model_args(tree_map_only(torch.Tensor, on_meta, inputs))
+    was_training = module.training
+    try:
+        with torch.no_grad():
+            out = functional_call(module.train(), state, tuple(args), kwargs, strict=False)
+    except Exception:  # noqa: BLE001 - a forward that reads values (.item()) or is not meta-safe
+        return None
+    finally:
+        module.train(was_training)
+    return None if isinstance(out, torch.Tensor) else type(out).__name__
 
 
 def _one_sample_output(loaded):

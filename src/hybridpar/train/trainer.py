@@ -7,11 +7,12 @@ TrainConfig.gns, hybridpar.train.grad_noise):
     callback(info: StepInfo, engine, optimizer) -> None
 listed in TrainConfig.callbacks ("module:function", imported in every rank, so they survive spawn).
 
-Never train on NaN: every step checks the loss and this rank's gradients for NaN/Inf (one tiny
-allreduce, so every rank agrees); the first bad step stops the run before the optimizer applies it,
-with TrainResult.error naming the step and TrainResult.exit_code NONFINITE_EXIT (3). Nothing is
-written then: no checkpoint, no `save`, and the weights are checked finite again before every
-checkpoint and before `save`, so the last good checkpoint is never replaced by a bad state."""
+Never train on NaN: every step checks the loss, this rank's gradients and, after the update, the
+weights, buffers and optimizer state for NaN/Inf (hybridpar.train.guard: one fused reduction, at most
+one tiny allreduce, so every rank agrees); the first bad step stops the run with TrainResult.error
+naming the step (and the tensor) and TrainResult.exit_code NONFINITE_EXIT (3). Nothing of that step is
+kept: no checkpoint, no callback, no `save`, and the weights are checked finite again before `save`,
+so the last good checkpoint is never replaced by a bad state."""
 
 from __future__ import annotations
 
@@ -243,6 +244,7 @@ class _RankRun:
 
         cfg, engine, device = self.cfg, self.engine, self.device
         faults.maybe_inject_failure(step)
+        faults.maybe_pause(step)
         if self.tracer is not None:
             self.tracer.before(step)
         x_loc, y_loc = engine.local_batch(cast_inputs(x, cfg.optim.precision), y)
@@ -254,16 +256,18 @@ class _RankRun:
                 loss = engine.train_step(x_loc, y_loc)
         except RuntimeError as err:  # a dead or unreachable peer: say so, never hang (timeouts in launch)
             raise (faults.peer_loss_error(err, step) if faults.is_peer_loss(err) else err) from err
-        bad = _nonfinite_step(loss, engine, device) or self.guard.loss_exploded(loss)
+        bad = self.guard.loss_exploded(loss)
         if bad:
             return self._stop(step, bad, loss)
+        # the loss and this rank's gradients, judged with the state after the update: one verdict per step
+        pending = self.guard.before_update(loss)
         b_noise = self.probe.after_step() if self.probe is not None else None  # synced grads, before the update
         gnorm = clip_grad_norm(engine.parameters(), cfg.optim.grad_clip, self.norms) if cfg.optim.grad_clip else None
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        state_bad = self.guard.after_update()  # weights, buffers, optimizer state: never continue from NaN/Inf
-        if state_bad:
-            return self._stop(step, f"state:{state_bad}", loss)
+        bad = self.guard.check_step(pending)  # + weights, buffers, optimizer state: never continue from NaN/Inf
+        if bad:  # nothing of this step is kept: no checkpoint, no callback, no --save
+            return self._stop(step, bad, loss)
         dt = time.perf_counter() - t0
         if self.probe is not None and ((step + 1) % self.per_epoch == 0 or step + 1 == self.last):
             self.gns_epochs.append(b_noise)  # a partial last epoch reports where it stopped
@@ -416,24 +420,6 @@ def _agree_any(flags: list[float], device) -> list[float]:
     world = Group(tuple(range(dist.get_world_size())), dist.group.WORLD, dist.get_rank())
     all_reduce_(t, world, CommLog(), "finite")  # not the step's traffic: the check of `hybridpar train`
     return t.tolist()
-
-
-def _nonfinite_step(loss: float, engine, device) -> str | None:
-    """"loss" or "gradients" when this step is not finite on some rank, else None, the same answer on
-    every rank. Cheap: one pass over this rank's gradients, one device sync, and a collective only when
-    the engine did not agree already: the MP engine sends its gradients' verdict with the loss
-    (`step_grads_finite`), and under sample-only layouts every rank holds the same loss and, for every
-    gradient, the sum over all ranks, in which a NaN or Inf anywhere shows everywhere (`grads_agree`).
-    A blocking collective of its own cost ~2.5 ms per step on 4 gloo ranks sharing 2 cores."""
-    agreed = getattr(engine, "step_grads_finite", None)
-    if agreed is not None:
-        grads_ok = agreed
-    else:
-        grads_ok = _finite_here([_local(p.grad) for p in engine.parameters() if p.grad is not None])
-    flags = [0.0 if math.isfinite(loss) else 1.0, 0.0 if grads_ok else 1.0]
-    if agreed is None and not getattr(engine, "grads_agree", False):
-        flags = _agree_any(flags, device)
-    return "loss" if flags[0] else "gradients" if flags[1] else None
 
 
 def _all_finite(params, device) -> bool:

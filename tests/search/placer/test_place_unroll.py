@@ -12,7 +12,7 @@ from hybridpar.cli.main import main
 from hybridpar.graph.tracing import trace
 from hybridpar.search.placer import place_model
 from hybridpar.search.placer.api import build_problem
-from hybridpar.search.placer.unroll import unroll
+from hybridpar.search.placer.unroll import split_layers, unroll
 
 
 class TwoLayerLSTM(nn.Module):
@@ -86,22 +86,28 @@ def test_unrolled_two_layer_lstm_finds_the_wavefront():
     assert split.problem.respects_ties(split.result.assignment)
 
 
-def test_gnmt_is_placed_whole_by_default_and_the_wavefront_is_a_labelled_what_if(capsys):
-    """The MP runtime runs each LSTM whole: by default the placer prices that schedule; --time-chunks K
-    prices the time-step wavefront and says it is a what-if."""
+def test_gnmt_whole_or_in_time_chunks_is_priced_as_it_runs(capsys):
+    """--time-chunks 1 prices each LSTM whole; --time-chunks K prices the time-step wavefront, which the
+    MP runtime runs (parallel/pipeline/wavefront.py): no what-if label, in program order; without the
+    option the placer solves both and keeps the shorter predicted step."""
     whole, _, fine, *_ = build_problem("gnmt", "dgx1-v100", 2)
     assert not any(t.tie for t in whole.tasks)
     prob, *_ = build_problem("gnmt", "dgx1-v100", 2, time_chunks=4)
     assert len(prob.tasks) > len(fine) // 2 and any(t.tie for t in prob.tasks)
     args = ["place", "--model", "gnmt", "--devices", "2", "--solver", "greedy", "--json"]
-    assert main(args) == 0
+    assert main([*args, "--time-chunks", "1"]) == 0
     off = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    chosen = json.loads(capsys.readouterr().out)
+    assert any(n.startswith("time chunks: ") and "chosen" in n for n in chosen["notes"])
     assert main([*args, "--time-chunks", "4"]) == 0
     on = json.loads(capsys.readouterr().out)
     assert on["nodes"] == len(prob.tasks) and off["nodes"] < on["nodes"]
     assert on["single_device_step_s"] == pytest.approx(off["single_device_step_s"], rel=1e-6)
-    assert any(n.startswith("WHAT-IF (--time-chunks 4)") for n in on["notes"])
-    assert not any("WHAT-IF" in n for n in off["notes"])
+    assert any(n.startswith("time chunks: 4 per recurrent layer") for n in on["notes"])
+    assert not any("WHAT-IF" in n for n in off["notes"] + on["notes"])
+    assert prob.program_order
+    assert chosen["step_time_s"] == pytest.approx(min(off["step_time_s"], on["step_time_s"]), rel=1e-9)
     assert main([*args, "--time-chunks", "-1"]) == 2
 
 
@@ -118,3 +124,61 @@ def test_plan_runs_every_node_where_the_placer_put_it(model):
     assert len(placed) >= len(device_of) - 2  # all but the graph inputs
     assert all(v == device_of[k] for k, v in placed.items())
     assert set(out.plan.placement.values()) == {0, 1}
+
+
+class StackedLSTM(nn.Module):
+    def __init__(self, width: int = 1024, layers: int = 4):
+        super().__init__()
+        self.lstm = nn.LSTM(width, width, num_layers=layers, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+def test_stacked_lstm_layers_are_placed_one_by_one_with_time_chunks():
+    """One nn.LSTM(num_layers=4): with time chunks its layers are nodes of their own ('lstm[l]', the MP
+    runtime's per-layer keys), each with its layer's weights and FLOPs, and the placer spreads them."""
+    from hybridpar.parallel.pipeline.partition import partition_module
+
+    with torch.device("meta"):
+        m = StackedLSTM()
+        g = trace(m, (torch.randn(64, 16, 1024),), "stacked")
+    whole = place_model(g, "dgx1-v100", 2, time_chunks=0, time_limit_s=10, workers=1)
+    split = place_model(g, "dgx1-v100", 2, time_chunks=4, time_limit_s=10, workers=1)
+    assert set(whole.plan.placement) == {"lstm"}
+    layers = {k: v for k, v in split.plan.placement.items() if k.startswith("lstm[")}
+    assert sorted(layers) == [f"lstm[{i}]" for i in range(4)] and set(layers.values()) == {0, 1}
+    assert split.plan.time_chunks == 4 and whole.plan.time_chunks == 1
+    assert split.speedup > 1.3 > whole.speedup
+    layered = split_layers(g)
+    assert (layered.fwd_flops, layered.bwd_flops, layered.params) == (g.fwd_flops, g.bwd_flops, g.params)
+    part = partition_module(StackedLSTM(8), split.plan.placement, 2, time_chunks=4)
+    assert {part.owner_of_key[f"lstm.weight_ih_l{i}"] for i in range(4)} == {0, 1}
+
+
+class LastStep(StackedLSTM):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(1024, 10)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])  # an op no module runs, placed by its input: the last layer
+
+
+def test_runtime_moves_the_bytes_the_placer_priced_for_time_chunks():
+    """The wavefront the runtime runs for the placer's chunked placement crosses devices chunk by chunk
+    with exactly the bytes the placer priced (the output of a stacked module leaves from its last layer)."""
+    from hybridpar.parallel.pipeline.executor import meta_copy, meta_values
+    from hybridpar.parallel.pipeline.partition import partition_module
+    from hybridpar.search.placer.module_placement import predicted_p2p_bytes
+
+    with torch.device("meta"):
+        m = LastStep()
+        x = torch.randn(64, 16, 1024)
+    out = place_model(trace(m, (x,), "stacked_head"), "dgx1-v100", 2, time_chunks=4, time_limit_s=10, workers=1)
+    assert len({v for k, v in out.plan.placement.items() if "[" in k}) == 2
+    part = partition_module(m, out.plan.placement, 2, time_chunks=4)
+    values = meta_values(part, meta_copy(m), (x,))
+    moved = sum(t.numel() * t.element_size() for tr in part.transfers
+                for t in torch.utils._pytree.tree_flatten(values[tr.node])[0] if isinstance(t, torch.Tensor))
+    assert len(part.transfers) >= 4 and 2 * moved == predicted_p2p_bytes(out)

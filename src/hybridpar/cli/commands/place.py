@@ -39,11 +39,16 @@ def register(app: click.Group) -> None:
     @click.option("--coarsen", type=int, default=None,
                   help="max nodes of the coarsened graph [64]; recurrent graphs: N/K nodes before K time chunks")
     @click.option("--time-chunks", "time_chunks", type=int, default=None,
-                  help="what-if: price each recurrent node as K time chunks (the time-step wavefront, "
-                       "which the MP runtime does not run); 0 = off  [default: off]")
+                  help="price each recurrent layer as K time chunks (the time-step wavefront, as `train "
+                       "--time-chunks K` runs it; the layers of a stacked nn.LSTM placed one by one); "
+                       "0 or 1 = whole layers  [default: the placer's choice, whole or 4 chunks, the shorter "
+                       "predicted step]")
     @click.option("--micro-batches", "micro_batches", type=click.IntRange(min=1), default=None,
                   help="GPipe micro-batches per step, priced with their bubble (1: no pipelining)  "
                        "[default: the placer's choice, 1 for a model with batch norm]")
+    @click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default=None,
+                  help="micro-batch schedule, priced: gpipe, or 1f1b (a chain of stages, K >= stages; at most S "
+                       "micro-batches' activations held)  [default: chosen with the count under the memory limit]")
     @click.option("--input-shape", default=None, help="per-sample input shape for file models, e.g. 3,32,32")
     @click.option("--workers", default=2, show_default=True, type=int, help="CP-SAT search workers")
     @click.option("--gap", type=float, default=None,
@@ -61,7 +66,8 @@ def register(app: click.Group) -> None:
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def place_cmd(  # noqa: PLR0913 - a click command: one parameter per flag
             model: str, cluster: str, gpus: int, solver: str, time_limit: float, batch: int | None,
-            coarsen: int | None, time_chunks: int | None, micro_batches: int | None, input_shape: str | None,
+            coarsen: int | None, time_chunks: int | None, micro_batches: int | None, schedule: str | None,
+            input_shape: str | None,
             workers: int,
             gap: float | None, optimizer: str, momentum: float, gantt: str | None, out: str | None,
             json_: bool) -> None:
@@ -72,7 +78,7 @@ def register(app: click.Group) -> None:
 
         config = PlacerConfig(solver=solver, time_limit_s=time_limit, batch=batch, coarsen=coarsen,
                               input_shape=parse_shape(input_shape), workers=workers, time_chunks=time_chunks, gap=gap,
-                              micro_batches=micro_batches)
+                              micro_batches=micro_batches, schedule=schedule)
         chosen = {k: v for k, v in (("optimizer", optimizer), ("momentum", momentum)) if v is not None}
         with _progress(not json_ and err_console.is_terminal, f"placing {model} on {gpus} device(s) with {solver}"):
             outcome = place(model, cluster, gpus, config, **chosen)
@@ -111,7 +117,7 @@ def _print(s: dict) -> None:
     rows = [["solver", f"{s['solver']} ({s['status']}), solved in {s['solve_time_s']:.3g} s"],
             ["graph nodes", f"{s['nodes']} (from {s['fine_nodes']})"],
             ["speedup over one device", f"{s['speedup']:.3f}x"], ["optimality gap", gap],
-            ["micro-batches (GPipe)", str(s.get("micro_batches") or 1)]]
+            ["micro-batches", f"{s.get('micro_batches') or 1} ({s.get('schedule') or 'gpipe'})"]]
     rows += [[f"{name} {unit}", cell + (fits if name == "one-device step" else "")]
              for (name, _), cell in zip(times[:6], cells[:6])]
     rows += [[f"memory device {d} (gpu {g})", f"{human_bytes(m)} of {human_bytes(c)}"]

@@ -50,6 +50,8 @@ def _result_json(res) -> dict:
         "breakdown": None if res.breakdown is None else asdict(res.breakdown),
         "data_parallel_breakdown": None if res.baseline_breakdown is None else asdict(res.baseline_breakdown),
         "speedup_vs_dp": res.speedup_vs_dp,
+        # the note saying which op times are the roofline's, not measured here (localhost), else None
+        "uncalibrated_estimate": _uncalibrated(res.plan),
         # the second baseline: FSDP (sample=N,zero=3) with every block recomputed (torchtitan's default)
         "fsdp_recompute": _baseline_json(res.fsdp_baseline),
         "fsdp_recompute_note": res.fsdp_note,
@@ -64,7 +66,16 @@ def _result_json(res) -> dict:
         # every parameterised module (weight layers, norms, embeddings, recurrent and attention layers,
         # free parameters): allreduce_bytes sum to breakdown.grad_bytes
         "parameters": [g.as_dict() for g in res.gradients],
+        # spatial splits (issue 30): the best spatial layout against the best plan without them, whether
+        # the plan goes spatial and why (time, memory) or not (slower, over the memory limit); None: not compared
+        "spatial": getattr(res, "spatial", None),
     }
+
+
+def _uncalibrated(plan) -> str | None:
+    from hybridpar.cost.coverage import LABEL
+
+    return next((n for n in plan.notes if n.startswith(LABEL)), None)
 
 
 def _short(choice: str) -> str:
@@ -80,7 +91,8 @@ def _print(res, gpus: int) -> None:
     rows = [[r.module or r.name, _short(r.choice), r.algorithm, t, c, human_bytes(r.cost.memory_bytes)]
             for r, t, c in zip(shown, compute, comm)]
     p = res.plan
-    console.print(table(f"{p.model} on {gpus} x {p.cluster}, batch {p.batch}: {res.method}",
+    tag = " (UNCALIBRATED ESTIMATE: see the note below)" if _uncalibrated(p) else ""
+    console.print(table(f"{p.model} on {gpus} x {p.cluster}, batch {p.batch}: {res.method}{tag}",
                         ["layer", "layout", "algorithm", compute_h, comm_h, "memory"], rows,
                         justify_right=lambda c: c not in ("layer", "layout", "algorithm")))
     pr, base, fsdp = res.prediction, res.baseline, res.fsdp_baseline
@@ -90,7 +102,7 @@ def _print(res, gpus: int) -> None:
                         [[getattr(q, k) for _, q in named] for k in kinds], same_unit=True)
     summary = [[name, *(col[1][i] for col in cols), human_bytes(q.memory_bytes[0])]
                for i, (name, q) in enumerate(named)]
-    console.print(table("predicted", ["per step", *(c[0] for c in cols), "memory"], summary,
+    console.print(table(f"predicted{tag}", ["per step", *(c[0] for c in cols), "memory"], summary,
                         justify_right=lambda c: c != "per step"))
     for label, q, speedup, note, prefix in (
             ("data parallelism", base, res.speedup_vs_dp, res.baseline_note, "data parallelism"),

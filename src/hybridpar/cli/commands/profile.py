@@ -14,7 +14,8 @@ def register(app: click.Group) -> None:
                   help="calibration file (default $HYBRIDPAR_CALIBRATION or ~/.cache/hybridpar/calibration.json)")
     @click.option("--ranks", default="2,4", show_default=True, help="gloo world sizes to measure")
     @click.option("--model", default="small_cnn", show_default=True,
-                  help="profile this model's conv/linear/norm/relu/pool ops (zoo name or file.py:factory; '' for none)")
+                  help="profile every op kind and shape of this model's graph (zoo name or file.py:factory; '' for "
+                       "none); ops that cannot be timed are listed in the file and in plans' notes")
     @click.option("--batch", type=int, default=32, show_default=True)
     @click.option("--input-shape", default=None, help="C,H,W for a factory model")
     @click.option("--splits", default="1", show_default=True,
@@ -96,6 +97,9 @@ def _print(cal, path, overhead_kept: bool = False) -> None:
         console.print(table("gloo collectives in a step: T(n) = a + b n (what the localhost cost model uses)",
                             ["kind", "ranks", "group", "a ms", "T(1 MiB) ms", "worst fit error"], c_rows,
                             justify_right=lambda c: c != "kind"))
+    if cal.untimed:  # priced by the roofline; plans on this file say so in their notes
+        console.print(f"{len(cal.untimed)} op shape(s) could not be timed (the file's `untimed` lists why; the "
+                      f"roofline prices them): {', '.join(sorted({k.split('|', 1)[0] for k in cal.untimed}))}")
     if cal.ops:
         ops_rows = [[r.op, r.key.split("|", 1)[1], r.fwd.median_s * 1e3, r.bwd_data.median_s * 1e3,
                      r.bwd_weight.median_s * 1e3 if r.bwd_weight else 0.0, r.fwd.rel_spread]

@@ -63,6 +63,14 @@ _OPTIONS = [
                  help="model-parallel plans (mp > 1) only: split each replica's batch into K GPipe "
                       "micro-batches (1: no pipelining; a model with batch norm needs --bn-stats local for K > 1, "
                       "its statistics then per micro-batch)  [default: the placer's choice]"),
+    click.option("--schedule", type=click.Choice(["gpipe", "1f1b"]), default=None,
+                 help="model-parallel plans (mp > 1) only: gpipe (all forwards, then all backwards; any placement) "
+                      "or 1f1b (torch.distributed.pipelining's one-forward-one-backward: a chain of stages, "
+                      "K >= stages, at most S micro-batches' activations held)  [default: the placer's choice]"),
+    click.option("--time-chunks", type=int, default=None,
+                 help="model-parallel plans (mp > 1) only: run recurrent layers (nn.LSTM/GRU/RNN) in K time "
+                      "chunks, layer l+1 on its device running chunk t while layer l runs chunk t+1 (1: whole "
+                      "layers)  [default: the placer's choice]"),
     click.option("--gns/--no-gns", default=False, show_default=True,
                  help="online gradient noise scale B_noise (McCandlish et al. 2018) from the per-sample-group "
                       "and allreduced gradients, per step and per epoch; needs >1 sample group; adds one "

@@ -91,8 +91,10 @@ class MPEngine:
         wide = any(p.dtype == torch.float64 for p in module.parameters())
         self._loss_dtype = torch.float64 if wide else torch.float32
         self.placement = resolve_placement(plan, module)
+        # recurrent layers as the time-chunk wavefront (pipeline.wavefront): the plan's (the placer's)
+        self.time_chunks = check_time_chunks(plan.time_chunks or 1)
         self.partition: Partition = partition_module(
-            module, self.placement, plan.mp, lazy_recv=not ordered,
+            module, self.placement, plan.mp, lazy_recv=not ordered, time_chunks=self.time_chunks,
             example_inputs=None if example_inputs is None else _like_weights(tuple(example_inputs), module))
         self.exported = is_exported(self.partition.gm)
         if self.exported:
@@ -316,6 +318,13 @@ def _check_layouts(plan: Plan) -> None:
                             "group; model parallelism runs with sample (data) parallelism only")
 
 
+def check_time_chunks(k: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise UserError(f"time_chunks must be an integer >= 1 (1: whole recurrent layers), got {k!r}",
+                        param="time_chunks")
+    return k
+
+
 def check_mp_plan(module: nn.Module, plan: Plan, batch: int, example_inputs: tuple | None = None,
                   micro_batches: int = 1, bn_stats: str = "global") -> None:
     """Validate an MP plan against the model before any rank starts (UserError on a problem): the
@@ -329,7 +338,8 @@ def check_mp_plan(module: nn.Module, plan: Plan, batch: int, example_inputs: tup
                         "batch-norm statistics")
     examples = None if example_inputs is None else micro_batch_inputs(
         example_inputs, plan.model_copy(update={"batch": batch}), micro_batches)
-    part = partition_module(module, plan.placement, plan.mp, example_inputs=examples)
+    part = partition_module(module, plan.placement, plan.mp, example_inputs=examples,
+                            time_chunks=check_time_chunks(plan.time_chunks or 1))
     if is_exported(part.gm):
         _check_exported(module, plan, bn_stats)
         check_exported_batch(plan, batch, micro_batches)

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from hybridpar.errors import UserError
 from hybridpar.parallel.comm.collectives import all_gather_dim
 from hybridpar.parallel.mesh import STAGE_DIM, Group, new_groups
-from hybridpar.parallel.pipeline.engine import MPEngine, batch_rows, split_rows
+from hybridpar.parallel.pipeline.engine import MPEngine, batch_rows, check_time_chunks, split_rows
 from hybridpar.parallel.pipeline.executor import run_forward
 from hybridpar.parallel.pipeline.norm import has_batch_norm
 from hybridpar.plans import Plan
@@ -64,9 +64,12 @@ class MPState:
     """What parallelize did for a model-parallel plan (`module.hybridpar`): the engine that runs the
     stages, this replica's stage group, and the forward's message numbering."""
 
-    def __init__(self, engine: MPEngine, micro_batches: int = 1):
+    def __init__(self, engine: MPEngine, micro_batches: int = 1, schedule: str | None = None, loss_fn=None):
         self.engine = engine
         self.micro_batches = micro_batches
+        self.schedule = schedule  # step()'s (pipeline.schedule); None: gpipe
+        self.loss_fn = loss_fn  # step()'s; model(...) + the caller's loss needs none
+        self._pipeline: Any = None  # pipeline.schedule.ChainPipeline, made at the first step()
         self.plan: Plan = engine.plan
         self.layout = engine.layout
         self.comm_log = engine.comm_log
@@ -94,6 +97,20 @@ class MPState:
         shards = {k: ShardInfo(tuple(shape), ()) if mine and owner == self.layout.device else None
                   for k, (owner, shape, _dtype) in eng._schema.items()}  # noqa: SLF001
         return gather_full_state(local, shards, self.comm_log, everywhere=everywhere)
+
+    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> torch.Tensor:
+        """One training step of `model(*args, **kwargs)` and `loss_fn(outputs, target)` through
+        torch.distributed.pipelining's schedule (1f1b or gpipe; pipeline.schedule's doc): forwards and
+        backwards of the micro-batches, the gradients accumulated (and summed over replicas). Returns the
+        global batch's loss on every rank; `losses` gets this replica's micro-batch losses. Collective."""
+        from hybridpar.parallel.pipeline.schedule import ChainPipeline
+
+        if self.loss_fn is None:
+            raise UserError("step: parallelize the model with loss_fn=... (the schedule computes the loss of each "
+                            "micro-batch itself)")
+        if self._pipeline is None:
+            self._pipeline = ChainPipeline(self, self.schedule or "gpipe", self.loss_fn)
+        return self._pipeline.step(args, kwargs, target, losses)
 
     # -- the forward -------------------------------------------------------------------------
     def forward(self, args: tuple, kwargs: dict) -> Any:
@@ -239,20 +256,32 @@ def check_micro_batches(module: nn.Module, micro_batches: int, bn_stats: str) ->
 
 
 def parallelize_mp(module: nn.Module, plan: Plan, *, bn_stats: str = "global", example_inputs: tuple | None = None,
-                   micro_batches: int | None = None, **engine_options: Any) -> nn.Module:
+                   micro_batches: int | None = None, schedule: str | None = None, loss_fn=None,
+                   time_chunks: int | None = None, **engine_options: Any) -> nn.Module:
     """Make `module` run the model-parallel `plan` (its placement resolved: hybridpar.api.with_placement)
     in the user's own loop, in place (see this module's doc); returns it with `.hybridpar` an MPState.
     Collective. `example_inputs`: a global batch's inputs (a tuple), for a model torch.fx cannot trace
     (it then runs on torch.export's graph at one replica's slice of their shapes). Other options go to
     MPEngine (ordered_p2p, overlap_grad_sync, grad_bucket_bytes, device). `micro_batches`: GPipe
-    micro-batches per replica (see this module's doc); None: the plan's (the placer's choice), else 1."""
+    micro-batches per replica (see this module's doc); None: the plan's (the placer's choice), else 1.
+    `schedule` ("gpipe" | "1f1b"; None: the plan's) and `loss_fn(outputs, target)` (a mean over samples):
+    for `module.hybridpar.step(...)`, torch.distributed.pipelining's schedule over a chain of stages
+    (pipeline.schedule); 1f1b asked here is refused here, on every rank, for a placement that is not a
+    chain (the plan's, the placer's choice, at the first step: `model(...)` runs any placement).
+    `time_chunks` K: recurrent layers in K time chunks, the wavefront (pipeline.wavefront); None: the
+    plan's (the placer's choice), else 1 (whole layers)."""
+    from hybridpar.parallel.pipeline.schedule import check_schedule
+
     if plan.mp < 2:
         raise UserError(f"parallelize_mp: the plan has mp={plan.mp}")
     if micro_batches is None:
         micro_batches = plan.micro_batches or 1
+    if time_chunks is not None:
+        plan = plan.model_copy(update={"time_chunks": check_time_chunks(time_chunks)})
     check_micro_batches(module, micro_batches, bn_stats)
-    if "loss_fn" in engine_options:
-        raise UserError("parallelize with mp > 1 takes no loss_fn: the user's loop owns the loss")
+    asked = schedule is not None
+    schedule = schedule if asked else plan.schedule
+    check_schedule(schedule if asked else None, micro_batches, plan.mp)  # the plan's: at step()
     examples = None
     if example_inputs is not None:
         ex = tuple(example_inputs)
@@ -260,7 +289,11 @@ def parallelize_mp(module: nn.Module, plan: Plan, *, bn_stats: str = "global", e
         if micro_batches > 1:  # an exported graph is specialised to one micro-batch's shapes
             examples = tuple(split_rows(list(examples), batch_rows(examples), micro_batches)[0])
     engine = MPEngine(module, plan, bn_stats=bn_stats, example_inputs=examples, **engine_options)
-    state = MPState(engine, micro_batches)
+    state = MPState(engine, micro_batches, schedule, loss_fn)
+    if asked and schedule == "1f1b":  # refused now, on every rank alike, if the placement is not a chain
+        from hybridpar.parallel.pipeline.schedule import ChainPipeline
+
+        state._pipeline = ChainPipeline(state, schedule, loss_fn)  # noqa: SLF001
 
     def forward(*args, **kwargs):
         return state.forward(args, kwargs)

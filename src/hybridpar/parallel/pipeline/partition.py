@@ -13,6 +13,7 @@ from functools import cached_property
 from torch import fx, nn
 
 from hybridpar.errors import UserError
+from hybridpar.parallel.pipeline import wavefront
 
 
 @dataclass(frozen=True)
@@ -227,9 +228,12 @@ def output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def partition_module(module: nn.Module, placement: Mapping[str, int] | None, mp: int, *,
-                     lazy_recv: bool = True, example_inputs: tuple | None = None) -> Partition:
+                     lazy_recv: bool = True, example_inputs: tuple | None = None,
+                     time_chunks: int = 1) -> Partition:
     """Trace `module` and split it over `mp` devices following `placement`. `example_inputs`, at the
     batch each forward will take, let a model torch.fx cannot trace run on torch.export's graph.
+    `time_chunks` K >= 2 runs recurrent layers as the time-step wavefront (pipeline.wavefront), each
+    layer of a stacked module where its '<module>[<layer>]' key places it.
 
     lazy_recv: receive each activation just before its first local use (more overlap; needs
     non-blocking sends, as gloo's). False receives it at the producer's position, so that every
@@ -242,12 +246,15 @@ def partition_module(module: nn.Module, placement: Mapping[str, int] | None, mp:
         k, v = next(iter(bad.items()))
         raise UserError(f"placement[{k!r}] = {v!r} outside devices 0..{mp - 1}")
     gm = trace(module, example_inputs)
-    known = {n.name for n in gm.graph.nodes} | {name for name, _ in module.named_modules()}
+    wavefront.check_layer_keys(module, placement, time_chunks)
+    known = ({n.name for n in gm.graph.nodes} | {name for name, _ in module.named_modules()}
+             | wavefront.layer_keys(module))
     unknown = sorted(k for k in placement if k not in known)
     if unknown:
         raise UserError(f"placement names {unknown[0]!r}, which is neither a module nor an fx node of "
                         f"the model ({len(unknown)} unknown name(s))")
     device = assign_devices(gm, placement)
+    gm, device = wavefront.rewrite(gm, device, placement, time_chunks, assign_devices)
     out_node = _output_node(gm)
     return Partition(gm=gm, mp=mp, device_of=device, transfers=tuple(_transfers(gm, device, lazy_recv)),
                      output_node=out_node.name, output_device=device[out_node.name] or 0,

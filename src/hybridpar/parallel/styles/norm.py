@@ -58,6 +58,8 @@ class GlobalBatchNormFunction(torch.autograd.Function):
         # without running stats); var_mean over (0, 2, 3) was 4-5x slower on CPU
         if x.is_meta:  # the dry run (runtime.dry_run): that kernel has no meta version
             var_loc, m_loc = torch.var_mean(x, (0, *range(2, x.dim())), correction=0)
+        elif n_loc == 0:  # an empty spatial piece (1 row over 2 ranks): it adds nothing to the sums
+            m_loc = var_loc = x.new_zeros(c)
         else:
             m_loc, var_loc = torch.batch_norm_update_stats(x, None, None, 0.0)
         # one float64 allreduce; an allreduce gives every replica the same bits (the same sum on every
@@ -84,8 +86,11 @@ class GlobalBatchNormFunction(torch.autograd.Function):
         out_dtype = x.dtype
         x, dy = x.to(invstd.dtype), dy.to(invstd.dtype).contiguous()  # fp32 sums for bf16/fp16 activations
         # sum(dy * xhat) and sum(dy) per channel, fused (the weight's and bias's gradients)
-        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+        if x.numel():
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+        else:  # an empty piece: its sums are zeros (the kernel refuses an empty input)
+            sum_dy_xhat = sum_dy = invstd.new_zeros(invstd.shape)
         dx = None
         if ctx.needs_input_grad[0]:
             both = torch.cat([sum_dy, sum_dy_xhat])

@@ -48,7 +48,16 @@ from hybridpar.errors import UserError
 from hybridpar.layout.halo import Window
 from hybridpar.parallel.comm.collectives import all_reduce_
 from hybridpar.parallel.mesh import Group, Meshes, ProcessGrid
-from hybridpar.parallel.styles.spatial import Halo, Sliding, SpatialSplit, halo_window, spatial_conv, spatial_pool
+from hybridpar.parallel.styles.spatial import (
+    ConvOp,
+    Halo,
+    Sliding,
+    SpatialSplit,
+    halo_apply,
+    halo_window,
+    spatial_conv,
+    spatial_pool,
+)
 from hybridpar.parallel.styles.table import splits_as_conv
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -59,7 +68,6 @@ ADAPTIVE_AVG = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d
 ADAPTIVE_MAX = (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
 _NDIM = {c: i + 1 for group in (CONVS, CONV_TRANSPOSES, MAX_POOLS, AVG_POOLS, ADAPTIVE_AVG, ADAPTIVE_MAX)
          for i, c in enumerate(group)}
-_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 # -- windows of the ops that are not plain sliding windows -----------------------------------------
@@ -327,11 +335,17 @@ def _crop(y: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     return F.pad(y, pad) if any(pad) else y
 
 
-def _windowed(ext: torch.Tensor, halo: Halo, windows: Sequence[Any], out_local: list[int], op, tie=()):
-    """op(ext) cropped to this rank's output rows along each split dim: `windows[d]` (an _UpsampleWindow
-    or _TransposedWindow per spatial dim) maps the window's input rows to global output rows."""
+def _windowed(x: torch.Tensor, halo: Halo, windows: Sequence[Any], out_local: list[int], op, tie=(), direct=None):
+    """op(this rank's window of x) cropped to its output rows along each split dim: `windows[d]` (an
+    _UpsampleWindow or _TransposedWindow per spatial dim) maps the window's input rows to global output
+    rows. `direct()`: the same op through hybridpar.parallel.styles.spatial.halo_apply (None where it
+    does not apply), which keeps only the piece and its halo rows for backward, not the window."""
     from hybridpar.layout.halo import halo_plan
 
+    split_windows = [windows[s.dim - 2] for s in halo.splits]
+    y = direct() if direct is not None else None
+    if y is None:
+        ext = halo_window(x, halo.splits, split_windows, log=halo.log, tag=halo.tag)
     rows = []
     for s in halo.splits:
         w = windows[s.dim - 2]
@@ -339,14 +353,15 @@ def _windowed(ext: torch.Tensor, halo: Halo, windows: Sequence[Any], out_local: 
         a, b = plan.window[s.group.index]
         o0, o1 = plan.out_piece(s.group.index)
         rows.append((s.dim, a, b, o0, o1, w))
-    if any(b <= a for _, a, b, *_ in rows):  # no input reaches this rank's output rows
+    if y is None and any(b <= a for _, a, b, *_ in rows):  # no input reaches this rank's output rows
         shape = list(out_local)
         zero = ext.sum() * 0
         for t in tie:
             if t is not None:
                 zero = zero + t.sum() * 0
         return ext.new_zeros(shape) + zero
-    y = op(ext)
+    if y is None:
+        y = op(ext)
     for dim, a, _b, o0, o1, w in rows:
         y = _crop(y, dim, o0 - w.first_row(a), o1 - o0)
     return y
@@ -370,7 +385,6 @@ class SpatialConvTranspose(SpatialLayer):
         k = self.weight.shape[2:]
         windows = [_TransposedWindow(n, k[d], self.stride[d], self.padding[d], self.dilation[d], self.output_padding[d])
                    for d, n in enumerate(shape[2:])]
-        ext = halo_window(x, halo.splits, [windows[s.dim - 2] for s in halo.splits], log=halo.log, tag=halo.tag)
         split = {s.dim - 2 for s in halo.splits}
         pad = [0 if d in split else p for d, p in enumerate(self.padding)]
         opad = [0 if d in split else p for d, p in enumerate(self.output_padding)]
@@ -386,9 +400,9 @@ class SpatialConvTranspose(SpatialLayer):
                 out_local.append(o1 - o0)
             else:
                 out_local.append(wd.out_size)
-        y = _windowed(ext, halo, windows, out_local,
-                      lambda e: _CONV_T[self.nd](e, w, None, self.stride, pad, opad, self.groups, self.dilation),
-                      (w,))
+        op = ConvOp(self.stride, tuple(pad), self.dilation, self.groups, transposed=True, output_padding=tuple(opad))
+        y = _windowed(x, halo, windows, out_local, lambda e: op.run(e, w, None), (w,),
+                      lambda: halo_apply(x, halo, [windows[s.dim - 2] for s in halo.splits], op, w))
         if b is not None:
             y = y + b.view(1, -1, *([1] * self.nd))
         return y, _out_shape(shape, channels, windows)
@@ -403,7 +417,6 @@ class SpatialUpsample(SpatialLayer):
 
     def local(self, x, halo, grad_scale, shape):
         windows = [_UpsampleWindow(n, 1, f) for n, f in zip(shape[2:], self.factors)]
-        ext = halo_window(x, halo.splits, [windows[s.dim - 2] for s in halo.splits], log=halo.log, tag=halo.tag)
         out_local = [x.shape[0], x.shape[1]]
         split = {s.dim - 2: s for s in halo.splits}
         for d, wd in enumerate(windows):
@@ -415,7 +428,8 @@ class SpatialUpsample(SpatialLayer):
             else:
                 out_local.append(wd.out_size)
         factors = tuple(float(f) for f in self.factors)
-        y = _windowed(ext, halo, windows, out_local, lambda e: F.interpolate(e, scale_factor=factors, mode="nearest"))
+        # nearest upsampling keeps nothing for backward: its window is freed after forward anyway
+        y = _windowed(x, halo, windows, out_local, lambda e: F.interpolate(e, scale_factor=factors, mode="nearest"))
         return y, _out_shape(shape, shape[1], windows)
 
 

@@ -299,6 +299,8 @@ def best_sharded(s, recompute: str, grad_sync: str, gpus: int, batch: int) -> tu
     do not."""
     if batch % gpus:
         return None, [f"sharding the sample dimension needs the batch ({batch}) divisible by {gpus}"]
+    if f"sample={gpus}" in getattr(s, "excluded", ()):  # the dry run refused the split itself
+        return None, [f"sample={gpus} is excluded"]
     best, reasons = None, []
     for zero, rec in candidates(recompute, gpus):
         x = price(s, LayerLayout(sample=gpus, zero=zero), rec, grad_sync)
@@ -368,12 +370,15 @@ def plan_with_sharding(s, cfg, spaces: dict, state: tuple, progress):
     baseline, base_brk, note, fsdp, t0 = state
     gpus, batch = s.ctx.ranks, s.ctx.batch
     x, reasons = best_sharded(s, cfg.recompute, cfg.grad_sync, gpus, batch)
+    x, y = _with_per_block(s, cfg, spaces, x)
     found, err = None, None
     if cfg.recompute != "all":
         try:
             found = _best_of_spaces(s, cfg, spaces, progress)
         except InfeasibleError as e:
             err = e
+    if y is not None and (found is None or y.prediction.step_time_s < found[1].step_time_s):
+        return _per_block_result(s, cfg, y, x, found, state)
     if x is None and found is None:
         why = "; ".join([*([str(err)] if err else []), *reasons[:3]])
         raise InfeasibleError(f"no layout of {s.model_name} fits {_size(s.capacity)} per device on {gpus} devices "
@@ -391,6 +396,54 @@ def plan_with_sharding(s, cfg, spaces: dict, state: tuple, progress):
     pruned = {vo.vertex.node.module or vo.vertex.name: vo.pruned for vo in opts if vo.pruned}
     return PlanResult(plan, rows, pred, baseline, note, method, pruned, time.perf_counter() - t0, brk, base_brk,
                       _gradients(s, opts, choice), *fsdp)
+
+
+def _with_per_block(s, cfg, spaces: dict, x: Sharded | None):
+    """(x, y): the per-block search (search.layers.fsdp_blocks) over the runnable splits; where its best
+    is uniform (every block alike) it is priced as such (`price`) and replaces `x` when faster (composed
+    layouts such as sample=2,channel=2,zero=3 come this way), else y is the per-block candidate when it
+    beats `x`."""
+    from hybridpar.search.layers import fsdp_blocks
+
+    if not s.ctx.ranks > 1 and cfg.recompute == "none":
+        return x, None
+    layouts = list(dict.fromkeys(lay for lays in spaces.values() for lay in lays))
+    y, _ = fsdp_blocks.best_per_block(s, layouts, cfg.recompute, cfg.grad_sync)
+    if y is None:
+        return x, None
+    if y.uniform:
+        z, r = y.zeros[""], bool(y.redo)
+        if not z and not r:
+            return x, None
+        u = price(s, y.layout.model_copy(update={"zero": z}), "all" if r else "none", cfg.grad_sync)
+        fits = u.prediction.memory_bytes[0] <= s.capacity
+        if fits and (x is None or u.prediction.step_time_s < x.prediction.step_time_s):
+            return u, None
+        return x, None
+    if x is not None and x.prediction.step_time_s <= y.prediction.step_time_s:
+        return x, None
+    return x, y
+
+
+def _per_block_result(s, cfg, y, x: Sharded | None, found, state: tuple):
+    """plan_with_sharding's PlanResult when the per-block candidate `y` is the fastest that fits."""
+    import time
+
+    from hybridpar.search.layers import fsdp_blocks
+    from hybridpar.search.layers.planner import PlanResult, _gradients
+
+    baseline, base_brk, note, fsdp, t0 = state
+    others = [(f"the best replicated plan ({found[2]})", found[1])] if found is not None else []
+    others += [(x.label, x.prediction)] if x is not None else []
+    vs = "; ".join(f"{o.step_time_s / max(y.prediction.step_time_s, 1e-30):.2f}x faster than "
+                   f"{name} ({ms(o)})" for name, o in others)
+    cnote = (f"without data parallelism, the planner chose per block between replicated and sharded (zero=2|3) "
+             f"parameters and recomputation (--recompute {cfg.recompute}): {y.label}, {ms(y.prediction)}"
+             + (f"; {vs}" if vs else "; no other layout fits"))
+    notes = [f"optimiser: {y.label} (greedy per block, the sharded simulator)", *([note] if note else []), cnote]
+    plan, rows = fsdp_blocks.to_plan(s, y, notes)
+    return PlanResult(plan, rows, y.prediction, baseline, note, y.label, {}, time.perf_counter() - t0,
+                      y.breakdown, base_brk, _gradients(s, y.opts, y.vertex_choice), *fsdp)
 
 
 def fixed(s, cfg, layout: LayerLayout, refusal: str | None):

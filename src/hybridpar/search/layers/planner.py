@@ -121,6 +121,9 @@ class PlanResult:
     fsdp_baseline: Prediction | None = None
     fsdp_note: str = ""
     fsdp_breakdown: object | None = None  # fsdp_baseline.FsdpBreakdown
+    # the search's spatial comparison (search.layers.spatial_plan.compare: best spatial layout against the
+    # best plan without spatial splits, chosen or not and why); None when it did not run
+    spatial: dict | None = None
 
     @property
     def speedup_vs_dp(self) -> float | None:
@@ -440,7 +443,7 @@ def _step_extras(opts: list[VertexOptions], choice: Sequence[int], ctx: CostCont
     sample_only = all(vo.dist(k).channel == 1 and vo.dist(k).sample == ctx.ranks for vo, k in zip(opts, choice))
     if ctx.ranks > 1 and not sample_only:
         # the train loop's finiteness check: where ranks hold different gradients, one small allreduce
-        # of its own before each update (hybridpar.train.trainer._nonfinite_step); not step traffic
+        # of its own each step (hybridpar.train.guard.StateGuard.check_step); not step traffic
         world = LayerLayout(sample=ctx.ranks)
         ops.append(CommOp.placed("allreduce", "check", 2 * 8, shard_groups(world), "world", world))
     return ops

@@ -1,15 +1,18 @@
 """Spatial layouts (depth/height/width splits with halo exchange, times sample) in the per-layer
 planner: priced with the planner's own simulator, offered beside its sample/channel/filter plans.
 
-The runtime runs a spatial layout only uniformly (the whole model under one `sample=S,height=H,...`
-layout; spatial x channel/filter and per-layer mixing are refused), so the candidates are the uniform
-spatial layouts the runtime can run, as the planner already adds its uniform layouts. One is priced
-on one rank's view of the graph (hybridpar.cost.spatial.local_graph: activations at the rank's
-spatial piece, each convolution's and pooling's input window copied and kept, B/S samples,
-gradients and batch-norm statistics summed over all S x P ranks) as the sample-parallel layout
-S x P, with each sliding op's halo exchanges (cost.layout_comm.halo_collectives' bytes,
+The runtime runs a spatial layout only uniformly (the whole model under one
+`sample=S,height=H,...[,channel=C|filter=F]` layout; per-layer mixing is refused), so the candidates
+are the uniform spatial layouts the runtime can run, as the planner already adds its uniform layouts.
+One is priced on one rank's view of the graph (hybridpar.cost.spatial.local_graph: activations at the
+rank's spatial piece, each convolution's and pooling's input window copied and kept, B/S samples,
+gradients and batch-norm statistics summed over all S x P ranks) as the layout S x P (x C x F:
+`proxy_layout`, each split conv's channel/filter collectives on its window as SpatialDistConv runs
+them), with each sliding op's halo exchanges (cost.layout_comm.halo_collectives' bytes,
 point-to-point on the cluster's links: cost.spatial.halo_cost) added to its layer's forward and
-backward communication. The plan's notes say which layers go spatial and why (time or memory), or
+backward communication, and what the proxy prices otherwise than the runtime runs it corrected
+(`evaluate_spatial`: the output's gathers, global average pooling, layers DTensor runs whole).
+The plan's notes say which layers go spatial and why (time or memory), or
 why the best spatial layout lost.
 """
 
@@ -21,9 +24,9 @@ from dataclasses import dataclass
 from math import prod
 
 from hybridpar.cost.collectives import CommOp
-from hybridpar.cost.layout_comm import layout_refusal
+from hybridpar.cost.layout_comm import layout_refusal, splits_by_layout
 from hybridpar.cost.memory import kept_activations
-from hybridpar.cost.spatial import SLIDING, halo_cost, local_graph, model_ndim, proxy_layout, spatial_dims
+from hybridpar.cost.spatial import SLIDING, halo_cost, local_graph, model_ndim, spatial_dims
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.layout.halo import SPATIAL_DIMS
 from hybridpar.plans import LayerLayout, Plan, Prediction
@@ -74,24 +77,58 @@ def _smallest_sizes(graph, nd: int) -> tuple[int, ...]:
     return tuple(min(s[i] for s in sizes) for i in range(nd)) if sizes else (1,) * nd
 
 
+# graph.ops kinds whose moves under spatial x channel/filter the planner leaves to the dry run (DTensor
+# gathers a transposed conv's channels, and a concatenation's split parts next to a whole one):
+# api.with_redistributions adds them to a fixed layout's prediction, the search cannot see them
+_CF_UNPRICED = ("conv", "concat")
+
+
+def _cf_searched(graph, nd: int) -> bool:
+    """Whether the search offers spatial x channel/filter for `graph`: a 2-D model (SpatialDistConv is
+    Conv2d's) with convolutions the runtime splits and none of the ops in _CF_UNPRICED (a U-Net's
+    transposed convolutions and skip concatenations: `--strategy` still prices it)."""
+    return nd == 2 and any(n.op == "conv2d" and splits_by_layout(n) for n in graph.nodes) \
+        and not any(n.op in _CF_UNPRICED for n in graph.nodes)
+
+
 def spatial_layouts(graph, gpus: int, batch: int) -> list[LayerLayout]:
-    """The uniform sample x spatial layouts of `gpus` ranks the runtime can run for `graph` at `batch`
-    (at least 2 spatial ranks; no split dim cut into more pieces than its smallest sliding-op output
-    has rows), excluding those cost.layout_comm.layout_refusal refuses."""
+    """The uniform sample x spatial (x channel or filter) layouts of `gpus` ranks the runtime can run
+    for `graph` at `batch` (at least 2 spatial ranks; no split dim cut into more pieces than its
+    smallest sliding-op output has rows; the ranks left over after sample x spatial split each piece's
+    channels or filters, for a 2-D model with convolutions the runtime splits), excluding those
+    cost.layout_comm.layout_refusal refuses."""
     nd = model_ndim(graph)
     if not 1 <= nd <= 3:
         return []
     names, smallest = SPATIAL_DIMS[3 - nd:], _smallest_sizes(graph, nd)
+    cf = _cf_searched(graph, nd)
     out = []
     for s in divisors(gpus):
         if batch % s or gpus // s == 1:
             continue
-        for degrees in _splits(gpus // s, nd):
-            if all(d <= m for d, m in zip(degrees, smallest)):
-                lay = LayerLayout(sample=s, **dict(zip(names, degrees)))
-                if layout_refusal(graph, lay) is None:
-                    out.append(lay)
+        for p in divisors(gpus // s):
+            g = gpus // (s * p)
+            if p == 1 or (g > 1 and not cf):
+                continue
+            for degrees in _splits(p, nd):
+                if not all(d <= m for d, m in zip(degrees, smallest)):
+                    continue
+                for extra in ([{}] if g == 1 else [{"channel": g}, {"filter": g}]):
+                    lay = LayerLayout(sample=s, **dict(zip(names, degrees)), **extra)
+                    if layout_refusal(graph, lay) is None:
+                        out.append(lay)
     return out
+
+
+def proxy_layout(layout: LayerLayout) -> LayerLayout:
+    """The layout that prices `layout` on its `local_graph`: the S x P sample x spatial ranks as
+    sample groups (each holds B/S samples of one spatial piece; weight gradients and batch-norm
+    statistics summed over all of them), with the layout's channel x filter split of each piece.
+    Ranks are row-major over layout.ORDER (channel, filter innermost), so its channel and filter
+    groups are the runtime's, and a conv's input there is its halo window: the filter group gathers
+    the extended piece, as SpatialDistConv does (cost.layout_comm.spatial_conv_collectives)."""
+    return LayerLayout(sample=layout.sample * layout.spatial, channel=layout.channel, filter=layout.filter,
+                       zero=layout.zero)
 
 
 def _with_halo(vo, nodes: Sequence[str], originals: dict, lay: LayerLayout, ctx: CostContext, inputs: set[str]):
@@ -115,22 +152,159 @@ def _with_halo(vo, nodes: Sequence[str], originals: dict, lay: LayerLayout, ctx:
     return dataclasses.replace(vo, costs=(c, *vo.costs[1:])), fwd + bwd
 
 
-def _with_output_gather(vo, graph, lay: LayerLayout, ctx: CostContext):
-    """`vo` (the last vertex) with the allgather of each spatially split model output over the spatial
-    ranks of its sample group (the runtime hands the loss whole outputs: a U-Net's per-pixel logits),
-    bytes the gathered result."""
+def _with_output_gather(vo, lg: LayerGraph, graph, lay: LayerLayout, ctx: CostContext):
+    """`vo` (the last vertex) with the gathers of each spatially split model output (the runtime hands
+    the loss whole outputs: a U-Net's per-pixel logits; parallel.dtensor.boundary.gather_output):
+    DTensor's allgather over the spatial ranks of each sample group, of this rank's channel piece
+    (all channels when G = 1 or the output is held whole on channel_filter), then, when G > 1, our
+    gather over the channel pieces of the spatially whole output, where the proxy's step extras
+    (planner._step_extras) priced the gather of the spatial piece only: the difference is added.
+    Bytes: the gathered results. The spatial gather is listed in the cost's dtensor_moves, so the
+    dry run's record of it (api.with_redistributions) is not added again."""
+    from hybridpar.layout import piece_sizes
+    from hybridpar.search.layers.planner import _output_whole
+
     nd = model_ndim(graph)
-    s, p = lay.sample, lay.spatial
-    nbytes = sum(graph.batch // s * prod(graph.node(o).out_shape[1:]) * ctx.elem for o in graph.outputs
-                 if len(graph.node(o).out_shape) == 2 + nd)
+    s, p, g = lay.sample, lay.spatial, lay.g_size
+    outs = [graph.node(o) for o in graph.outputs if len(graph.node(o).out_shape) == 2 + nd]
+    if not outs:
+        return vo
+    split_channels = g > 1 and not _output_whole(lg)
+    whole = sum(graph.batch // s * prod(n.out_shape[1:]) for n in outs) * ctx.elem
+    mine = sum(graph.batch // s * (piece_sizes(n.out_shape[1], g)[0] if split_channels else n.out_shape[1])
+               * prod(n.out_shape[2:]) for n in outs) * ctx.elem
+    ops = [CommOp.placed("allgather", "fwd", mine, _spatial_groups(lay), "spatial", lay)]
+    t = ctx.comm_time(ops[0])
+    extra = 0
+    if split_channels:  # the channel gather of the whole output, less the piece's the proxy priced
+        cf = tuple(tuple(range(i * g, (i + 1) * g)) for i in range(s * p))
+        full = CommOp.placed("allgather", "fwd", whole, cf, "sample", lay)
+        lead = sum(lg.graph.batch // (s * p) * prod(lg.graph.node(o.name).out_shape[1:]) for o in outs) * ctx.elem
+        priced = CommOp.placed("allgather", "fwd", lead, cf, "sample", proxy_layout(lay))
+        t += max(0.0, ctx.comm_time(full) - ctx.comm_time(priced))
+        extra = whole - lead
+    c = vo.costs[0]
+    c = dataclasses.replace(c, comm_fwd_s=c.comm_fwd_s + t,
+                            comm_bytes={**c.comm_bytes, "allgather": c.comm_bytes.get("allgather", 0) + mine + extra},
+                            dtensor_moves=(*c.dtensor_moves, ("allgather", p, mine)))
+    return dataclasses.replace(vo, costs=(c, *vo.costs[1:]))
+
+
+def _whole_conv_gather(vo, local, lay: LayerLayout, ctx: CostContext):
+    """A conv the runtime leaves whole (grouped, depthwise) under spatial x channel/filter: SpatialConv
+    takes every channel, DTensor's allgather on channel_filter of the input's spatial piece, before
+    its halo exchange, once (autograd keeps the gathered piece for the weight gradient). The
+    proxy priced cost.layout_comm.whole_conv_gathers on its input window, forward and backward:
+    those are replaced by that one gather, listed in the cost's dtensor_moves (the dry run's record
+    of it is then not added again: api.with_redistributions)."""
+    from hybridpar.cost.layout_comm import whole_conv_gathers
+    from hybridpar.search.layers.layer_cost import _groups_of
+
+    node = vo.vertex.node
+    if not vo.vertex.is_weight or node.op != "conv2d" or splits_by_layout(node) or not node.inputs:
+        return vo
+    proxy = proxy_layout(lay)
+    c = vo.costs[0]
+    priced = whole_conv_gathers(node, proxy, dtype_bytes=ctx.elem)
+    groups, key = _groups_of("sample", proxy)
+    placed = [CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key) for op in priced]
+    if c.comm_bytes.get("allgather", 0) < sum(op.bytes_ for op in placed):  # its input arrived whole
+        return vo
+    halo = local.by_name.get(node.inputs[0])
+    piece = halo.in_shapes[0] if halo is not None and halo.attr("halo") else node.in_shapes[0]
+    mine = CommOp.placed("allgather", "fwd", piece[0] // proxy.sample * prod(piece[1:]) * ctx.elem, groups,
+                         "sample", key)
+    fwd = sum(ctx.comm_time(op) for op in placed if op.phase == "fwd")
+    bwd = sum(ctx.comm_time(op) for op in placed if op.phase == "bwd")
+    nbytes = c.comm_bytes["allgather"] - sum(op.bytes_ for op in placed) + mine.bytes_
+    c = dataclasses.replace(c, comm_fwd_s=c.comm_fwd_s - fwd + ctx.comm_time(mine), comm_bwd_s=c.comm_bwd_s - bwd,
+                            comm_bytes={**c.comm_bytes, "allgather": nbytes},
+                            dtensor_moves=(*c.dtensor_moves, ("allgather", mine.group_size, mine.bytes_)))
+    return dataclasses.replace(vo, costs=(c, *vo.costs[1:]))
+
+
+def _with_spatial_sums(vo, names: Sequence[str], originals: dict, lay: LayerLayout, ctx: CostContext):
+    """`vo` with the allreduce of each global average pooling among its `nodes` over the spatial ranks
+    of its sample group (SpatialGlobalAvgPool: [B/S, this rank's channel piece, 1 along each split
+    dim, the unsplit dims whole], forward only; its backward passes the gradient through)."""
+    from hybridpar.layout import piece_sizes
+
+    nbytes, t = 0, 0.0
+    for name in names:
+        n = originals.get(name)
+        # an nn.AdaptiveAvgPoolNd module (the trace records no class for pools: a module's node, not
+        # an adaptive max pool's; a functional call inside a module's forward would be taken too)
+        if n is None or n.op != "adaptive_avgpool" or n.attr("max") or not n.module or not n.in_shapes:
+            continue
+        x, y = n.in_shapes[0], n.out_shape
+        nd = len(x) - 2
+        split = {d for d, _ in spatial_dims(lay, nd)}
+        if not split or any(y[d] != 1 for d in split):
+            continue  # another adaptive pool: SpatialGathered (DTensor's gather, in the dry run's records)
+        keep = prod(1 if d in split else x[d] for d in range(2, len(x)))
+        b = x[0] // lay.sample * piece_sizes(x[1], lay.g_size)[0] * keep * ctx.elem
+        groups = _spatial_groups(lay)
+        op = CommOp.placed("allreduce", "fwd", b, groups, "spatial", lay)
+        nbytes, t = nbytes + b, t + ctx.comm_time(op)
     if not nbytes:
         return vo
-    groups = tuple(tuple(range(i * p, (i + 1) * p)) for i in range(s))
-    op = CommOp.placed("allgather", "fwd", nbytes, groups, "spatial", lay)
     c = vo.costs[0]
-    c = dataclasses.replace(c, comm_fwd_s=c.comm_fwd_s + ctx.comm_time(op),
-                            comm_bytes={**c.comm_bytes, "allgather": c.comm_bytes.get("allgather", 0) + nbytes})
+    c = dataclasses.replace(c, comm_fwd_s=c.comm_fwd_s + t,
+                            comm_bytes={**c.comm_bytes, "allreduce": c.comm_bytes.get("allreduce", 0) + nbytes})
     return dataclasses.replace(vo, costs=(c, *vo.costs[1:]))
+
+
+def _spatial_groups(lay: LayerLayout) -> tuple[tuple[int, ...], ...]:
+    """The spatial ranks of each sample group and channel position (rank order: layout.ORDER)."""
+    s, p, g = lay.sample, lay.spatial, lay.g_size
+    return tuple(tuple(i * p * g + j * g + k for j in range(p)) for i in range(s) for k in range(g))
+
+
+def _unwrapped_grad_bytes(local, lay: LayerLayout, ctx: CostContext) -> int:
+    """Bytes of the proxy's gradient allreduces of parameters no spatial style holds (not a
+    convolution's or a batch norm's: a Linear head's, free parameters), which it sums over S x P."""
+    from hybridpar.cost.layout_comm import layer_collectives
+
+    proxy = proxy_layout(lay)
+    return sum(op.bytes_ for n in local.nodes if n.params and n.op not in ("conv2d", "conv", "batchnorm")
+               for op in layer_collectives(n, proxy, dtype_bytes=ctx.elem) if op.phase == "grad")
+
+
+def _no_concat_rule(vo, lay: LayerLayout, ctx: CostContext):
+    """A concatenation under spatial x channel/filter runs through DTensor (its moves are the dry run's
+    records, api.with_redistributions), not hybridpar.parallel.styles.concat's all-to-all, which the
+    proxy priced (cost.layout_comm.channel_concat): that is taken out."""
+    from hybridpar.cost.layout_comm import channel_concat
+    from hybridpar.search.layers.layer_cost import _groups_of
+
+    node, c = vo.vertex.node, vo.costs[0]
+    if vo.vertex.is_weight or node.op != "concat" or not c.comm_bytes.get("alltoall"):
+        return vo
+    proxy = proxy_layout(lay)
+    groups, key = _groups_of("sample", proxy)
+    ops = [CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key)
+           for op in channel_concat(node, proxy.sample, lay.g_size, 0, vo.vertex.input_grad, ctx.elem)]
+    fwd = sum(ctx.comm_time(op) for op in ops if op.phase == "fwd")
+    bwd = sum(ctx.comm_time(op) for op in ops if op.phase == "bwd")
+    left = c.comm_bytes["alltoall"] - sum(op.bytes_ for op in ops)
+    comm = {k: v for k, v in {**c.comm_bytes, "alltoall": left}.items() if v}
+    c = dataclasses.replace(c, comm_fwd_s=max(0.0, c.comm_fwd_s - fwd), comm_bwd_s=max(0.0, c.comm_bwd_s - bwd),
+                            comm_bytes=comm)
+    return dataclasses.replace(vo, costs=(c, *vo.costs[1:]))
+
+
+# marks a Linear the runtime leaves whole under spatial layouts (parallel.styles.table.style_for gives
+# nn.Linear no style there: it runs through DTensor, its parameters replicated); not a class name
+_SPATIAL_WHOLE = "hybridpar:whole-under-spatial:"
+
+
+def _whole_linears(graph):
+    """`graph` with its nn.Linear nodes priced as the runtime runs them under spatial x channel/filter:
+    whole on every rank (cost.layout_comm.splits_by_layout False), not split over channel/filter."""
+    nodes = tuple(dataclasses.replace(n, attrs=tuple((k, _SPATIAL_WHOLE + str(v) if k == "module_class" else v)
+                                                     for k, v in n.attrs))
+                  if n.op == "linear" and splits_by_layout(n) else n for n in graph.nodes)
+    return dataclasses.replace(graph, nodes=nodes)
 
 
 def evaluate_spatial(s, lay: LayerLayout, grad_sync: str, contexts: dict | None = None) -> SpatialEval:
@@ -140,7 +314,7 @@ def evaluate_spatial(s, lay: LayerLayout, grad_sync: str, contexts: dict | None 
     from hybridpar.search.layers import planner
 
     graph, ctx0 = s.lg.graph, s.ctx
-    local = local_graph(graph, lay)
+    local = _whole_linears(local_graph(graph, lay)) if lay.g_size > 1 else local_graph(graph, lay)
     lg = build_layer_graph(local)
     contexts = {} if contexts is None else contexts
     ctx = contexts.get(lay.spatial)
@@ -150,6 +324,8 @@ def evaluate_spatial(s, lay: LayerLayout, grad_sync: str, contexts: dict | None 
             optimizer=ctx0.optimizer, momentum=ctx0.momentum, weight_decay=ctx0.weight_decay)
         ctx.kept = frozenset(kept_activations(local))  # node names are the same under every split
     opts = planner._options(lg, ctx, INF, [proxy_layout(lay)], even_only=False, empty_ok=True)
+    if lay.g_size > 1:
+        opts = [_no_concat_rule(_whole_conv_gather(vo, local, lay, ctx), lay, ctx) for vo in opts]
     originals = graph.by_name
     inputs = {n.name for n in graph.nodes if n.op == "input"}
     halo_s = 0.0
@@ -158,9 +334,17 @@ def evaluate_spatial(s, lay: LayerLayout, grad_sync: str, contexts: dict | None 
         if i == 0:  # the nodes before the first layer run on its ranks (CosmoFlow's first conv3d)
             names += [n.name for n in lg.prefix]
         opts[i], t = _with_halo(vo, names, originals, lay, ctx, inputs)
+        opts[i] = _with_spatial_sums(opts[i], names, originals, lay, ctx)
         halo_s += t
-    opts[-1] = _with_output_gather(opts[-1], graph, lay, ctx)
+    opts[-1] = _with_output_gather(opts[-1], lg, graph, lay, ctx)
     pred, brk = planner.predict_with_breakdown(lg, opts, [0] * len(opts), ctx, grad_sync)
+    if lay.sample == 1:
+        # the proxy's P "sample groups" are one: the run allreduces no loss (train.engine), and the
+        # parameters the spatial styles leave to DTensor (a Linear head's) are summed over the sample
+        # groups only (each spatial rank computes them alike on the spatially whole tensor): none
+        comm = dict(pred.comm_bytes)
+        comm["allreduce"] = comm.get("allreduce", 0) - ctx.elem - _unwrapped_grad_bytes(local, lay, ctx)
+        pred = pred.model_copy(update={"comm_bytes": {k: v for k, v in comm.items() if v}})
     sliding = tuple(n.module or n.name for n in graph.nodes if n.op in SLIDING and len(n.in_shapes[0]) > 2)
     return SpatialEval(lay, lg, ctx, opts, pred, brk, halo_s, sliding)
 
@@ -202,35 +386,55 @@ def _split_text(lay: LayerLayout) -> str:
     return " x ".join(f"{k} in {getattr(lay, k)}" for k in SPATIAL_DIMS if getattr(lay, k) > 1)
 
 
+def _summary(chosen: str | None, ev: SpatialEval | None, base: Prediction | None, label: str) -> dict:
+    """The comparison as data (`plan --json`'s "spatial"): whether the plan goes spatial and why
+    ("time", "memory"; or why not: "slower", "over the memory limit", "not considered"), the best
+    spatial layout's predicted step, memory and halo time, and the best plan without spatial splits'."""
+    return {
+        "chosen": chosen in ("time", "memory"), "reason": chosen,
+        "best_spatial": None if ev is None else {
+            "layout": ev.layout.to_strategy(), "step_time_s": ev.pred.step_time_s,
+            "memory_bytes_per_device": ev.pred.memory_bytes[0], "halo_s": ev.halo_s,
+            "halo_bytes": ev.pred.comm_bytes.get("halo", 0)},
+        "best_non_spatial": None if base is None else {"method": label.lstrip(", ") or None,
+                                                        "step_time_s": base.step_time_s},
+        "speedup": None if ev is None or base is None or not ev.pred.step_time_s
+        else base.step_time_s / ev.pred.step_time_s,
+    }
+
+
 def compare(s, other: Prediction | InfeasibleError, gpus: int, batch: int, grad_sync: str, label: str = ""
-            ) -> tuple[SpatialEval | None, list[str]]:
-    """(the spatial layout to plan instead of `other`, or None; notes for the plan either way).
-    `other`: the best plan without spatial splits' prediction, or the InfeasibleError its search raised."""
+            ) -> tuple[SpatialEval | None, list[str], dict | None]:
+    """(the spatial layout to plan instead of `other`, or None; notes for the plan either way; the
+    comparison as data, `_summary`). `other`: the best plan without spatial splits' prediction, or the
+    InfeasibleError its search raised."""
     nd = model_ndim(s.lg.graph)
     if nd not in (1, 2, 3) or gpus == 1:  # no spatial dims (a sequence model), or nothing to split over
-        return None, []
+        return None, [], None
     fitting, best = best_spatial(s, gpus, batch, grad_sync)
+    base = None if isinstance(other, InfeasibleError) else other
     if best is None:  # the runtime's reason for the plainest one, when it refuses
         why = layout_refusal(s.lg.graph, LayerLayout(**{SPATIAL_DIMS[3 - nd]: gpus}))
         return None, ["spatial splits not considered: " + (why or f"no uniform sample x spatial layout of {gpus} "
-                                                                  f"ranks fits this model's sizes at batch {batch}")]
-    if isinstance(other, InfeasibleError):
+                                                                  f"ranks fits this model's sizes at batch {batch}")], \
+            _summary("not considered", None, base, label)
+    if base is None:
         if fitting is None:
-            return None, []
+            return None, [], _summary("over the memory limit", best, None, label)
         return fitting, [_layers_note(fitting), f"spatial chosen for memory: {fitting.pred.step_time_s * 1e3:.1f} ms "
                          f"per step, {_gib(fitting.pred.memory_bytes[0])} per device; no plan without spatial "
-                         f"splits fits ({other})"]
-    base = other
+                         f"splits fits ({other})"], _summary("memory", fitting, None, label)
     if fitting is not None and fitting.pred.step_time_s < base.step_time_s:
         return fitting, [_layers_note(fitting), (
             f"spatial chosen for time: {_ms(fitting.pred.step_time_s)} per step against {_ms(base.step_time_s)} "
             f"for the best plan without spatial splits{label} ({base.step_time_s / fitting.pred.step_time_s:.2f}x "
-            f"speed-up); {_gib(fitting.pred.memory_bytes[0])} per device")]
+            f"speed-up); {_gib(fitting.pred.memory_bytes[0])} per device")], _summary("time", fitting, base, label)
     ev = fitting or best
     why = "slower" if fitting is not None else f"over the memory limit ({_gib(ev.pred.memory_bytes[0])} per device)"
     return None, [f"no layer goes spatial: the best uniform spatial layout, {ev.layout.to_strategy()}, predicts "
                   f"{_ms(ev.pred.step_time_s)} per step (halo exchanges {_ms(ev.halo_s)}) against "
-                  f"{_ms(base.step_time_s)} for this plan: {why}"]
+                  f"{_ms(base.step_time_s)} for this plan: {why}"], \
+        _summary("slower" if fitting is not None else "over the memory limit", ev, base, label)
 
 
 def to_plan(s, ev: SpatialEval, strategy: str | None, notes: list[str]):
@@ -273,20 +477,21 @@ def with_spatial(s, cfg, where: tuple[int, int, float], base: tuple, search: Cal
         if result is None:
             raise other
         return result
-    ev, notes = compare(s, other if result is None else result.prediction, gpus, batch, cfg.grad_sync,
-                        "" if result is None else f", {result.method}")
+    ev, notes, summary = compare(s, other if result is None else result.prediction, gpus, batch, cfg.grad_sync,
+                                 "" if result is None else f", {result.method}")
     if ev is None:
         if result is None:
             raise other
-        return dataclasses.replace(result, plan=result.plan.model_copy(update={"notes": [*result.plan.notes, *notes]}))
+        return dataclasses.replace(result, plan=result.plan.model_copy(update={"notes": [*result.plan.notes, *notes]}),
+                                   spatial=summary)
     method = f"uniform {ev.layout.to_strategy()}"
     plan, rows = to_plan(s, ev, None, [f"optimiser: {method} (spatial layouts run uniformly)", *notes])
     if result is not None:
         return dataclasses.replace(result, plan=plan, layers=rows, prediction=ev.pred, method=method, pruned={},
                                    solve_s=time.perf_counter() - t0, breakdown=ev.breakdown,
-                                   gradients=_gradients(s, ev))
+                                   gradients=_gradients(s, ev), spatial=summary)
     return PlanResult(plan, rows, ev.pred, baseline, note, method, {}, time.perf_counter() - t0, ev.breakdown,
-                      base_brk, _gradients(s, ev), *fsdp)
+                      base_brk, _gradients(s, ev), *fsdp, spatial=summary)
 
 
 def _uniform_fallback(s, cfg, where: tuple[int, int, float], base: tuple, err: InfeasibleError):
@@ -324,17 +529,20 @@ def _uniform_fallback(s, cfg, where: tuple[int, int, float], base: tuple, err: I
 
 def fixed(s, cfg, layout: LayerLayout, refusal: str | None):
     """planner._plan_fixed's (plan, rows, prediction, breakdown, options, choice) for a uniform spatial
-    `layout` (`--strategy height=2`): evaluated, not searched. A what-if (`runnable_only` False) of
-    spatial x channel/filter or of a dim the model lacks is refused: there is nothing to price it by."""
+    `layout` (`--strategy height=2`, `height=2,channel=2`): evaluated, not searched. A what-if
+    (`runnable_only` False) of a dim the model lacks is refused: there is nothing to price it by."""
     try:
         spatial_dims(layout, model_ndim(s.lg.graph))
     except ValueError as err:
         raise UserError(f"{layout.to_strategy()}: {err}") from None
-    if layout.g_size > 1:
-        raise UserError(f"{layout.to_strategy()}: spatial x channel/filter in one layer is not priced "
-                        "(the runtime does not run it yet)")
     ev = evaluate_spatial(s, layout, cfg.grad_sync)
     notes = [f"fixed layout {layout.to_strategy()} evaluated (not searched)", _layers_note(ev)]
+    unpriced = sorted({n.module or n.name for n in s.lg.graph.nodes if n.op in _CF_UNPRICED})
+    if layout.g_size > 1 and unpriced:
+        notes.append(f"spatial x channel/filter: DTensor's moves around {', '.join(unpriced[:4])}"
+                     f"{' ...' if len(unpriced) > 4 else ''} (transposed convolutions, concatenations) are not in "
+                     "the planner's figures, only in the dry run's (below, when it runs); the search does not "
+                     "offer this layout for this model")
     notes += [f"WHAT-IF, the runtime cannot run it: {refusal}"] if refusal else []
     if ev.pred.memory_bytes[0] > s.capacity:
         notes.append(f"over the memory limit: {_gib(ev.pred.memory_bytes[0])} per device")

@@ -117,6 +117,24 @@ def _convex_hull(graph: Graph, names: Sequence[str], succ, index) -> set[str]:
     return reach(names, succ) & reach(names, pred)
 
 
+def task_compute_s(coarse: Graph, fine: Graph, cluster: Cluster, *, dtype: str = "fp32",
+                   sample_frac: float = 1.0) -> dict[str, tuple[float, float]]:
+    """Each task's (forward, backward) op time at `sample_frac` of the batch: the op part of its Task's
+    fwd_s / bwd_s (problem_from_graph; without the executor's per-node cost, the loss and the update).
+    placer.micro prices a micro-batch with it, since an op at B/K samples is not 1/K of the op at B
+    (weights are read and gradients written once per micro-batch; small shapes run below peak)."""
+    out = {}
+    for n in coarse.nodes:
+        fwd = bwd = 0.0
+        for x in members(n):
+            t = op_time(fine.node(x), cluster, dtype=dtype, sample_frac=sample_frac)
+            fwd += t.fwd_s
+            bwd += t.bwd_s
+        _, k = chunk_of(n)
+        out[n.name] = (fwd / k, bwd / k)
+    return out
+
+
 def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids: Sequence[int], *,
                        dtype: str = "fp32", optimizer: str = "momentum",
                        mem_capacity_bytes: float | None = None, program_order: bool = True) -> PlacementProblem:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from hybridpar.cluster import Cluster, load_cluster
@@ -17,12 +17,14 @@ from hybridpar.search.placer.adapter import (
     placement_by_module,
     problem_from_graph,
     runtime_leaves,
+    task_compute_s,
     tie_shared_modules,
 )
 from hybridpar.search.placer.config import PlacerConfig, optimizer_cost_name
+from hybridpar.search.placer.micro import MicroCompute
 from hybridpar.search.placer.problem import PlacementProblem
 from hybridpar.search.placer.result import PlacementResult
-from hybridpar.search.placer.unroll import has_recurrence, unroll
+from hybridpar.search.placer.unroll import CHOSEN_TIME_CHUNKS, has_recurrence, split_layers, unroll
 
 DEFAULT_CLUSTER = "localhost"  # one default everywhere (hybridpar.api.DEFAULT_CLUSTER)
 DEFAULT_BATCH = 32  # per data-parallel worker (one MP group), when the caller gives none
@@ -51,11 +53,20 @@ class PlaceOutcome:
     graph: Graph  # the coarse graph that was placed
     fine_nodes: int
     notes: tuple[str, ...] = field(default=())
+    # each task's op seconds at the batch and at one of K micro-batches (placer.micro.micro_problem)
+    micro_compute: MicroCompute | None = field(default=None, repr=False, compare=False)
 
     @property
     def step_time_s(self) -> float:
         """The predicted step as the plan runs: with its micro-batches (placer.micro)."""
         return self.plan.predicted.step_time_s if self.plan.predicted is not None else self.result.step_time_s
+
+    @property
+    def memory_bytes(self) -> list:
+        """Each device's predicted bytes as the plan runs: with its micro-batch schedule (1F1B holds fewer
+        activations; placer.micro.pipeline_memory)."""
+        p = self.plan.predicted
+        return list(p.memory_bytes) if p is not None and p.memory_bytes else list(self.result.memory_bytes)
 
     @property
     def speedup(self) -> float | None:
@@ -73,11 +84,12 @@ class PlaceOutcome:
                     "device_ids": list(self.problem.device_ids), "batch": self.plan.batch, "solver": r.solver,
                     "status": r.status, "nodes": len(self.graph), "fine_nodes": self.fine_nodes,
                     "step_time_s": self.step_time_s, "single_device_step_s": self.single_step_s,
-                    "micro_batches": self.plan.micro_batches, "one_micro_batch_step_s": r.step_time_s,
+                    "micro_batches": self.plan.micro_batches, "schedule": self.plan.schedule,
+                    "one_micro_batch_step_s": r.step_time_s,
                     "single_device_fits": self.single_fits,
                     "speedup": self.speedup, "gap": r.gap, "bound_s": r.bound_s, "solve_time_s": r.solve_time_s,
                     "compute_s": bd.compute_s, "exposed_comm_s": bd.exposed_comm_s, "comm_s": bd.comm_s,
-                    "idle_s": bd.idle_s, "memory_bytes": r.memory_bytes,
+                    "idle_s": bd.idle_s, "memory_bytes": self.memory_bytes,
                     "memory_capacity_bytes": list(self.problem.mem_capacity_bytes),
                     "baselines": self.baselines, "notes": list(self.notes) + list(r.notes),
                     "cost_notes": list(self.problem.notes)}  # what the prices hold (cluster, runtime, update)
@@ -136,12 +148,25 @@ def _coarse(fine: Graph, max_nodes: int, chunks: int = 0) -> Graph:
 
 
 def what_if_note(chunks: int) -> str:
-    """The label of a placement priced with K time chunks per recurrent node. The placer splits none
-    by default: the MP runtime runs every recurrent layer whole, so by default only that schedule is
-    priced; `time_chunks=K` (`--time-chunks K`) prices the time-step wavefront as a what-if."""
+    """The label of a placement priced with K time chunks per recurrent node on a graph the MP runtime
+    cannot chunk (torch.export's: no module calls to split; runs_time_chunks)."""
     return (f"WHAT-IF (--time-chunks {chunks}): each recurrent layer priced as {chunks} time chunks on a "
-            "time-step wavefront; the MP runtime runs each recurrent layer whole, so `train` does not "
-            "run this schedule")
+            "time-step wavefront; this model runs on torch.export's graph, where the MP runtime runs each "
+            "recurrent layer whole, so `train` does not run this schedule")
+
+
+def runs_time_chunks(fine: Graph) -> bool:
+    """The MP runtime runs the time-chunk wavefront on torch.fx's graph (pipeline.wavefront splits
+    nn.LSTM/GRU/RNN module calls), not on torch.export's."""
+    return dict(fine.meta).get("tracer") == "torch.fx"
+
+
+def time_chunk_note(chunks: int, fine: Graph) -> str:
+    """The plan's note on its time chunks: executed (as `train --time-chunks K` runs it), else a what-if."""
+    if not runs_time_chunks(fine):
+        return what_if_note(chunks)
+    return (f"time chunks: {chunks} per recurrent layer (the time-step wavefront, priced in the MP "
+            f"runtime's program order; `train --time-chunks {chunks}` runs it)")
 
 
 FREE_ORDER_NOTE = ("WHAT-IF (free order): priced with each device free to run any ready operation first "
@@ -164,11 +189,16 @@ def build_problem(model, cluster: str | Cluster = DEFAULT_CLUSTER, gpus: int = 2
     cl = _checked_cluster(cluster, gpus, cfg)
     batch = DEFAULT_BATCH if cfg.batch is None else cfg.batch
     fine, name = model_graph(model, batch, cfg.input_shape)
-    chunks = cfg.time_chunks or 0  # off by default (what_if_note)
+    chunks = cfg.time_chunks or 0  # off by default: whole recurrent layers
+    if chunks >= 2:  # the runtime places the layers of a stacked recurrent module one by one with chunks
+        fine = split_layers(fine)
     coarse = _coarse(fine, cfg.coarsen or DEFAULT_COARSEN, chunks if chunks >= 2 else 0)
+    # the runtime runs the chunks in program order too (pipeline.wavefront), unless the graph is
+    # torch.export's (time_chunk_note): then only DLPlacer's free schedule is a fair what-if
     prob = problem_from_graph(coarse, fine, cl, tuple(range(gpus)), dtype=cfg.dtype, optimizer=cfg.optimizer_kind,
                               mem_capacity_bytes=cfg.mem_capacity_bytes,
-                              program_order=not cfg.free_order and "time_chunks" not in dict(coarse.meta))
+                              program_order=not cfg.free_order and (
+                                  "time_chunks" not in dict(coarse.meta) or runs_time_chunks(fine)))
     return prob, coarse, fine, cl, name
 
 
@@ -225,6 +255,10 @@ def place_model(model, cluster: str | Cluster = DEFAULT_CLUSTER, gpus: int = 2, 
     gpus = options.pop("devices", gpus)
     cfg = PlacerConfig.of(config, options)
     _check_search(cfg, gpus)
+    if cfg.time_chunks is None:
+        chosen = _choose_time_chunks(model, cluster, gpus, cfg)
+        if chosen is not None:
+            return chosen
     prob, coarse, fine, cl, name = build_problem(model, cluster, gpus, cfg)
     if cfg.solver == "ilp":
         budget.check(f"placement of {len(prob.tasks):,} tasks on {gpus:,} devices",
@@ -232,40 +266,127 @@ def place_model(model, cluster: str | Cluster = DEFAULT_CLUSTER, gpus: int = 2, 
                      "coarsen the graph (--coarsen N) or place on fewer devices")
     result = solve(prob.one_rank_busy() if cfg.solver == "single" else prob, cfg.solver,
                    time_limit_s=cfg.time_limit_s, workers=cfg.workers, seed=cfg.seed, gap=cfg.gap)
+    result = _chain_for_1f1b(result, cfg)
     baselines = _baselines(prob)
     k = dict(coarse.meta).get("time_chunks", 0)
-    notes = ((what_if_note(k),) if k else ()) + ((FREE_ORDER_NOTE,) if cfg.free_order and not k else ())
+    what_if = bool(k) and not runs_time_chunks(fine)
+    notes = ((time_chunk_note(k, fine),) if k else ()) + ((FREE_ORDER_NOTE,) if cfg.free_order and not what_if else ())
     plan = _outcome_plan(name, cl, gpus, cfg, result, coarse, fine)
-    if notes and not k:
-        plan = plan.model_copy(update={"notes": [*plan.notes, *notes]})
-    plan = _with_micro_batches(plan, result, cfg, fine)
+    if notes:  # with time chunks the plan has that note already (_outcome_plan)
+        plan = plan.model_copy(update={"notes": [*plan.notes, *(n for n in notes if n not in plan.notes)]})
+    compute = micro_compute(coarse, fine, cl, cfg.dtype)
+    plan = _with_micro_batches(plan, result, cfg, (fine, coarse), compute)
     return PlaceOutcome(result, one_process_step_s(prob), "single" in baselines, baselines, plan, coarse, len(fine),
-                        notes)
+                        notes, compute)
 
 
-def _with_micro_batches(plan: Plan, result: PlacementResult, cfg: PlacerConfig, fine: Graph) -> Plan:
-    """The plan with its GPipe micro-batch count (placer.micro): the one given, or the one with the
-    shortest predicted step; the predicted step is then the pipelined one."""
-    from hybridpar.search.placer.micro import choose_micro_batches, micro_batch_step_s
+def micro_compute(coarse: Graph, fine: Graph, cl: Cluster, dtype: str) -> MicroCompute:
+    """Each task's ops priced at the whole batch and at one of K micro-batches (placer.micro.micro_problem)."""
+    whole = task_compute_s(coarse, fine, cl, dtype=dtype)
 
+    def compute(k: int):
+        return whole, task_compute_s(coarse, fine, cl, dtype=dtype, sample_frac=1 / k)
+
+    return compute
+
+
+def _choose_time_chunks(model, cluster: str | Cluster, gpus: int, cfg: PlacerConfig) -> PlaceOutcome | None:
+    """No time_chunks given: for a recurrent model the MP runtime can chunk, the placement of whole
+    layers or of CHOSEN_TIME_CHUNKS chunks, whichever has the shorter predicted step (both solved);
+    None for any other model (nothing to choose)."""
+    fine, _ = model_graph(model, DEFAULT_BATCH if cfg.batch is None else cfg.batch, cfg.input_shape)
+    if gpus < 2 or cfg.schedule == "1f1b" or not has_recurrence(fine) or not runs_time_chunks(fine):
+        return None  # (1f1b runs whole recurrent layers: parallel/pipeline/schedule.py)
+    whole = place_model(model, cluster, gpus, replace(cfg, time_chunks=1))
+    split = place_model(model, cluster, gpus, replace(cfg, time_chunks=CHOSEN_TIME_CHUNKS))
+    best = split if split.step_time_s < whole.step_time_s else whole
+    note = (f"time chunks: {best.plan.time_chunks} chosen (predicted step {whole.step_time_s * 1e3:.4g} ms with "
+            f"whole recurrent layers, {split.step_time_s * 1e3:.4g} ms with {CHOSEN_TIME_CHUNKS} time chunks)")
+    return replace(best, plan=best.plan.model_copy(update={"notes": [*best.plan.notes, note]}),
+                   notes=(*best.notes, note))
+
+
+def _with_micro_batches(plan: Plan, result: PlacementResult, cfg: PlacerConfig, graphs: tuple[Graph, Graph],
+                        compute: MicroCompute) -> Plan:
+    """The plan with its micro-batch count and schedule (placer.micro.choose_pipeline): the ones given,
+    or the pair with the shortest predicted step whose memory fits; the predicted step is then the
+    pipelined one."""
+    from hybridpar.search.placer.micro import chain_devices, choose_pipeline, pipeline_memory, task_activation_bytes
+
+    fine, coarse = graphs
     samples = plan.batch // plan.dp
+    prob, assign = result.problem, result.assignment
+    stages = chain_devices(prob, assign)
+    _check_schedule_asked(cfg, samples, stages, plan.mp)
+    acts = task_activation_bytes(coarse, fine, cfg.dtype)
+    act = [acts.get(t.name, 0) for t in prob.tasks]
+    schedules = (cfg.schedule,) if cfg.schedule is not None else ("gpipe", "1f1b")
+    chunks = dict(coarse.meta).get("time_chunks") or 0
+    if chunks > 1:  # the wavefront runs under the executor's GPipe only (pipeline.schedule.check_schedule)
+        if cfg.schedule == "1f1b":
+            raise UserError(f"1f1b runs whole recurrent layers: {chunks} time chunks (the wavefront) run under "
+                            "--schedule gpipe only (or give --time-chunks 1)", param="schedule")
+        schedules = ("gpipe",)
     if cfg.micro_batches is not None:
-        if cfg.micro_batches > samples:
-            raise UserError(f"micro_batches {cfg.micro_batches} exceeds the {samples} samples per replica",
-                            param="micro_batches")
-        k, steps = cfg.micro_batches, {cfg.micro_batches: micro_batch_step_s(result.problem, result.assignment,
-                                                                             cfg.micro_batches)}
-        why = "as asked"
+        counts, why = [cfg.micro_batches], "as asked"
     elif any(n.op == "batchnorm" for n in fine.nodes):
-        k, steps, why = 1, {1: result.step_time_s}, "batch norm: statistics over the whole batch"
+        counts, why = [1], "batch norm: statistics over the whole batch"
+        schedules = ("gpipe",) if cfg.schedule is None else schedules
     else:
-        k, steps = choose_micro_batches(result.problem, result.assignment, samples)
-        why = "the shortest predicted step of " + ", ".join(f"{n}: {v * 1e3:.3g} ms" for n, v in steps.items())
-    note = f"micro-batches: {k} ({why})"
-    update: dict = {"micro_batches": k, "notes": [*plan.notes, note]}
+        counts, why = None, ""
+    if counts == [1] and schedules == ("1f1b",):
+        raise UserError("1f1b: the model's batch norm keeps one micro-batch (statistics over the whole batch); give "
+                        "--micro-batches K (with --bn-stats local) or use --schedule gpipe", param="schedule")
+    k, sched, steps = choose_pipeline(prob, assign, samples, act, counts=counts, schedules=schedules,
+                                      compute=compute)
+    if not why:
+        why = "the shortest predicted step of " + ", ".join(f"{n}: {v * 1e3:.3g} ms" for (n, s), v in steps.items()
+                                                           if s == sched)
+    notes = [f"micro-batches: {k} ({why})",
+             f"schedule: {sched} (" + ("as asked" if cfg.schedule is not None else "chosen with the count: "
+                                      + ", ".join(f"{n} {s}: {v * 1e3:.3g} ms" for (n, s), v in steps.items()
+                                                  if n == k)) + ")"]
+    update: dict = {"micro_batches": k, "schedule": sched, "notes": [*plan.notes, *notes]}
     if k > 1 and plan.predicted is not None:
-        update["predicted"] = plan.predicted.model_copy(update={"step_time_s": steps[k]})
+        memory = [int(m) for m in pipeline_memory(prob, assign, k, sched, act)]
+        update["predicted"] = plan.predicted.model_copy(update={"step_time_s": steps[(k, sched)],
+                                                                "memory_bytes": memory})
     return plan.model_copy(update=update)
+
+
+def _chain_for_1f1b(result: PlacementResult, cfg: PlacerConfig) -> PlacementResult:
+    """1f1b asked of a placement that is not a chain of stages: the balanced pipeline split over every
+    device instead (micro.chain_split); none: the placement as it is (1f1b is then refused, one line)."""
+    from hybridpar.search.placer.micro import chain_devices, chain_split
+    from hybridpar.search.placer.result import evaluate
+
+    if cfg.schedule != "1f1b" or chain_devices(result.problem, result.assignment) is not None:
+        return result
+    split = chain_split(result.problem)
+    if split is None:
+        return result
+    note = (f"1f1b asked: the {result.solver} placement is not a chain of stages; placed as the balanced "
+            "pipeline split (placer.micro.chain_split)")
+    return evaluate(result.problem, split, "pipeline split", notes=(note,))
+
+
+def _check_schedule_asked(cfg: PlacerConfig, samples: int, stages: tuple[int, ...] | None, mp: int) -> None:
+    if cfg.micro_batches is not None and cfg.micro_batches > samples:
+        raise UserError(f"micro_batches {cfg.micro_batches} exceeds the {samples} samples per replica",
+                        param="micro_batches")
+    if cfg.schedule not in (None, "gpipe", "1f1b"):
+        raise UserError(f"schedule must be gpipe or 1f1b, got {cfg.schedule!r}", param="schedule")
+    if cfg.schedule != "1f1b":
+        return
+    if stages is None:
+        raise UserError("1f1b: the placer's placement is not a chain of stages over all devices (an activation "
+                        "skips or returns a stage, or a device holds nothing); use --schedule gpipe", param="schedule")
+    k = cfg.micro_batches
+    if k is not None and k < mp:
+        raise UserError(f"1f1b needs at least as many micro-batches as stages: {k} < {mp}", param="micro_batches")
+    if k is None and samples < mp:
+        raise UserError(f"1f1b needs at least {mp} micro-batches, more than the {samples} samples per replica",
+                        param="schedule")
 
 
 def _baselines(prob: PlacementProblem) -> dict[str, float]:
@@ -295,4 +416,5 @@ def _outcome_plan(name: str, cl: Cluster, gpus: int, cfg: PlacerConfig, result: 
                        + (f", gap {result.gap:.2%}" if result.gap is not None else "") + ")",
                        f"graph coarsened {len(fine)} -> {len(coarse)} nodes"
                        + (f" ({chunks} time chunks per recurrent node)" if chunks is not None else ""),
-                       *([what_if_note(chunks)] if chunks is not None else [])])
+                       *([time_chunk_note(chunks, fine)] if chunks is not None else [])],
+                time_chunks=chunks or (1 if cfg.time_chunks is not None else None))

@@ -40,12 +40,15 @@ class PlacerConfig:
 
     `time_limit_s`, `workers`, `seed` and `gap` fix the ILP's answer (its time limit is deterministic
     time; it stops within `gap` of its proven bound, None: ilp.DEFAULT_GAP). `time_chunks` K >= 2
-    prices each recurrent node as K time chunks (a what-if the runtime does not run; None or 0: off).
+    prices each recurrent layer as K time chunks, as the MP runtime runs them (`train --time-chunks K`:
+    parallel/pipeline/wavefront.py; a what-if only on a torch.export graph; 0 or 1: whole layers; None:
+    the placer's choice between whole layers and 4 chunks, api._choose_time_chunks).
     `free_order` prices DLPlacer's free schedule instead of the MP runtime's program order (a what-if).
     `optimizer`/`momentum`: what training steps with (its state in memory, its update in the step), in
     `train`'s words. `micro_batches`: GPipe micro-batches per replica (placer.micro); None: the placer
     chooses the count with the shortest predicted step (1 for a model with batch norm, whose statistics
-    would be each micro-batch's); 1: no pipelining."""
+    would be each micro-batch's); 1: no pipelining. `schedule`: "gpipe" or "1f1b" (a chain placement,
+    K >= its stages; less activation memory); None: chosen with the count under the memory limit."""
 
     solver: str = "ilp"
     time_limit_s: float = 30.0
@@ -64,6 +67,8 @@ class PlacerConfig:
     optimizer: str = "sgd"
     momentum: float = 0.9
     micro_batches: int | None = None
+    # "gpipe" | "1f1b" (placer.micro.choose_pipeline); None: the placer chooses it with the count
+    schedule: str | None = None
 
     @property
     def optimizer_kind(self) -> str:

@@ -13,10 +13,17 @@ runtime places whole modules) but schedules them separately. Backward mirrors th
 (the schedule's rules). With layer l on one device and layer l+1 on another, layer l+1 runs chunk t
 while layer l runs chunk t+1: the wavefront, found by the ILP.
 
+This is what the MP runtime runs with `time_chunks` K (parallel/pipeline/wavefront.py), in the same
+program order (each node's chunks in a row): a stacked recurrent module is first split into one node
+per layer ('<node>[<l>]', module '<module>[<l>]', the runtime's per-layer placement key:
+`split_layers`), and a node is split when it holds a recurrent layer or reads a split node step for
+step (the runtime chunks what follows a recurrent layer, not what precedes it; attention runs whole).
+
 Approximations: chunks split a node's time evenly (exact for LSTM FLOPs when K divides the sequence;
-a remainder step is spread); bidirectional or sequence-first (batch_first=False) LSTMs are not
-split; a softmax is not split (its axis is not recorded); the optimizer update is split evenly
-across the chunks' backward, and the weight gradients count as ready after the last backward chunk.
+a remainder step is spread); bidirectional LSTMs are not split (nor by the runtime); a softmax is not
+split (its axis is not recorded); a coarse node mixing ops the runtime chunks and ops it does not
+is split whole; the optimizer update is split evenly across the chunks' backward, and the weight
+gradients count as ready after the last backward chunk.
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ from hybridpar.graph.types import Graph, Node
 
 # ops that compute each time step from the same time step of their inputs (last-axis ops, elementwise)
 TIMEWISE_OPS = frozenset({"lstm", "dropout", "add", "mul", "pointwise", "relu", "concat", "linear",
-                          "layernorm", "embedding", "attention"})
-# K when the wavefront what-if is asked for without a K (`hybridpar project --time-chunks`); the placer
-# itself splits nothing by default, because the MP runtime runs each recurrent layer whole
+                          "layernorm", "embedding"})
+# K when the wavefront is asked for without a K (`hybridpar project --time-chunks`)
 WHAT_IF_TIME_CHUNKS = 4
+# the K the placer weighs against whole layers when none is given (api._choose_time_chunks)
+CHOSEN_TIME_CHUNKS = 4
 
 
 def _members(node: Node) -> tuple[str, ...]:
@@ -38,11 +46,12 @@ def _members(node: Node) -> tuple[str, ...]:
 
 
 def _splittable_lstm(node: Node) -> bool:
-    return node.op == "lstm" and bool(node.attr("batch_first")) and not node.attr("bidirectional")
+    return node.op == "lstm" and not node.attr("bidirectional")
 
 
 def sequence_shape(fine: Graph) -> tuple[int, int] | None:
-    """(batch, steps) of the first unidirectional batch-first LSTM, or None when there is none."""
+    """The leading (batch, steps) of the first unidirectional LSTM ((steps, batch) when sequence-first),
+    or None when there is none."""
     for n in fine.nodes:
         if _splittable_lstm(n) and len(n.out_shape) >= 3:
             return n.out_shape[0], n.out_shape[1]
@@ -88,10 +97,14 @@ def unroll(coarse: Graph, fine: Graph, chunks: int) -> Graph:
     bt = sequence_shape(fine)
     if chunks < 2 or bt is None:
         return coarse
-    split = {n.name for n in coarse.nodes if _chunkable(n, fine, bt)}
+    owner = {x: n.name for n in coarse.nodes for x in _members(n)}
+    split: set[str] = set()
+    for n in coarse.nodes:  # topological: a node follows its split inputs, as the runtime chunks
+        if _chunkable(n, fine, bt) and (any(_splittable_lstm(fine.node(x)) for x in _members(n)) or any(
+                u in split and _edges_aligned(fine, coarse.node(u), n, owner, bt) for u in n.inputs)):
+            split.add(n.name)
     if not any(_splittable_lstm(fine.node(x)) for n in coarse.nodes if n.name in split for x in _members(n)):
         return coarse
-    owner = {x: n.name for n in coarse.nodes for x in _members(n)}
     names = {v: [f"{v}#{t}" for t in range(chunks)] if v in split else [v] for v in (n.name for n in coarse.nodes)}
     out: list[Node] = []
     for n in coarse.nodes:
@@ -140,3 +153,56 @@ def chunk_of(node: Node) -> tuple[int, int]:
     """(t, K) of a chunk node; (0, 1) for an unsplit node."""
     c = node.attr("chunk")
     return (int(c[0]), int(c[1])) if c else (0, 1)
+
+
+def split_layers(fine: Graph) -> Graph:
+    """`fine` with every unidirectional recurrent node of L > 1 layers split into L one-layer nodes
+    '<node>[<l>]' (module '<module>[<l>]', the MP runtime's per-layer placement key), each with its
+    layer's weights and FLOPs, so that the placer can put the layers of one nn.LSTM on different
+    devices as the runtime runs them with time chunks. Unchanged when there is none (cached by `fine`)."""
+    hit = _SPLIT.get(id(fine))
+    if hit is not None and hit[0] is fine:
+        return hit[1]
+    nodes: list[Node] = []
+    last: dict[str, str] = {}
+    for n in fine.nodes:
+        inputs = tuple(last.get(i, i) for i in n.inputs)
+        if not (_splittable_lstm(n) and int(n.attr("layers") or 1) > 1):
+            nodes.append(dataclasses.replace(n, inputs=inputs) if inputs != n.inputs else n)
+            continue
+        layers = _layer_nodes(n, inputs)
+        nodes += layers
+        last[n.name] = layers[-1].name
+    out = Graph(fine.name, tuple(nodes), batch=fine.batch, meta=fine.meta) if last else fine
+    _SPLIT[id(fine)] = (fine, out)
+    return out
+
+
+_SPLIT: dict[int, tuple[Graph, Graph]] = {}
+
+
+def _layer_nodes(n: Node, inputs: tuple[str, ...]) -> list[Node]:
+    from hybridpar.graph.flops import lstm_flops
+
+    a = dict(n.attrs)
+    layers, hidden, proj, gates = int(a["layers"]), int(a["hidden"]), int(a.get("proj") or 0), int(a.get("gates", 4))
+    x = n.in_shapes[0] if n.in_shapes else n.out_shape
+    batch, steps = (x[0], x[1]) if a.get("batch_first") else (x[1], x[0]) if len(x) >= 3 else (1, x[0])
+    full = lstm_flops(batch=batch, steps=steps, input_size=a["input_size"], hidden=hidden, proj=proj, layers=layers,
+                      gates=gates)
+    input_grad = n.bwd_data_flops >= full.bwd_data  # the first layer's input gradient was counted
+    out: list[Node] = []
+    for layer in range(layers):
+        in_l = int(a["input_size"]) if layer == 0 else proj or hidden
+        f = lstm_flops(batch=batch, steps=steps, input_size=in_l, hidden=hidden, proj=proj, gates=gates,
+                       input_grad=layer > 0 or input_grad)
+        attrs = {**a, "layers": 1, "input_size": in_l, "layer": layer}
+        if a.get("scope"):  # its own scope: not tied to its siblings as one runtime leaf (tie_shared_modules)
+            attrs["scope"] = f"{a['scope']}[{layer}]"
+        params = tuple((p, s) for p, s in n.param_shapes if p.endswith(f"_l{layer}"))
+        in_shapes = n.in_shapes if layer == 0 else (n.out_shape,) + n.in_shapes[1:]
+        out.append(dataclasses.replace(
+            n, name=f"{n.name}[{layer}]", inputs=inputs if layer == 0 else (out[-1].name,), in_shapes=in_shapes,
+            module=f"{n.module}[{layer}]" if n.module else None, param_shapes=params, fwd_flops=f.fwd,
+            bwd_data_flops=f.bwd_data, bwd_weight_flops=f.bwd_weight, attrs=tuple(attrs.items())))
+    return out

@@ -1,0 +1,284 @@
+"""Time every op kind and shape of a model's graph, not a fixed list (issue 35).
+
+`hybridpar.profile.ops` times the module kinds it knows (2-D conv, linear, batch norm, ReLU, the 2-D
+poolings, LSTM) through forward hooks, with the runtime's variants of them (global-statistics batch
+norm; the channel/filter layers of dist_layers). Everything else a model computes (Conv3d,
+BatchNorm3d, MaxPool3d, scaled-dot-product attention, LayerNorm, GELU, embeddings, adds, softmax,
+...) was left to the roofline. Here the model's own graph (`hybridpar.graph.trace`, the planner's)
+says what to time: each node that does work, at the local shape of each (sample, channel, filter)
+layout the plan considers for `splits` (the cost model's `local_shapes` rule, so the key is what
+`op_time` looks up). The op is run as the model runs it: the fx node's own target on the arguments
+it received in one real forward pass (torch.fx.Interpreter), its activations cut to the local shape.
+
+What cannot be timed this way (an argument that cannot be cut to the local shape, an op that is not
+a node of the runnable graph, an op that fails on a piece) is returned with the reason, so the plan
+can say that its time is the roofline's (`Calibration.untimed`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from hybridpar.cluster.calibration import OpRecord
+from hybridpar.cost.compute import local_shapes
+from hybridpar.graph.types import Graph, Node
+from hybridpar.profile.timing import clock, summarize
+
+# graph plumbing and views: no work of their own (cost.compute._FREE), nothing to time
+_SKIP = {"input", "output", "flatten", "reshape"}
+
+
+@dataclass
+class Captured:
+    """One fx node's callable and the real arguments it got in the forward pass."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    weights: dict[str, torch.Tensor]  # a module's parameters and buffers (functional_call), else empty
+
+
+@dataclass(frozen=True)
+class GraphJob:
+    key: str
+    op: str
+    node: str
+    fracs: tuple[int, int, int]  # sample, channel, filter degrees
+
+
+def factorisations(k: int) -> list[tuple[int, int, int]]:
+    from hybridpar.profile.ops import _factorisations
+
+    return _factorisations(k) if k > 1 else [(1, 1, 1)]
+
+
+def graph_jobs(graph: Graph, splits: tuple[int, ...], covered: set[str]) -> list[GraphJob]:
+    """One job per distinct (op, local shapes) key of the graph's working nodes at every layout of
+    every k in `splits` (and whole), leaving out keys in `covered` (measured by the hook path)."""
+    seen = set(covered)
+    jobs = []
+    layouts = [(1, 1, 1)] + [f for k in splits for f in factorisations(k)]
+    for n in graph.nodes:
+        if n.op in _SKIP or not n.out_shape:
+            continue
+        for s, c, f in dict.fromkeys(layouts):
+            key = local_shapes(n, 1 / s, 1 / c, 1 / f).key(n.op)
+            if key not in seen:
+                seen.add(key)
+                jobs.append(GraphJob(key, n.op, n.name, (s, c, f)))
+    return jobs
+
+
+@dataclass
+class _Weight:
+    """A parameter passed to a function as an argument (F.linear's weight in an exported graph): never
+    cut with the activations, and its gradient timed as backward-weight."""
+
+    tensor: torch.Tensor
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph module and keeps the callable and arguments of the nodes asked for."""
+
+    def __init__(self, gm: fx.GraphModule, wanted: set[str]):
+        super().__init__(gm)
+        self.wanted = wanted
+        self.params: set[int] = {id(p) for p in gm.parameters()}
+        self.got: dict[str, Captured] = {}
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        if n.name in self.wanted and n.op in ("call_function", "call_method", "call_module"):
+            from torch.utils._pytree import tree_map
+
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            args, kwargs = tree_map(lambda t: _Weight(t.detach().clone()) if id(t) in self.params else t,
+                                    (args, kwargs))
+            args, kwargs = _detached((args, kwargs))
+            if n.op == "call_module":
+                mod = self.fetch_attr(n.target)
+                weights = {k: v.detach().requires_grad_(v.is_floating_point())
+                           for k, v in mod.named_parameters()}
+                weights.update({k: v.detach() for k, v in mod.named_buffers()})  # never a gradient
+                self.got[n.name] = Captured(mod, args, kwargs, weights)
+            elif n.op == "call_method":
+                name = n.target
+                self.got[n.name] = Captured(lambda obj, *a, **k: getattr(obj, name)(*a, **k), args, kwargs, {})
+            else:
+                self.got[n.name] = Captured(n.target, args, kwargs, {})
+        return out
+
+
+def _detached(tree):
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def capture(module: nn.Module, example_inputs: tuple, names: set[str], tracer: str = "torch.fx"
+            ) -> dict[str, Captured]:
+    """The callable and real arguments of the nodes named `names` in one forward pass of `module`,
+    through the tracer the planner's graph came from (`tracer`: torch.fx's symbolic trace, or
+    torch.export's graph, whose node names the graph keeps). Empty when it cannot trace the model:
+    those ops are then reported untimed."""
+    try:
+        if tracer == "torch.export":
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                gm = torch.export.export(module, tuple(example_inputs), strict=False).module()
+        else:
+            gm = fx.symbolic_trace(module)
+    except Exception:  # noqa: BLE001 - an untraceable model: its ops are listed untimed
+        return {}
+    rec = _Recorder(gm, names)
+    with torch.no_grad():
+        rec.run(*example_inputs)
+    return rec.got
+
+
+def _cut(t: torch.Tensor, full: tuple[int, ...], local: tuple[int, ...]) -> torch.Tensor:
+    """An argument at the local shape: each dim the node's input is cut in, where the argument has
+    that dim at its full size (one of another shape, e.g. a broadcast bias, is left whole). Whether the
+    op then computes the local output is checked on its result."""
+    out = t
+    for d in range(min(t.dim(), len(full))):
+        if t.shape[d] == full[d] and local[d] != full[d]:
+            out = out.narrow(d, 0, local[d])
+    return out
+
+
+def _pieces(cap: Captured, node: Node, fracs: tuple[int, int, int]) -> tuple[tuple, dict, dict]:
+    s, c, f = fracs
+    loc = local_shapes(node, 1 / s, 1 / c, 1 / f)
+    full = tuple(node.in_shapes[0]) if node.in_shapes else ()
+    from torch.utils._pytree import tree_map
+
+    def cut(t):
+        return _cut(t, full, loc.x).contiguous() if isinstance(t, torch.Tensor) else t
+
+    args, kwargs = tree_map(cut, (cap.args, cap.kwargs), is_leaf=lambda t: isinstance(t, _Weight))
+    # a module's per-channel weights (a norm's) follow a channel cut of its input: dim 0 = channels
+    weights = {k: (v.narrow(0, 0, loc.x[1]) if len(full) > 1 and v.dim() >= 1 and v.shape[0] == full[1]
+                   and loc.x[1] != full[1] else v) for k, v in cap.weights.items()}
+    return args, kwargs, weights
+
+
+def _run(cap: Captured, args, kwargs, weights) -> torch.Tensor:
+    if isinstance(cap.fn, nn.Module):
+        out = torch.func.functional_call(cap.fn, weights, args, kwargs)
+    else:
+        out = cap.fn(*args, **kwargs)
+    if isinstance(out, (tuple, list)):
+        out = next((o for o in out if isinstance(o, torch.Tensor)), None)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError("its output is not a tensor")
+    return out
+
+
+def _floats(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def time_job(cap: Captured, node: Node, job: GraphJob, *, device: str = "cpu", warmup: int = 2,
+             repeats: int = 5) -> OpRecord:
+    """Forward, backward-data (the activations' gradients) and backward-weight (the module's
+    parameters') of one job; each repeat on fresh copies of the inputs, as a training step runs it.
+    CPU time of this thread on a CPU (profile.timing), synchronised wall time on a GPU."""
+    args, kwargs, weights = _pieces(cap, node, job.fracs)
+    arg_weights: list[torch.Tensor] = []
+
+    def place(t):
+        if isinstance(t, _Weight):  # a parameter argument: a leaf that needs its gradient
+            arg_weights.append(t.tensor.to(device).requires_grad_(t.tensor.is_floating_point()))
+            return arg_weights[-1]
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    from torch.utils._pytree import tree_map
+
+    args, kwargs = tree_map(place, (args, kwargs), is_leaf=lambda t: isinstance(t, _Weight))
+    weights = {k: v.to(device) for k, v in weights.items()}
+    # parameters need a gradient (as captured), buffers (running statistics) not
+    params = {k: v.detach().requires_grad_(cap.weights[k].requires_grad) for k, v in weights.items()}
+    wrt_w = [p for p in (*params.values(), *arg_weights) if p.requires_grad]
+    held = {id(w) for w in arg_weights}
+    loc_y = local_shapes(node, *(1 / d for d in job.fracs)).y
+    tick = _clock(device)
+    samples: list[list[float]] = [[], [], []]
+    for k in range(warmup + repeats):
+        a, kw = _fresh((args, kwargs), held)
+        acts = [t for t in _floats((a, kw)) if id(t) not in held]
+        t0 = tick()
+        y = _run(cap, a, kw, params)
+        t1 = tick()
+        if k == 0 and tuple(y.shape) != tuple(loc_y):
+            raise ValueError(f"output {tuple(y.shape)} at the local shape, expected {tuple(loc_y)}")
+        times = [t1 - t0, 0.0, 0.0]
+        if y.requires_grad:
+            dy = torch.randn_like(y)
+            if acts:
+                t2 = tick()
+                torch.autograd.grad(y, acts, dy, retain_graph=bool(wrt_w), allow_unused=True)
+                times[1] = tick() - t2
+            if wrt_w:
+                t3 = tick()
+                torch.autograd.grad(y, wrt_w, dy, allow_unused=True)
+                times[2] = tick() - t3
+        if k >= warmup:
+            for i, t in enumerate(times):
+                samples[i].append(t)
+    fwd, bd, bw = (summarize(s) for s in samples)
+    return OpRecord(key=job.key, op=job.op, fwd=fwd, bwd_data=bd, bwd_weight=bw if wrt_w else None)
+
+
+def _fresh(tree, held: set[int]):
+    """Fresh copies of the float activations, needing gradients (a step's inputs are new each time);
+    the parameter arguments (`held`) as they are."""
+    from torch.utils._pytree import tree_map
+
+    def fresh(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in held:
+            return t.detach().clone().requires_grad_(True)
+        return t
+
+    return tree_map(fresh, tree)
+
+
+def _clock(device: str) -> Callable[[], float]:
+    if device.startswith("cuda"):
+        def tick() -> float:  # kernels run asynchronously: wait for them before reading the clock
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return tick
+    return clock
+
+
+def profile_graph_ops(module: nn.Module, example_inputs: tuple, graph: Graph, splits: tuple[int, ...],
+                      covered: set[str], *, device: str = "cpu", warmup: int = 2, repeats: int = 5,
+                      progress: Callable[[str], None] | None = None) -> tuple[dict[str, OpRecord], dict[str, str]]:
+    """(records by key, untimed key -> reason) for every job of `graph_jobs`."""
+    jobs = graph_jobs(graph, splits, covered)
+    got = capture(module, example_inputs, {j.node for j in jobs}, dict(graph.meta).get("tracer", "torch.fx"))
+    records: dict[str, OpRecord] = {}
+    untimed: dict[str, str] = {}
+    for job in jobs:
+        if progress is not None:
+            progress(f"{job.op} {job.key.split('|', 2)[1]}")
+        cap = got.get(job.node)
+        if cap is None:
+            untimed[job.key] = "not a node of torch.fx's trace of the model"
+            continue
+        try:
+            records[job.key] = time_job(cap, graph.node(job.node), job, device=device, warmup=warmup,
+                                        repeats=repeats)
+        except Exception as err:  # noqa: BLE001 - any op that cannot run on a piece: listed, roofline used
+            untimed[job.key] = f"{type(err).__name__}: {' '.join(str(err).split())[:120]}"
+    return records, untimed
