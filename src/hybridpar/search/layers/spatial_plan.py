@@ -91,6 +91,13 @@ def _cf_searched(graph, nd: int) -> bool:
         and not any(n.op in _CF_UNPRICED for n in graph.nodes)
 
 
+# the largest channel or filter group the search puts on a spatial piece: each candidate is a full
+# evaluation, and every group size doubled the spatial candidates of a 1,024-GPU plan (~6 s more per
+# ResNet plan); larger groups are priced when asked (--strategy). The search's budget, not a limit of
+# the runtime.
+MAX_CF_ON_SPATIAL = 4
+
+
 def spatial_layouts(graph, gpus: int, batch: int) -> list[LayerLayout]:
     """The uniform sample x spatial (x channel or filter) layouts of `gpus` ranks the runtime can run
     for `graph` at `batch` (at least 2 spatial ranks; no split dim cut into more pieces than its
@@ -108,7 +115,7 @@ def spatial_layouts(graph, gpus: int, batch: int) -> list[LayerLayout]:
             continue
         for p in divisors(gpus // s):
             g = gpus // (s * p)
-            if p == 1 or (g > 1 and not cf):
+            if p == 1 or (g > 1 and not cf) or g > MAX_CF_ON_SPATIAL:
                 continue
             for degrees in _splits(p, nd):
                 if not all(d <= m for d, m in zip(degrees, smallest)):

@@ -14,6 +14,7 @@ from hybridpar.plans import Plan, Prediction
 from hybridpar.search import budget
 from hybridpar.search.placer.adapter import (
     RUNTIME_LEAVES,
+    executor_node_overhead_s,
     placement_by_module,
     problem_from_graph,
     runtime_leaves,
@@ -275,7 +276,7 @@ def place_model(model, cluster: str | Cluster = DEFAULT_CLUSTER, gpus: int = 2, 
     if notes:  # with time chunks the plan has that note already (_outcome_plan)
         plan = plan.model_copy(update={"notes": [*plan.notes, *(n for n in notes if n not in plan.notes)]})
     compute = micro_compute(coarse, fine, cl, cfg.dtype)
-    plan = _with_micro_batches(plan, result, cfg, (fine, coarse), compute)
+    plan = _with_micro_batches(plan, result, cfg, (fine, coarse, cl), compute)
     return PlaceOutcome(result, one_process_step_s(prob), "single" in baselines, baselines, plan, coarse, len(fine),
                         notes, compute)
 
@@ -306,14 +307,14 @@ def _choose_time_chunks(model, cluster: str | Cluster, gpus: int, cfg: PlacerCon
                    notes=(*best.notes, note))
 
 
-def _with_micro_batches(plan: Plan, result: PlacementResult, cfg: PlacerConfig, graphs: tuple[Graph, Graph],
-                        compute: MicroCompute) -> Plan:
+def _with_micro_batches(plan: Plan, result: PlacementResult, cfg: PlacerConfig,
+                        graphs: tuple[Graph, Graph, Cluster], compute: MicroCompute) -> Plan:
     """The plan with its micro-batch count and schedule (placer.micro.choose_pipeline): the ones given,
     or the pair with the shortest predicted step whose memory fits; the predicted step is then the
     pipelined one."""
     from hybridpar.search.placer.micro import chain_devices, choose_pipeline, pipeline_memory, task_activation_bytes
 
-    fine, coarse = graphs
+    fine, coarse, cl = graphs
     samples = plan.batch // plan.dp
     prob, assign = result.problem, result.assignment
     stages = chain_devices(prob, assign)
@@ -332,6 +333,12 @@ def _with_micro_batches(plan: Plan, result: PlacementResult, cfg: PlacerConfig, 
     elif any(n.op == "batchnorm" for n in fine.nodes):
         counts, why = [1], "batch norm: statistics over the whole batch"
         schedules = ("gpipe",) if cfg.schedule is None else schedules
+    elif cfg.schedule is None and cl.device.kind == "cpu" and not executor_node_overhead_s(cl):
+        # measured on 2 CPU ranks: every K > 1 slower than one micro-batch (a micro-batch's fixed costs,
+        # unpriced without the profiled executor cost, outweigh the overlap): pipelining is not chosen
+        # on a guess; asked for, it runs and is priced
+        counts, why = [1], ("the MP executor's cost per micro-batch is not measured on this CPU (run `hybridpar "
+                            "profile`); give --micro-batches K to pipeline")
     else:
         counts, why = None, ""
     if counts == [1] and schedules == ("1f1b",):
