@@ -289,9 +289,10 @@ def _search_split(s, sp: _Split, recompute: str) -> tuple[float, Choice] | None:
     elif recompute == "none":
         sets = [frozenset()]
     else:
-        # the k best-paying blocks for k = 0, 1, 2, 4, 8, ... (not every k: each set is a greedy over the
+        # the k best-paying blocks for every k up to 8, then k = 16, 32, ... (each set is a greedy over the
         # zero levels, and a ResNet's 17 blocks made a weak-scaling plan take ~18 s; the search's budget)
-        ks = sorted({0, len(order), *(2**i for i in range(len(order).bit_length()))} & set(range(len(order) + 1)))
+        ks = sorted({*range(9), len(order), *(2**i for i in range(len(order).bit_length()))}
+                    & set(range(len(order) + 1)))
         sets = [frozenset(order[:k]) for k in ks] + [every]
     found = []
     for redo in dict.fromkeys(sets):
