@@ -27,7 +27,7 @@ class BlockCNN(nn.Module):
 
 # name -> (factory arguments, input shape C,H,W, global batch)
 MODELS = {
-    "wide_cnn": ((768, 4), "3,8,8", 8),  # 21 MiB of weights per block: 85 MiB in all
+    "wide_cnn": ((768, 4), "3,8,8", 8),  # 20.25 MiB of weights per block (768*768*9*4 B): 81 MiB in all
     "wide_cnn_quick": ((256, 3), "3,8,8", 8),
     "act_cnn": ((64, 6), "3,64,64", 16),  # 16 MiB per activation tensor at batch 16
     "act_cnn_quick": ((32, 4), "3,32,32", 8),

@@ -59,7 +59,9 @@ def _build(variant: str, model_name: str):
     model = BlockCNN(*args)
     if variant == "plain FSDP2":
         return _by_hand(model)
-    return hybridpar.parallelize(model, variant, inputs="sample_shard")
+    # the global batch on every rank (hybridpar takes its rows): a channel=2 variant's ranks need the
+    # same samples, and a sample shard would be taken for the whole batch
+    return hybridpar.parallelize(model, variant, inputs="global")
 
 
 def _step(model, opt, x, y) -> float:
@@ -81,16 +83,18 @@ def rank_fn(variants: list[str], model_name: str, rounds: int, warmup: int) -> d
 
     _, shape, batch = MODELS[model_name]
     c, h, w = (int(v) for v in shape.split(","))
-    g = torch.Generator().manual_seed(dist.get_rank())
-    local = batch // dist.get_world_size()
-    x, y = torch.randn(local, c, h, w, generator=g), torch.randint(0, 10, (local,), generator=g)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, c, h, w, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * batch // world, (rank + 1) * batch // world)
+    data = {v: (x[rows], y[rows]) if v == "plain FSDP2" else (x, y) for v in variants}  # plain FSDP2: its own rows
     built = {v: _build(v, model_name) for v in variants}
     opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in built.items()}
     times: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(warmup + rounds):
         order = variants if r % 2 == 0 else variants[::-1]
         for v in order:
-            t = _step(built[v], opts[v], x, y)
+            t = _step(built[v], opts[v], *data[v])
             if r >= warmup:
                 times[v].append(t)
     # the slower rank's step (a step ends when both have)

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from hybridpar.procs import alive, descendants
+
 BIN = Path(sys.executable).parent / "hybridpar"
 T = ["train", "--model", "small_cnn", "--strategy", "sample=2", "--nproc", "2", "--batch", "16"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HYBRIDPAR_COLLECTIVE_TIMEOUT_S": "60"}
@@ -263,7 +265,7 @@ def _signal_launcher(ck: Path, sig: int, after_ckpt: int) -> str:
         if info is not None and info.step >= after_ckpt:
             break
         time.sleep(0.05)
-    ranks = _descendants(proc.pid)
+    ranks = descendants(proc.pid)
     if proc.poll() is not None:
         return f"run ended before the signal (exit {proc.returncode})"
     proc.send_signal(sig)
@@ -273,37 +275,14 @@ def _signal_launcher(ck: Path, sig: int, after_ckpt: int) -> str:
         proc.kill()
         return "launcher did not stop within 60 s"
     t0 = time.monotonic()
-    while any(_alive(p) for p in ranks) and time.monotonic() - t0 < 30:
+    while any(alive(p) for p in ranks) and time.monotonic() - t0 < 30:
         time.sleep(0.1)
-    left = [p for p in ranks if _alive(p)]
+    left = [p for p in ranks if alive(p)]
     for p in left:
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
     return (f"{signal.Signals(sig).name} to the launcher after step {after_ckpt}: exit {proc.returncode}, "
             f"{len(ranks)} rank processes, {len(left)} left running")
-
-
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        kids.setdefault(ppid, []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _corrupt(ck: Path, how: str) -> str:

@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hybridpar.procs import children
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, SHAPE, BATCH, LR = "resnet50_w8", "3,32,32", 2, 0.001
 LAYOUTS = {"sample=2": 2, "channel=2": 2, "filter=2": 2, "channel=2,filter=2": 4}
@@ -70,16 +72,6 @@ def _reset_hwm(pid: int) -> bool:
         return True
     except OSError:
         return False
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            kids += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
-    except OSError:
-        pass
-    return kids
 
 
 def _cmdline(pid: int) -> str:
@@ -133,10 +125,10 @@ def measure(strategy: str, nproc: int, steps: int, interval: float, run_args: li
             done = _steps_done(metrics)
             if done and first_step_at is None:
                 first_step_at = time.time() - t0
-            stack = _children(proc.pid)
+            stack = children(proc.pid)
             while stack:
                 pid = stack.pop()
-                stack += _children(pid)
+                stack += children(pid)
                 if not _is_rank(pid):
                     continue
                 st = _status(pid)

@@ -57,7 +57,13 @@ class _Off:
     def before_update(self, loss):
         return None
 
-    def check_step(self, pending):
+    def submit(self, pending, step, loss):
+        self.judged = step
+
+    bad = None
+    judged = -1
+
+    def settle(self):
         return None
 
 
@@ -67,6 +73,7 @@ def _ours(cfg, queue, guard: bool):
     run = trainer._RankRun(cfg, queue)
     if not guard:
         run.guard = _Off(run.guard)
+        run.engine.rider = None  # for_run gave the engine the buffers' check to send with the loss
     feed = iter(run.feed())
 
     def step():
@@ -124,7 +131,7 @@ def trial(strategy: str, args) -> dict:
     from hybridpar.train import launch
     from hybridpar.train.config import run_config
 
-    steps = 2 * (args.steps + 2) + 2  # each run of ours takes its own batches
+    steps = 2 * (args.steps + 2) + 2  # more than a contender runs: no timed step is the run's last (it settles)
     strategy, _, bn = strategy.partition("/")
     setup = run_config(model=args.model, strategy=strategy, batch=args.batch, steps=steps, lr=args.lr,
                        bn_stats=bn or "global")

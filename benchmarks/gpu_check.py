@@ -264,8 +264,8 @@ class Cell:
     train_memory_bytes: int | None = None
     plain_s: float | None = None
     plain_memory_bytes: int | None = None
-    # bytes already allocated on the GPU when the runs started (this process's other work): in
-    # train's peak, taken out of the plain loop's
+    # bytes already allocated on the GPU when the runs started (this process's other work): taken out
+    # of both runs' peaks
     allocated_before_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -305,7 +305,9 @@ def train_step(spec: str, batch: int, dtype: str, cfg: Config) -> tuple[float, i
         raise RuntimeError(f"hybridpar train failed: {last}")
     out = json.loads(buf.getvalue())
     steps = out["steps"][cfg.warmup:]
-    peaks = [s["peak_memory_bytes"] for s in out["steps"] if s.get("peak_memory_bytes")]
+    # after the warm-up only: train resets the peak after its first step, which held this process's
+    # earlier cells' peak (the previous plain loop's)
+    peaks = [s["peak_memory_bytes"] for s in steps if s.get("peak_memory_bytes")]
     return statistics.median(s["step_time_s"] for s in steps), (max(peaks) if peaks else None)
 
 
@@ -467,8 +469,9 @@ def run_cell(cell: Cell, device: str, preset: str, measured: tuple[str, str], cf
         cell.notes.append("prediction: not priced per memory format (the NCHW figure)")
         cell.notes.append("hybridpar train: channels-last not supported")
     else:
-        cell.allocated_before_bytes = _allocated(device)
-        cell.train_s, cell.train_memory_bytes = train_step(cell.spec, cell.batch, cell.dtype, cfg)
+        cell.allocated_before_bytes = before = _allocated(device)
+        cell.train_s, peak = train_step(cell.spec, cell.batch, cell.dtype, cfg)
+        cell.train_memory_bytes = None if peak is None else peak - before  # the run's own, as the plain loop's
     cell.plain_s, cell.plain_memory_bytes = plain_step(cell.spec, cell.batch, cell.dtype, cell.fmt, device, cfg,
                                                         profile_out)
     if device == "cuda":  # the plain loop's model and batch are gone: their cached blocks too

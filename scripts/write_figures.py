@@ -1,4 +1,5 @@
-"""Write the figures of README.md and docs/results.md that the code computes, so none is typed by hand.
+"""Write the figures of README.md and docs/ (results.md, spatial.md, planner.md: FILES) that the code
+computes, so none is typed by hand.
 
 Each figure lives in a marked region of a Markdown file,
 
@@ -14,7 +15,7 @@ script computes now.
 
     python scripts/write_figures.py                  # rewrite every region (make figures)
     python scripts/write_figures.py --check          # exit 1 and show the difference if a region is stale
-    python scripts/write_figures.py --only make-run  # one group (make-run, lassen, nvlink, projection)
+    python scripts/write_figures.py --only make-run  # one group (GROUPS: make-run, lassen, nvlink, projection, spatial, gpu-check)
 
 Groups and their cost (cold caches, this 2-core machine): `make-run` is one plan (the same call as
 `make run`, with --json); `nvlink` prices three allreduces; `lassen` is 15 plans on the `lassen`

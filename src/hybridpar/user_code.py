@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from hybridpar.errors import UserError
+from hybridpar.procs import children
 
 TIMEOUT_ENV = "HYBRIDPAR_USER_CODE_TIMEOUT_S"
 TIMEOUT_DEFAULT_S = 600.0
@@ -59,7 +60,7 @@ def call_factory(spec: str, default_fn: str, where: str, *, sep: str = ":"):
     if limit and key not in _TRIED and _in_launcher():
         _trial(lambda: _import_and_call(path, path_s, fn_name, spec, where), spec, where, limit)
         _TRIED.add(key)  # a launcher builds the model several times (meta, whole): one trial is enough
-    before = _children()
+    before = set(children(os.getpid()))
     try:
         with _stdout_to_stderr(), _alarm(limit, spec, where):
             return _import_and_call(path, path_s, fn_name, spec, where)
@@ -204,19 +205,10 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def _children() -> set[int]:
-    pids: set[int] = set()
-    with contextlib.suppress(OSError):
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-    return pids
-
-
 def _kill_new_children(before: set[int], spec: str, where: str) -> None:
     """Processes the user's code started and left running are killed: nothing but the returned object
     is meant to outlive the call, and a stray fork would hold the launcher's output open."""
-    strays = _children() - before
+    strays = set(children(os.getpid())) - before
     for pid in strays:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)

@@ -116,7 +116,7 @@ def _collectives_per_step(strategy: str, bn_stats: str) -> dict:
 
     def counted(name, fn):
         def w(*a, **k):
-            if not inside["on"] and not inside.get(name + "-nested"):
+            if not inside["on"]:
                 counts[name] = counts.get(name, 0) + 1
             return fn(*a, **k)
         return w

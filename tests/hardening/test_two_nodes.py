@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from hybridpar.cli.main import main
+from hybridpar.procs import descendants
 from hybridpar.train.launch import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -75,26 +76,10 @@ def _two_nodes(plan: Path, args: list[str], env: dict[str, str], logs: Path) -> 
     return _finished([first, _node(1, port, plan, args, env, 0, logs)], logs, ["node-0", "node-1"])
 
 
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        kids.setdefault(ppid, []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _lose_node(proc) -> int:
     """SIGKILL a node: its agent and everything it started (torchrun puts each worker in a session of
     its own, so the agent's process group alone would leave them running). Returns how many died."""
-    victims = [proc.pid, *_descendants(proc.pid)]
+    victims = [proc.pid, *descendants(proc.pid)]
     for sig in (signal.SIGSTOP, signal.SIGKILL):  # frozen first: none reacts to another's death before its own
         for pid in victims:
             with contextlib.suppress(ProcessLookupError):

@@ -64,34 +64,11 @@ def make_model() -> MixNet:
     return MixNet().double()
 
 
-def make_opt(name: str, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
-
-
-def data(steps: int):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 3, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (8,), generator=g))
-            for _ in range(steps)]
-
-
-def train(model: nn.Module, opt_name: str, steps: int = 3) -> list[float]:
-    """Steps of mean cross-entropy over the global batch."""
-    opt = make_opt(opt_name, model.parameters())
-    losses = []
-    for x, y in data(steps):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def run_mixed(split: dict[str, int] | None = None, opts=("sgd", "adamw")) -> dict:
     """The mixed plan through hybridpar.parallelize (its own choice of recomputation: no option passed):
     rank's full_state_dict, losses, which blocks FSDP shards and how often each cell's conv ran."""
+    # imported here, not at the top: `--model` loads this file by path, where `tests` is not a package
+    from tests.parallel._fsdp_workers import train
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 

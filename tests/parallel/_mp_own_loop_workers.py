@@ -51,9 +51,14 @@ def batches(name: str, dtype):
 
 
 def train(model, name: str, dtype, loss_fn=custom_loss):
+    return fit(model, batches(name, dtype), loss_fn)
+
+
+def fit(model, data, loss_fn) -> list[float]:
+    """The user's loop: AdamW over (inputs tuple, target) pairs; the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     losses = []
-    for x, y in batches(name, dtype):
+    for x, y in data:
         loss = loss_fn(model(*x), y)
         loss.backward()
         opt.step()

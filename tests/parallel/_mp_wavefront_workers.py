@@ -11,6 +11,7 @@ import hybridpar
 from hybridpar.plans import Plan
 
 from . import wavefront_models as wm
+from ._mp_own_loop_workers import fit
 
 STEPS, BATCH = 3, 4
 
@@ -42,15 +43,7 @@ def build(name: str):
 
 
 def train(model, name: str) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
-    losses = []
-    for x, y in batches(name):
-        loss = custom_loss(model(*x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return fit(model, batches(name), custom_loss)
 
 
 def serial(name: str) -> tuple[dict, list[float]]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.parallel._fsdp_mixed_workers import CHOICE, MixNet, make_model, mixed_plan, run_mixed, train
+from tests.parallel._fsdp_mixed_workers import CHOICE, MixNet, make_model, mixed_plan, run_mixed
+from tests.parallel._fsdp_workers import train
 
 from hybridpar.errors import UserError
 from hybridpar.layout import LayerLayout

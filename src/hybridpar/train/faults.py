@@ -8,6 +8,7 @@ default 300 s), and gloo reports a closed peer connection at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
@@ -101,6 +102,16 @@ def is_peer_loss(err: BaseException) -> bool:
     return isinstance(err, (dist.DistBackendError, ConnectionError, TimeoutError)) or any(
         w in text for w in ("connection reset", "connection closed", "broken pipe", "timed out", "timeout",
                             "peer", "gloo"))
+
+
+@contextlib.contextmanager
+def peer_loss_at(step: int):
+    """A collective's error meaning a lost peer, inside the block, becomes peer_loss_error's one line
+    (never a raw gloo error or a hang: timeouts in launch)."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise (peer_loss_error(err, step) if is_peer_loss(err) else err) from err
 
 
 def peer_loss_error(err: BaseException, step: int) -> RankFailure:

@@ -5,21 +5,21 @@ small_cnn does, from step 2 on), or overflow the weights or the optimizer's stat
 the loss and the gradients alone do not show it. Every step, `StateGuard` checks the loss, this rank's
 gradients (`before_update`, taken before clipping and the optimizer step) and, after the update, every
 floating tensor a checkpoint would hold: the weights, the buffers (batch-norm running statistics) and the
-optimizer's state (momentum, Adam moments) (`check_step`). The verdict on all of them is taken once,
-after the update (nothing of a bad step is kept: the run stops and writes nothing), at the cost of:
+optimizer's state (momentum, Adam moments) (`submit`). One verdict on all of them per step, and nothing
+of a bad step is kept: the run stops and writes nothing. Its cost:
 - one screen over the gradients and one over the state (hybridpar.parallel.finite.screens: on CPU a
   float64 sum of the concatenated small tensors, which cannot overflow and is NaN/Inf exactly when an
   entry is; elsewhere a multi-tensor max-|x|), one stacked isfinite and one device sync;
 - the tensors found by walking the modules' parameters and persistent buffers and the optimizer's
-  state (~50 us for small_cnn), not through state_dict and DTensor.to_local (~270 us); the walk is
-  checked once against the checkpoint's own list (`named_state`) and replaced by it where they differ;
-  the gradients are the optimizer's parameters'. Names are looked up only on the failing path;
+  state, not through state_dict and DTensor.to_local (several times slower); the walk is checked once
+  against the checkpoint's own list (`named_state`) and replaced by it where they differ; the gradients
+  are the optimizer's parameters'. Names are looked up only on the failing path;
 - no collective where every rank's verdict is the same (sample-only layouts: the loss, the summed
   gradients, the weights and the optimizer state agree on every rank; with per-rank batch-norm
   statistics the buffers' flag rides in the gradient allreduce, `use_buffer_rider`), else one 16-byte
-  allreduce (MAX of two flags) for all three. There were two (the loss/gradient check's before the
-  update and the state's after it): small_cnn `channel=2` paid 4.6% of its step for them
-  (docs/hardening.md). Measured: benchmarks/bench_train_overhead.py.
+  allreduce (MAX of two flags) that the step does not wait for: its verdict is taken with the next
+  step's, or before a checkpoint, a callback or the end of the run (`settle`).
+Measured side by side, guard on and off: benchmarks/bench_train_overhead.py (docs/hardening.md).
 
 `--max-loss-ratio R` (off by default): `loss_exploded` stops a run whose loss exceeds R times the
 first loss this run computed (the same value on every rank: no collective)."""
@@ -122,21 +122,22 @@ class StateGuard:
     """Around every optimizer step: are the loss, the gradients and the state every rank holds finite?
     See the module docstring.
 
-    `agreed`: every rank holds the same state (its own verdict is every rank's), so no collective.
-    `step_agreed`: every rank holds the same loss and, for every gradient, the sum over all ranks (a
-    NaN anywhere shows everywhere); None: the engine's `grads_agree`."""
+    `agreed`: every rank holds the same state (its own verdict is every rank's), so no collective; the
+    loss and the gradients agree on every rank where the engine's `grads_agree` says so."""
 
-    def __init__(self, engine, optimizer, device, *, agreed: bool, max_loss_ratio: float | None = None,
-                 step_agreed: bool | None = None):
+    def __init__(self, engine, optimizer, device, *, agreed: bool, max_loss_ratio: float | None = None):
         self.engine, self.optimizer, self.device = engine, optimizer, device
         self.agreed = agreed
-        self.step_agreed = bool(getattr(engine, "grads_agree", False)) if step_agreed is None else step_agreed
+        self.step_agreed = bool(getattr(engine, "grads_agree", False))
         self.max_loss_ratio = max_loss_ratio
         self.first_loss: float | None = None
         self._walk_ok: bool | None = None  # the module walk finds exactly named_state's tensors (checked once)
         self._mods: list[nn.Module] | None = None  # the engine's modules, listed at that check
         self._params: list[torch.Tensor] | None = None  # the optimizer's parameters (fixed for a run)
         self.buffer_rider = False  # this rank's buffers' verdict goes with the loss (use_buffer_rider)
+        self._inflight: tuple | None = None  # submit's allreduce not yet waited for
+        self._judged_step = -1
+        self.bad: tuple[int, str, float] | None = None  # (step, what, loss): the first bad step judged
 
     @classmethod
     def for_run(cls, engine, optimizer, device, *, bn_stats: str = "global",
@@ -151,8 +152,7 @@ class StateGuard:
         """Sample-only layouts with per-rank batch-norm statistics: the weights, gradients and optimizer
         state agree on every rank, only the buffers differ. Their verdict (taken after the forward
         that updated them; nothing else writes them) goes with the step's loss in the engine's own
-        collective (`engine.rider`), so the check needs none of its own (one 8-byte allreduce was
-        ~2% of a small_cnn step)."""
+        collective (`engine.rider`), so the check needs none of its own."""
         self.buffer_rider = True
         self.engine.rider = self._buffers_flag
 
@@ -163,14 +163,11 @@ class StateGuard:
 
     def before_update(self, loss: float) -> tuple:
         """This step's loss and this rank's gradients, before clipping and the update: the gradients'
-        screens (no device sync), or the engine's own verdict (the MP engine's `step_grads_finite`,
-        agreed with the loss). For check_step."""
-        verdict = getattr(self.engine, "step_grads_finite", None)
+        screens (no device sync). For submit."""
         if self._params is None:  # the optimizer's: the engine's parameters, without walking the modules
             self._params = [p for g in self.optimizer.param_groups for p in g["params"]] \
                 if self.optimizer is not None else list(self.engine.parameters())
-        grads = [] if verdict is not None else [_piece(p.grad) for p in self._params if p.grad is not None]
-        return not math.isfinite(loss), verdict, screens(grads)
+        return not math.isfinite(loss), screens([_piece(p.grad) for p in self._params if p.grad is not None])
 
     def state_tensors(self) -> list[torch.Tensor]:
         """This rank's pieces of every floating tensor a checkpoint holds (see the module docstring)."""
@@ -187,42 +184,93 @@ class StateGuard:
         """Whether this step's buffers were judged by every rank through the engine's rider."""
         return self.buffer_rider and bool(self._walk_ok) and getattr(self.engine, "rider_values", None) is not None
 
-    def check_step(self, pending: tuple | None) -> str | None:
-        """After the update: "loss", "gradients" (from `pending`, before_update's) or "state:NAME"
-        (a weight, buffer or optimizer slot), the same answer on every rank; None when all are finite.
-        One stacked isfinite, one device sync, and one allreduce unless every rank's verdict agrees."""
-        loss_bad, verdict, grad_screens = pending if pending is not None else (False, None, [])
-        i = first_bad(grad_screens + screens(self.state_tensors()))
-        step_flag = _LOSS if loss_bad else \
-            _GRADS if verdict is False or (i is not None and i < len(grad_screens)) else 0.0
-        state_bad = i is not None and i >= len(grad_screens)
-        riding = self._riding()
-        if riding:  # the buffers' verdict, every rank's (engine.rider); the rest agrees on every rank
-            state_bad = state_bad or any(v > 0 for v in self.engine.rider_values)
-            self.engine.rider_values = None  # used once: a step without the rider falls back to the collective
-        step_agreed = pending is None or self.step_agreed or verdict is not None
-        if not ((self.agreed or riding) and step_agreed) and dist.is_initialized() and dist.get_world_size() > 1:
-            flags = torch.tensor([step_flag, float(state_bad)], dtype=torch.float64, device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            step_flag, state_bad = flags.tolist()
-        if step_flag:
-            return "loss" if step_flag == _LOSS else "gradients"
-        return f"state:{self._agreed_name()}" if state_bad else None
+    # --- the verdict: submit each step, settle before anything is kept --------------------------------
+    def submit(self, pending: tuple | None, step: int, loss: float) -> None:
+        """Judge `step` after its update: the loss and gradients (`pending`, before_update's; None: the
+        state only) and every weight, buffer and optimizer slot; the verdict is the same on every rank.
+        Where every rank's verdict agrees it is in at once; else the flags' allreduce (MAX of two) starts
+        without waiting and its verdict is taken with the next submit or at `settle`, so a step does
+        not wait for the slowest rank. The next step then runs from state not yet judged: the train
+        loop keeps and reports nothing of a step before its verdict is in (`settle`, `judged`)."""
+        self._take_inflight()
+        step_flag, state_bad, collective = self._local_flags(pending)
+        name = self._local_name(state_bad)
+        if not collective:
+            self._judged(step, loss, self._what(step_flag, state_bad, name))
+            return
+        flags = torch.tensor([step_flag, float(state_bad)], dtype=torch.float64, device=self.device)
+        self._inflight = (step, loss, name, flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
 
-    def _agreed_name(self) -> str:
-        """The first non-finite tensor's name (only when stopping): this rank's, or a rank's that saw one."""
-        bad = first_nonfinite(named_state(self.engine, self.optimizer))
-        if self.agreed or not dist.is_initialized() or dist.get_world_size() == 1:
-            return bad or "?"
-        names: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(names, bad)
-        return next((n for n in names if n), "?")
+    def settle(self) -> tuple[int, str, float] | None:
+        """Wait for the verdict in flight; (step, what, loss) of the first bad step judged, else None.
+        what: "loss", "gradients" or "state:NAME" (a weight, buffer or optimizer slot)."""
+        self._take_inflight()
+        return self.bad
+
+    @property
+    def judged(self) -> int:
+        """The last step whose verdict is in (-1: none yet)."""
+        return self._judged_step
+
+    def check_step(self, pending: tuple | None) -> str | None:
+        """submit and settle for one verdict of its own: "loss", "gradients", "state:NAME" or None."""
+        self.bad = None
+        self.submit(pending, self._judged_step + 1, math.nan)
+        bad, self.bad = self.settle(), None
+        return bad[1] if bad else None
 
     def after_update(self) -> str | None:
         """The name of a non-finite weight, buffer or optimizer slot (the same answer on every rank),
         else None: check_step without the loss and gradients. Collective unless `agreed`."""
         bad = self.check_step(None)
         return bad.removeprefix("state:") if bad else None
+
+    def _local_flags(self, pending: tuple | None) -> tuple[float, bool, bool]:
+        """(step flag, state bad, needs a collective): this rank's verdict, before any agreement."""
+        loss_bad, grad_screens = pending if pending is not None else (False, [])
+        i = first_bad(grad_screens + screens(self.state_tensors()))
+        step_flag = _LOSS if loss_bad else _GRADS if i is not None and i < len(grad_screens) else 0.0
+        state_bad = i is not None and i >= len(grad_screens)
+        riding = self._riding()
+        if riding:  # the buffers' verdict, every rank's (engine.rider); the rest agrees on every rank
+            state_bad = state_bad or any(v > 0 for v in self.engine.rider_values)
+            self.engine.rider_values = None  # used once: a step without the rider falls back to the collective
+        step_agreed = pending is None or self.step_agreed
+        collective = not ((self.agreed or riding) and step_agreed) and dist.is_initialized() \
+            and dist.get_world_size() > 1
+        return step_flag, state_bad, collective
+
+    def _take_inflight(self) -> None:
+        if self._inflight is None:
+            return
+        step, loss, name, flags, work = self._inflight
+        self._inflight = None
+        work.wait()
+        step_flag, state_bad = flags.tolist()
+        self._judged(step, loss, self._what(step_flag, bool(state_bad), name))
+
+    def _judged(self, step: int, loss: float, what: str | None) -> None:
+        self._judged_step = step
+        if what is not None and self.bad is None:
+            self.bad = (step, what, loss)
+
+    def _what(self, step_flag: float, state_bad: bool, bad_name: str | None) -> str | None:
+        if step_flag:
+            return "loss" if step_flag == _LOSS else "gradients"
+        return f"state:{self._agreed_name(bad_name)}" if state_bad else None
+
+    def _local_name(self, state_bad: bool) -> str | None:
+        """This rank's first non-finite tensor's name, looked up only when its own state is bad (taken at
+        once: the next step may change which tensors are bad before the verdict is in)."""
+        return first_nonfinite(named_state(self.engine, self.optimizer)) if state_bad else None
+
+    def _agreed_name(self, bad: str | None) -> str:
+        """The first non-finite tensor's name (only when stopping): this rank's, or a rank's that saw one."""
+        if self.agreed or not dist.is_initialized() or dist.get_world_size() == 1:
+            return bad or "?"
+        names: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, bad)
+        return next((n for n in names if n), "?")
 
     def loss_exploded(self, loss: float) -> str | None:
         """A one-line reason when `loss` exceeds max_loss_ratio times the first loss, else None."""

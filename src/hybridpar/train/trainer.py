@@ -217,6 +217,7 @@ class _RankRun:
         self.callbacks = [_import(c) for c in cfg.callbacks]
         self.rank = dist.get_rank()
         self.infos: list[StepInfo] = []
+        self.held: list[StepInfo] = []  # steps done whose guard verdict is not in yet (reported after it)
         self.last = total_steps(cfg, len(self.ds))
         self.error: str | None = None
         self.code = 0
@@ -234,12 +235,18 @@ class _RankRun:
                        workers=workers, device=self.device)
 
     def _stop(self, step: int, what: str, loss: float) -> bool:
+        earlier = self.guard.settle()  # a verdict still in flight may name an earlier step: that one stops it
+        if earlier and earlier[0] < step:
+            step, what, loss = earlier
+        self.held = [i for i in self.held if i.step < step]  # a bad step's report is dropped
+        self._release()
         self.error, self.code = _stop_message(self.cfg, step, what, loss, self.last_saved), NONFINITE_EXIT
         return False
 
     def step(self, step: int, x, y) -> bool:
         """One training step; False when the run stops here."""
         from hybridpar.train import faults
+        from hybridpar.train.metrics import reset_peak_memory
         from hybridpar.train.optim import autocast, cast_inputs, clip_grad_norm, lr_at, set_lr
 
         cfg, engine, device = self.cfg, self.engine, self.device
@@ -251,11 +258,8 @@ class _RankRun:
         lr = lr_at(step, cfg.optim.lr, cfg.optim.lr_schedule, cfg.optim.warmup_steps, self.last)
         set_lr(self.opt, lr)
         t0 = time.perf_counter()
-        try:
-            with autocast(cfg.optim.precision, device):
-                loss = engine.train_step(x_loc, y_loc)
-        except RuntimeError as err:  # a dead or unreachable peer: say so, never hang (timeouts in launch)
-            raise (faults.peer_loss_error(err, step) if faults.is_peer_loss(err) else err) from err
+        with faults.peer_loss_at(step), autocast(cfg.optim.precision, device):
+            loss = engine.train_step(x_loc, y_loc)
         bad = self.guard.loss_exploded(loss)
         if bad:
             return self._stop(step, bad, loss)
@@ -265,25 +269,56 @@ class _RankRun:
         gnorm = clip_grad_norm(engine.parameters(), cfg.optim.grad_clip, self.norms) if cfg.optim.grad_clip else None
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        bad = self.guard.check_step(pending)  # + weights, buffers, optimizer state: never continue from NaN/Inf
-        if bad:  # nothing of this step is kept: no checkpoint, no callback, no --save
-            return self._stop(step, bad, loss)
+        # + weights, buffers, optimizer state: never continue from NaN/Inf. Where the ranks must agree on
+        # it, the verdict comes with the next step (guard.submit): nothing is kept or reported before it
+        with faults.peer_loss_at(step):
+            self.guard.submit(pending, step, loss)
+        if self.guard.bad:
+            return self._stop(*self.guard.bad)
         dt = time.perf_counter() - t0
-        if self.probe is not None and ((step + 1) % self.per_epoch == 0 or step + 1 == self.last):
-            self.gns_epochs.append(b_noise)  # a partial last epoch reports where it stopped
-        if not self._checkpoint(step):
-            return False
-        self._report(StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0, engine.comm_log.step_bytes_by_kind(),
-                              engine.comm_log.step_seconds_by_kind(), b_noise, lr,
-                              _peak_memory(device) if self.rank == 0 else None, gnorm))
+        self.held.append(StepInfo(step, loss, dt, cfg.batch / dt if dt > 0 else 0.0,
+                                  engine.comm_log.step_bytes_by_kind(), engine.comm_log.step_seconds_by_kind(),
+                                  b_noise, lr, _peak_memory(device) if self.rank == 0 else None, gnorm))
+        if step == self.start:
+            reset_peak_memory(device)  # from now on the steady state's peak
+        if self.tracer is not None:
+            self.tracer.after(step)
+        # a callback sees the state of the step it is told of: with callbacks every step is settled
+        if self._due(step) or step + 1 == self.last or self.callbacks:
+            return self._settled(step) and self._checkpoint(step)
+        self._release()
         return True
+
+    def _due(self, step: int) -> bool:
+        ck = self.cfg.checkpoint
+        return bool(ck.dir and ((ck.every and (step + 1) % ck.every == 0) or step + 1 == self.last))
+
+    def _settled(self, step: int) -> bool:
+        """Every step's verdict in and reported; False (the run stops) when one was bad."""
+        from hybridpar.train import faults
+
+        with faults.peer_loss_at(step):
+            bad = self.guard.settle()
+        if bad:
+            return self._stop(*bad)
+        self._release()
+        return True
+
+    def _release(self) -> None:
+        """Report the held steps whose verdict is in (callbacks, progress, the noise scale: only what
+        is good)."""
+        while self.held and self.held[0].step <= self.guard.judged:
+            info = self.held.pop(0)
+            if self.probe is not None and ((info.step + 1) % self.per_epoch == 0 or info.step + 1 == self.last):
+                self.gns_epochs.append(info.gns_b_noise)  # a partial last epoch reports where it stopped
+            self._report(info)
 
     def _checkpoint(self, step: int) -> bool:
         """A checkpoint after `step` when one is due; False when writing it failed (on every rank)."""
         from hybridpar.train import checkpoint as ckpt
 
         ck = self.cfg.checkpoint
-        if not ck.dir or not ((ck.every and (step + 1) % ck.every == 0) or step + 1 == self.last):
+        if not self._due(step):
             return True
         try:
             ckpt.save_checkpoint(ck.dir, step + 1, self.engine, self.opt, meta=checkpoint_meta(self.cfg),
@@ -295,13 +330,7 @@ class _RankRun:
         return True
 
     def _report(self, info: StepInfo) -> None:
-        from hybridpar.train.metrics import reset_peak_memory
-
         self.infos.append(info)
-        if self.tracer is not None:
-            self.tracer.after(info.step)
-        if info.step == self.start:
-            reset_peak_memory(self.device)  # from now on the steady state's peak
         if self.rank == 0:
             if self.queue is not None:
                 self.queue.put(info.to_dict())
@@ -312,6 +341,8 @@ class _RankRun:
         """After the last step: the profiler's trace, the queue drained, the final weights (`save`) and
         the result with every rank's parameter and peak memory bytes."""
         cfg, engine, device, infos, queue = self.cfg, self.engine, self.device, self.infos, self.queue
+        if self.error is None:  # the loop's last step settles; a feed that ended early may leave one in flight
+            self._settled(self.held[-1].step if self.held else self.last - 1)
         if self.tracer is not None:
             self.tracer.close()  # a run that stopped inside the window still writes what it traced
         if self.rank == 0 and hasattr(queue, "join_thread"):  # a multiprocessing queue (spawn): every StepInfo

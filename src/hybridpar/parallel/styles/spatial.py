@@ -15,7 +15,7 @@ only the rank's piece (its producer's storage: no copy) and the halo rows it rec
 window: backward re-assembles the window from them (no second exchange), runs the op's backward on it
 (aten.convolution_backward; pooling recomputed, so max pooling keeps no indices) and sums the window's
 gradient into the owners' pieces. Kept windows made a rank under height=2 hold about as much as one
-whole process (1.0x measured on a small U-Net; 0.55x now, tests/cost/test_spatial_memory.py).
+whole process (measured: tests/cost/test_spatial_memory.py, benchmarks/bench_memory.py --spatial).
 A convolution overlaps its exchange with its interior (`_interior_conv`): the sends and receives
 are posted, the output rows that read only the rank's own rows are computed, then the exchange is
 waited for and the boundary rows are computed from the extended window (`_boundary_conv`; forward:
