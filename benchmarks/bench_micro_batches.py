@@ -109,10 +109,19 @@ def _one_step(model, x, y, opt, pipelined: bool) -> float:
 def measure_1f1b(args) -> dict:
     """(a) one micro-batch through the executor and (b) 1F1B at K through torch's schedule, on the same
     placement, one step of each in turn (order swapped every round); rank 0's medians."""
+    from torch.distributed.pipelining import Schedule1F1B
+
     import hybridpar
     from hybridpar.plans import Plan
 
     width, depth, batch, steps, placement, k = args
+    ran = [0]  # steps run by torch's Schedule1F1B: the "1f1b" path is torch's schedule, not a fallback
+    real_step = Schedule1F1B.step
+
+    def counted(self, *a, **kw):
+        ran[0] += 1
+        return real_step(self, *a, **kw)
+    Schedule1F1B.step = counted  # type: ignore[method-assign]
     models = {}
     for name, kw in (("k1", {"micro_batches": 1}),
                      ("1f1b", {"micro_batches": k, "schedule": "1f1b",
@@ -131,7 +140,8 @@ def measure_1f1b(args) -> dict:
             t = _one_step(model, x, y, opt, name == "1f1b")
             if rnd >= 2:  # warm-up: both paths' first steps (stage set-up, the allocator)
                 times[name].append(t)
-    return {name: statistics.median(v) for name, v in times.items()}
+    Schedule1F1B.step = real_step  # type: ignore[method-assign]
+    return {"medians": {name: statistics.median(v) for name, v in times.items()}, "torch_1f1b_steps": ran[0]}
 
 
 def compare_1f1b(width: int, depth: int, batch: int, steps: int) -> dict:
@@ -146,8 +156,10 @@ def compare_1f1b(width: int, depth: int, batch: int, steps: int) -> dict:
     k = plan.micro_batches or 1
     predicted = {"k1": micro_batch_step_s(prob, assign, 1), "1f1b": micro_batch_step_s(prob, assign, k, "1f1b",
                                                                                  outcome.micro_compute)}
-    measured = spawn(measure_1f1b, 2, (width, depth, batch, steps, plan.placement, k))
+    got = spawn(measure_1f1b, 2, (width, depth, batch, steps, plan.placement, k))
+    measured = got["medians"]
     return {"model": f"chain width {width} depth {depth}", "batch": batch, "placer_micro_batches": k,
+            "torch_1f1b_steps": got["torch_1f1b_steps"],
             "placer_schedule": plan.schedule, "placement": plan.placement, "solver": outcome.result.solver,
             "steps_each": steps, "measured_median_step_s": measured, "predicted_step_s": predicted,
             "measured_speedup_1f1b_over_k1": measured["k1"] / measured["1f1b"],

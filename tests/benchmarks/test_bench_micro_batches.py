@@ -24,5 +24,5 @@ def test_1f1b_comparison_quick_run():
     assert out["placer_schedule"] == "1f1b" and out["placer_micro_batches"] >= 2
     assert set(out["measured_median_step_s"]) == set(out["predicted_step_s"]) == {"k1", "1f1b"}
     assert all(v > 0 for v in out["measured_median_step_s"].values())
-    assert out["predicted_speedup_1f1b_over_k1"] == pytest.approx(
-        out["predicted_step_s"]["k1"] / out["predicted_step_s"]["1f1b"])
+    # every timed and warm-up step of the 1f1b path ran through torch's Schedule1F1B
+    assert out["torch_1f1b_steps"] == out["steps_each"] + 2
