@@ -124,7 +124,21 @@ def spatial_refusal(graph: Graph, layout: LayerLayout) -> str | None:
             why = SPATIAL_REFUSED_OPS.get(n.op)
         if why is not None:
             return f"{name}: {where} is {why}, which cannot run with spatial splits; use a sample-only layout"
-    return None
+    return spatial_cf_refusal(graph, layout)
+
+
+def spatial_cf_refusal(graph: Graph, layout: LayerLayout) -> str | None:
+    """Why a spatial x channel/filter `layout` is refused for `graph`: none of its convolutions is one the
+    runtime splits over channel/filter on a spatial piece (SpatialDistConv runs nn.Conv2d only; a
+    Conv3d or Conv1d, a grouped conv runs whole, with every channel, on each channel/filter rank), so
+    the G ranks of a piece would repeat each convolution, and the planner's figures would price them
+    at 1/G. None when G = 1 or some convolution is split."""
+    if layout.g_size == 1 or any(n.op == "conv2d" and splits_by_layout(n) for n in graph.nodes):
+        return None
+    cf = ",".join(f"{k}={getattr(layout, k)}" for k in ("channel", "filter") if getattr(layout, k) > 1)
+    return (f"{layout.to_strategy()}: no convolution of this model is split over channel/filter on a spatial "
+            f"piece (only nn.Conv2d with groups=1 is); every rank of {cf} would compute each convolution whole: "
+            "put those ranks on the spatial or sample dims instead")
 
 
 def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, input_grad: bool = True,
@@ -136,8 +150,12 @@ def layer_collectives(node: Node, layout: LayerLayout, *, position: int = 0, inp
     A node the loss does not depend on (graph attr `dead_end`) runs no backward: none of its
     backward collectives, and no gradient for parameters held as replicated DTensors (G > 1);
     a local shard's (split layers, batch norms, any layer of a sample-only layout) is still summed,
-    as zeros (runtime.grad_buckets.GradSync: every rank issues the same buckets)."""
+    as zeros (runtime.grad_buckets.GradSync: every rank issues the same buckets). A node with
+    `grad_summed` False (cost.spatial.local_graph: a Linear head under a spatial layout with one sample
+    group, computed alike on every rank) sums no gradient."""
     ops = _layer_collectives(node, layout, position, input_grad, in_pieces, bn_stats, dtype_bytes)
+    if node.attr("grad_summed") is False:
+        ops = [op for op in ops if op.phase != "grad"]
     if node.attr("dead_end"):
         replicated = layout.channel * layout.filter > 1 and node.op != "batchnorm" and not splits_by_layout(node)
         ops = [op for op in ops if op.phase != "bwd" and not (op.phase == "grad" and replicated)]

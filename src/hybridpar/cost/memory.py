@@ -737,10 +737,12 @@ def sharded_step_memory(layers: Sequence[LayerMemory], owners: Sequence[str], bl
         held = grads = sum(sharded.values()) / sample + kept + whole_rep
         opt = held * copies
         weights = held + whole
-        # one block's whole gradient before its reduce-scatter; the kept ones' and the replicated
-        # blocks' GradSync buckets
+        # one block's whole gradient before its reduce-scatter; the GradSync buckets of the sharded
+        # blocks' kept parameters and of the replicated blocks (all their parameters, the kept ones
+        # included: those are not counted twice)
         rep_buckets = sum(m.buckets_bytes for b, m in by_block.items() if not level(b))
-        buckets = max(sharded.values(), default=0.0) + kept + rep_buckets
+        kept_sharded = sum(k for b, (_, k) in params.items() if level(b))
+        buckets = max(sharded.values(), default=0.0) + kept_sharded + rep_buckets
     acts = sum(m.activations_bytes for m in by_block.values())
     redo = set(blocks) if recompute == "all" else set() if recompute == "none" else set(recompute) & set(blocks)
     if redo:

@@ -22,16 +22,19 @@ and sums weight gradients and batch-norm statistics over all S x P ranks, as the
 from __future__ import annotations
 
 import dataclasses
+from itertools import product
 from math import ceil, prod
 
 from hybridpar.cluster.model import Cluster
 from hybridpar.graph.types import Graph, Node
 from hybridpar.layout.halo import SPATIAL_DIMS, Window, coords_of, halo_plan, split_dims
 from hybridpar.layout.layer import ORDER, LayerLayout
+from hybridpar.layout.pieces import piece_offsets, piece_sizes
 
 SLIDING = ("conv2d", "conv", "maxpool", "avgpool")  # ops that read a window of their input (graph.ops kinds)
-# the window copy local_graph adds before a sliding op: priced as an elementwise copy; for memory its
-# op keeps the piece it was built from and the halo rows (cost.memory: the "halo" attribute)
+# the window copy local_graph adds before a sliding op: priced as an elementwise copy; for memory (the
+# "window_freed" and "kept_numel" attributes cost.memory reads) its op keeps the piece it was built from
+# and the halo rows it received
 HALO_OP = "pointwise"
 
 
@@ -75,18 +78,45 @@ def _window_rows(node: Node, d: int, size: int, parts: int) -> tuple[int, int]:
     return b - a, plan.rows_received(0)
 
 
+def _rank_window(node: Node, d: int, size: int, parts: int, r: int) -> tuple[int, int]:
+    """(rows of the input window rank `r`'s output piece reads along tensor dim `d`, unclipped for a
+    convolution (its edge padding included, as the runtime builds it); of those, the halo rows it
+    receives). A middle rank receives rows from both neighbours."""
+    if not node.attr("transposed"):
+        plan = halo_plan(Window(size, *(node.attr(a)[d - 2] for a in ("kernel", "stride", "padding", "dilation"))),
+                         parts)
+        a, b = plan.window[r]
+        return max(0, b - a), plan.rows_received(r)
+    k, s, p, dil = (node.attr(a)[d - 2] for a in ("kernel", "stride", "padding", "dilation"))
+    extra = int(node.attr("output_padding", (0,) * 3)[d - 2] or 0)
+    out = (size - 1) * s - 2 * p + dil * (k - 1) + extra + 1
+    o_a, o_n = piece_offsets(out, parts)[r], piece_sizes(out, parts)[r]
+    if o_n == 0:
+        return 0, 0
+    # output row j reads input rows i with i*s + t*dil = j + p (spatial_layers), clipped to the tensor
+    lo, hi = max(0, -(-(o_a + p - dil * (k - 1)) // s)), min(size - 1, (o_a + o_n - 1 + p) // s)
+    rows = max(0, hi - lo + 1)
+    in_a, in_n = piece_offsets(size, parts)[r], piece_sizes(size, parts)[r]
+    own = max(0, min(hi + 1, in_a + in_n) - max(lo, in_a))
+    return rows, rows - own
+
+
 def _kept_numel(node: Node, piece: tuple[int, ...], dims: list[tuple[int, int]], graph_input: bool) -> int:
     """Elements a spatially split op keeps for backward besides its input piece (whose producer keeps
     it): the halo rows each exchange received (hybridpar.parallel.styles.spatial._HaloOp; an exchange
     along a later dim moves rows of the window the earlier ones extended), and the piece itself when it
-    is the model's input (a copy cut from the whole batch)."""
-    window = list(piece)
-    kept = prod(piece) if graph_input else 0
-    for d, parts in dims:
-        rows, received = _window_rows(node, d, node.in_shapes[0][d], parts)
-        kept += prod(window[:d]) * received * prod(window[d + 1:])
-        window[d] = rows
-    return kept
+    is the model's input (a copy cut from the whole batch). On the rank that keeps the most (a middle
+    rank receives from both sides), each dim's piece taken at its largest (torch.chunk's first)."""
+    per_dim = [(d, sorted({_rank_window(node, d, node.in_shapes[0][d], parts, r) for r in range(parts)}))
+               for d, parts in dims]
+    best = 0
+    for combo in product(*(rows for _, rows in per_dim)):  # a few distinct (rows, received) per dim
+        window, kept = list(piece), 0
+        for (d, _), (rows, received) in zip(per_dim, combo):
+            kept += prod(window[:d]) * received * prod(window[d + 1:])
+            window[d] = rows
+        best = max(best, kept)
+    return best + (prod(piece) if graph_input else 0)
 
 
 def _sliding(node: Node, nd: int) -> bool:
@@ -106,7 +136,7 @@ def local_graph(graph: Graph, layout: LayerLayout) -> Graph:
         out = _piece_shape(n.out_shape, dims, nd, b, p)
         ins = tuple(_piece_shape(s, dims, nd, b, p) for s in n.in_shapes)
         inputs = n.inputs
-        attrs = n.attrs
+        attrs = _attrs_as_run(n, layout)
         if _sliding(n, nd) and n.inputs:
             ext = list(ins[0])
             for d, parts in dims:
@@ -134,8 +164,40 @@ def local_graph(graph: Graph, layout: LayerLayout) -> Graph:
 
 
 def proxy_layout(layout: LayerLayout) -> LayerLayout:
-    """The sample-parallel layout that prices `layout` on its `local_graph`."""
-    return LayerLayout(sample=layout.sample * layout.spatial, zero=layout.zero)
+    """The layout that prices `layout` on its `local_graph` (the planner's time and memory, and
+    cost.memory.predict_rank_memory's, which `hybridpar train` checks against): the S x P sample x
+    spatial ranks as sample groups (each holds B/S samples of one spatial piece; weight gradients and
+    batch-norm statistics summed over all of them), with the layout's channel x filter split of each
+    piece. Ranks are row-major over layout.ORDER (channel, filter innermost), so its channel and filter
+    groups are the runtime's, and a conv's input there is its halo window: the filter group gathers
+    the extended piece, as SpatialDistConv does (cost.layout_comm.spatial_conv_collectives)."""
+    return LayerLayout(sample=layout.sample * layout.spatial, channel=layout.channel, filter=layout.filter,
+                       zero=layout.zero)
+
+
+# marks a Linear the runtime leaves whole under spatial x channel/filter (parallel.styles.table.style_for
+# gives nn.Linear no style there: it runs through DTensor, its parameters replicated); not a class name
+SPATIAL_WHOLE = "hybridpar:whole-under-spatial:"
+
+# graph.ops kinds whose parameters a spatial style holds, their gradients summed over the stats group
+# (sample x spatial ranks); any other parameter (a Linear head's, free parameters) is left to DTensor,
+# replicated, its gradient summed over the sample groups only
+_SPATIAL_PARAM_OPS = ("conv2d", "conv", "batchnorm")
+
+
+def _attrs_as_run(n: Node, layout: LayerLayout) -> tuple:
+    """`n`'s attributes as the runtime runs it under the spatial `layout`: a Linear whole under channel/filter
+    (cost.layout_comm.splits_by_layout False), and under sample = 1 a parameter no spatial style holds
+    with no gradient sum (every spatial rank computes it alike on the spatially whole tensor:
+    cost.layout_comm.layer_collectives reads "grad_summed")."""
+    from hybridpar.cost.layout_comm import splits_by_layout
+
+    attrs = n.attrs
+    if layout.g_size > 1 and n.op == "linear" and splits_by_layout(n):
+        attrs = tuple((k, SPATIAL_WHOLE + str(v) if k == "module_class" else v) for k, v in attrs)
+    if layout.sample == 1 and n.params and n.op not in _SPATIAL_PARAM_OPS:
+        attrs = (*attrs, ("grad_summed", False))
+    return attrs
 
 
 # -- halo exchange time ---------------------------------------------------------------------------

@@ -113,6 +113,11 @@ def test_spatial_channel_filter_is_priced(strategy):
     assert got["reduce_scatter"] > 0 and got["allgather"] > 0 and 0 < got["halo"] < spatial.comm_bytes["halo"]
     # a rank holds half of each piece's channels or filters: less memory than height=2 alone
     assert r.prediction.memory_bytes[0] < spatial.memory_bytes[0]
+    # and the memory `hybridpar train` checks its peak against is the plan's (one proxy layout)
+    from hybridpar.cost.memory import predict_rank_memory
+
+    graph = traced_graph("small_cnn", None)[0]
+    assert r.prediction.memory_bytes[0] == int(predict_rank_memory(graph, strategy, batch=2).total_bytes)
 
 
 def test_plan_cli_states_the_spatial_comparison(capsys):

@@ -54,6 +54,8 @@ def node_gradients(node: Node, lay: LayerLayout, elem: int, bn_stats: str = "glo
     groups = node_param_groups(node)
     if not groups:
         return []
+    if node.attr("grad_summed") is False:  # whole on every rank, computed alike: held, not sent (cost.spatial)
+        return [ParamGradient(g.module, g.node, g.op, g.names, g.numel, "whole", g.numel * elem, 0) for g in groups]
     sent = grad_allreduce_bytes(node, lay, elem, bn_stats)
     if node.op == "batchnorm" or (node.op in SPLIT_OPS and splits_by_layout(node)):  # else replicated
         # what this rank holds is what its allreduce would send with more than one sample group

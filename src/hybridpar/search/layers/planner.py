@@ -867,8 +867,14 @@ def plan_model(model, cluster: str | Cluster = "localhost", gpus: int = 1, batch
     fsdp = fsdp_baseline.baseline(s, cfg.grad_sync, gpus, batch)
     if cfg.strategy is not None:
         plan, rows, pred, brk, opts, choice = _plan_fixed(s, cfg, gpus, batch)
+        if plan.default_layout.spatial > 1:  # listed on the rank's view, as priced (spatial_plan)
+            from hybridpar.search.layers.spatial_plan import fixed_gradients
+
+            grads = fixed_gradients(s, plan.default_layout, opts, choice)
+        else:
+            grads = _gradients(s, opts, choice)
         return PlanResult(plan, rows, pred, baseline, note, "fixed", {}, time.perf_counter() - t0, brk, base_brk,
-                          _gradients(s, opts, choice), *fsdp)
+                          grads, *fsdp)
     if cfg.recompute == "all":  # every candidate recomputes: sample-only layouts (where recomputation runs)
         return _searched(s, cfg, spaces, (baseline, base_brk, note, fsdp, t0), progress)
     from hybridpar.search.layers import spatial_plan  # uniform spatial layouts beside the search (issue 30)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from math import prod
 
 from hybridpar.cost.collectives import CommOp
-from hybridpar.cost.layout_comm import layout_refusal, splits_by_layout
+from hybridpar.cost.layout_comm import layout_refusal, spatial_cf_refusal, splits_by_layout
 from hybridpar.cost.memory import kept_activations
-from hybridpar.cost.spatial import SLIDING, halo_cost, local_graph, model_ndim, spatial_dims
+from hybridpar.cost.spatial import SLIDING, halo_cost, local_graph, model_ndim, proxy_layout, spatial_dims
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.layout.halo import SPATIAL_DIMS
 from hybridpar.plans import LayerLayout, Plan, Prediction
@@ -83,6 +83,24 @@ def _smallest_sizes(graph, nd: int) -> tuple[int, ...]:
 _CF_UNPRICED = ("conv", "concat")
 
 
+def _cf_unpriced_note(graph, layout: LayerLayout) -> list[str]:
+    """What the planner's figures leave out of a spatial x channel/filter `layout` (_CF_UNPRICED), as
+    a note (none when nothing is)."""
+    def listed(op: str) -> str:
+        mods = sorted({n.module or n.name for n in graph.nodes if n.op == op})
+        return ", ".join(mods[:4]) + (" ..." if len(mods) > 4 else "") if mods else ""
+
+    convs, cats = listed("conv"), listed("concat")
+    parts = ([f"the convolutions {convs} (transposed, 1-D or 3-D: each channel/filter rank computes them whole, "
+              f"with every channel) are priced at 1/{layout.g_size} of their channels, compute and activations, "
+              "and DTensor's gathers of their inputs are not priced"] if convs else []) + \
+        ([f"DTensor's moves around the concatenations {cats} are not priced"] if cats else [])
+    if not parts:
+        return []
+    return ["spatial x channel/filter: " + "; ".join(parts) + " (the step time is low by those; the dry run's "
+            "records, below when it runs, hold the moves); the search does not offer this layout for this model"]
+
+
 def _cf_searched(graph, nd: int) -> bool:
     """Whether the search offers spatial x channel/filter for `graph`: a 2-D model (SpatialDistConv is
     Conv2d's) with convolutions the runtime splits and none of the ops in _CF_UNPRICED (a U-Net's
@@ -125,17 +143,6 @@ def spatial_layouts(graph, gpus: int, batch: int) -> list[LayerLayout]:
                     if layout_refusal(graph, lay) is None:
                         out.append(lay)
     return out
-
-
-def proxy_layout(layout: LayerLayout) -> LayerLayout:
-    """The layout that prices `layout` on its `local_graph`: the S x P sample x spatial ranks as
-    sample groups (each holds B/S samples of one spatial piece; weight gradients and batch-norm
-    statistics summed over all of them), with the layout's channel x filter split of each piece.
-    Ranks are row-major over layout.ORDER (channel, filter innermost), so its channel and filter
-    groups are the runtime's, and a conv's input there is its halo window: the filter group gathers
-    the extended piece, as SpatialDistConv does (cost.layout_comm.spatial_conv_collectives)."""
-    return LayerLayout(sample=layout.sample * layout.spatial, channel=layout.channel, filter=layout.filter,
-                       zero=layout.zero)
 
 
 def _with_halo(vo, nodes: Sequence[str], originals: dict, lay: LayerLayout, ctx: CostContext, inputs: set[str]):
@@ -267,16 +274,6 @@ def _spatial_groups(lay: LayerLayout) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(i * p * g + j * g + k for j in range(p)) for i in range(s) for k in range(g))
 
 
-def _unwrapped_grad_bytes(local, lay: LayerLayout, ctx: CostContext) -> int:
-    """Bytes of the proxy's gradient allreduces of parameters no spatial style holds (not a
-    convolution's or a batch norm's: a Linear head's, free parameters), which it sums over S x P."""
-    from hybridpar.cost.layout_comm import layer_collectives
-
-    proxy = proxy_layout(lay)
-    return sum(op.bytes_ for n in local.nodes if n.params and n.op not in ("conv2d", "conv", "batchnorm")
-               for op in layer_collectives(n, proxy, dtype_bytes=ctx.elem) if op.phase == "grad")
-
-
 def _no_concat_rule(vo, lay: LayerLayout, ctx: CostContext):
     """A concatenation under spatial x channel/filter runs through DTensor (its moves are the dry run's
     records, api.with_redistributions), not hybridpar.parallel.styles.concat's all-to-all, which the
@@ -300,20 +297,6 @@ def _no_concat_rule(vo, lay: LayerLayout, ctx: CostContext):
     return dataclasses.replace(vo, costs=(c, *vo.costs[1:]))
 
 
-# marks a Linear the runtime leaves whole under spatial layouts (parallel.styles.table.style_for gives
-# nn.Linear no style there: it runs through DTensor, its parameters replicated); not a class name
-_SPATIAL_WHOLE = "hybridpar:whole-under-spatial:"
-
-
-def _whole_linears(graph):
-    """`graph` with its nn.Linear nodes priced as the runtime runs them under spatial x channel/filter:
-    whole on every rank (cost.layout_comm.splits_by_layout False), not split over channel/filter."""
-    nodes = tuple(dataclasses.replace(n, attrs=tuple((k, _SPATIAL_WHOLE + str(v) if k == "module_class" else v)
-                                                     for k, v in n.attrs))
-                  if n.op == "linear" and splits_by_layout(n) else n for n in graph.nodes)
-    return dataclasses.replace(graph, nodes=nodes)
-
-
 def evaluate_spatial(s, lay: LayerLayout, grad_sync: str, contexts: dict | None = None) -> SpatialEval:
     """Price the uniform spatial layout `lay` for the planner's setup `s` (planner._Setup) with the
     planner's simulator (planner.predict_with_breakdown). `contexts`: CostContexts by spatial ranks,
@@ -321,7 +304,7 @@ def evaluate_spatial(s, lay: LayerLayout, grad_sync: str, contexts: dict | None 
     from hybridpar.search.layers import planner
 
     graph, ctx0 = s.lg.graph, s.ctx
-    local = _whole_linears(local_graph(graph, lay)) if lay.g_size > 1 else local_graph(graph, lay)
+    local = local_graph(graph, lay)  # a Linear head whole under channel/filter, unsummed under sample = 1
     lg = build_layer_graph(local)
     contexts = {} if contexts is None else contexts
     ctx = contexts.get(lay.spatial)
@@ -345,15 +328,34 @@ def evaluate_spatial(s, lay: LayerLayout, grad_sync: str, contexts: dict | None 
         halo_s += t
     opts[-1] = _with_output_gather(opts[-1], lg, graph, lay, ctx)
     pred, brk = planner.predict_with_breakdown(lg, opts, [0] * len(opts), ctx, grad_sync)
-    if lay.sample == 1:
-        # the proxy's P "sample groups" are one: the run allreduces no loss (train.engine), and the
-        # parameters the spatial styles leave to DTensor (a Linear head's) are summed over the sample
-        # groups only (each spatial rank computes them alike on the spatially whole tensor): none
-        comm = dict(pred.comm_bytes)
-        comm["allreduce"] = comm.get("allreduce", 0) - ctx.elem - _unwrapped_grad_bytes(local, lay, ctx)
-        pred = pred.model_copy(update={"comm_bytes": {k: v for k, v in comm.items() if v}})
+    if lay.sample == 1:  # (a Linear head's gradients: not summed, local_graph's "grad_summed")
+        pred, brk = _without_loss_allreduce(pred, brk, (lg, opts, ctx), grad_sync)
     sliding = tuple(n.module or n.name for n in graph.nodes if n.op in SLIDING and len(n.in_shapes[0]) > 2)
     return SpatialEval(lay, lg, ctx, opts, pred, brk, halo_s, sliding)
+
+
+def _without_loss_allreduce(pred: Prediction, brk, priced: tuple, grad_sync: str):
+    """`pred` and its breakdown without the loss allreduce the proxy's P "sample groups" priced
+    (planner._step_extras): under sample = 1 they are one, and the run allreduces no loss
+    (train.engine). Its time is taken out where the proxy paid it (not where it rode in a gradient
+    bucket: planner._rides_in_bucket), and its bytes."""
+    from hybridpar.search.layers import planner
+    from hybridpar.search.layers.decomposition import shard_groups
+
+    lg, opts, ctx = priced
+    last = opts[-1].dist(0)
+    if last.sample == 1:
+        return pred, brk
+    key = LayerLayout(sample=last.sample, channel=last.channel)
+    op = CommOp.placed("allreduce", "loss", ctx.elem, shard_groups(key), "shard", key)
+    buckets = planner.grad_bucket_schedule(lg, opts, [0] * len(opts), ctx) if grad_sync == "buckets" else []
+    t = 0.0 if planner._rides_in_bucket(op, buckets) else ctx.comm_time(op)
+    comm = dict(pred.comm_bytes)
+    comm["allreduce"] = comm.get("allreduce", 0) - ctx.elem
+    step = pred.step_time_s - t
+    pred = pred.model_copy(update={"comm_bytes": {k: v for k, v in comm.items() if v}, "step_time_s": step,
+                                   "comm_s": pred.comm_s - t, "exposed_comm_s": max(0.0, step - pred.compute_s)})
+    return pred, dataclasses.replace(brk, extras_s=brk.extras_s - t)
 
 
 def best_spatial(s, gpus: int, batch: int, grad_sync: str) -> tuple[SpatialEval | None, SpatialEval | None]:
@@ -465,6 +467,15 @@ def _gradients(s, ev: SpatialEval):
     return planner._gradients(dataclasses.replace(s, lg=ev.lg, ctx=ev.ctx), ev.opts, ev.choice)
 
 
+def fixed_gradients(s, layout: LayerLayout, opts, choice):
+    """planner._gradients of a fixed spatial `layout` (`fixed`'s options): listed on the rank's view
+    of the graph (local_graph: a Linear head's gradient unsummed under sample = 1), as priced."""
+    from hybridpar.search.layers import planner
+
+    lg = build_layer_graph(local_graph(s.lg.graph, layout))
+    return planner._gradients(dataclasses.replace(s, lg=lg), opts, choice)
+
+
 def with_spatial(s, cfg, where: tuple[int, int, float], base: tuple, search: Callable[[], object]):
     """planner.plan_model's result: `search()`'s plan (without spatial splits), or the fastest uniform
     spatial layout that fits when it beats that plan or nothing else fits; the notes say which and why.
@@ -542,14 +553,13 @@ def fixed(s, cfg, layout: LayerLayout, refusal: str | None):
         spatial_dims(layout, model_ndim(s.lg.graph))
     except ValueError as err:
         raise UserError(f"{layout.to_strategy()}: {err}") from None
+    cf_why = spatial_cf_refusal(s.lg.graph, layout)
+    if cf_why is not None:  # even as a what-if: no figure of the planner's would be the run's
+        raise UserError(cf_why)
     ev = evaluate_spatial(s, layout, cfg.grad_sync)
     notes = [f"fixed layout {layout.to_strategy()} evaluated (not searched)", _layers_note(ev)]
-    unpriced = sorted({n.module or n.name for n in s.lg.graph.nodes if n.op in _CF_UNPRICED})
-    if layout.g_size > 1 and unpriced:
-        notes.append(f"spatial x channel/filter: DTensor's moves around {', '.join(unpriced[:4])}"
-                     f"{' ...' if len(unpriced) > 4 else ''} (transposed convolutions, concatenations) are not in "
-                     "the planner's figures, only in the dry run's (below, when it runs); the search does not "
-                     "offer this layout for this model")
+    if layout.g_size > 1:
+        notes += _cf_unpriced_note(s.lg.graph, layout)
     notes += [f"WHAT-IF, the runtime cannot run it: {refusal}"] if refusal else []
     if ev.pred.memory_bytes[0] > s.capacity:
         notes.append(f"over the memory limit: {_gib(ev.pred.memory_bytes[0])} per device")
