@@ -218,3 +218,40 @@ def test_initial_state_and_final_state_are_carried(cell):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     for a, b in zip((p.grad for p in m.parameters()), grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+class _TupleState(nn.Module):
+    """An LSTM given its initial state as a literal tuple `(h2, c)` built in forward, h2 from a layer
+    placed apart (the tuple's nodes must be mapped into the rewritten graph, not left in the old one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.rnn = nn.LSTM(6, 6, num_layers=2, batch_first=True)
+
+    def forward(self, x, h, c):
+        h2 = self.proj(h)
+        y, _ = self.rnn(x, (h2, c))
+        return y
+
+
+def test_literal_tuple_initial_state_equals_one_process():
+    import torch
+
+    from hybridpar.parallel.pipeline.partition import partition_module
+
+    torch.manual_seed(2)
+    m = _TupleState().double()
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    h, c = torch.randn(2, 2, 6, dtype=torch.float64), torch.randn(2, 2, 6, dtype=torch.float64)
+    part = partition_module(m, {"proj": 1, "rnn[1]": 1}, 2, time_chunks=2)
+    assert {"rnn_h0_l0", "rnn_l1_t1"} <= {n.name for n in part.nodes}  # layer by layer, chunked
+    ref = m(x, h, c)
+    ref.square().sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    out = part.gm(x, h, c)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for a, b in zip((p.grad for p in m.parameters()), grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)

@@ -90,22 +90,29 @@ def _layouts_of(spec: Plan | LayerLayout | str, world_size: int) -> tuple[list[L
     raise TypeError(f"expected a Plan, LayerLayout or strategy string, got {type(spec).__name__}")
 
 
-def plan_recompute(spec: Plan | LayerLayout | str) -> str | tuple[str, ...]:
-    """What a plan asks to recompute: "all", the blocks of its per-block choice (recompute_blocks), or
-    "none" (strategies and layouts ask nothing)."""
+def plan_recompute(spec: Plan | LayerLayout | str,
+                   asked: str | tuple[str, ...] | None = None) -> str | tuple[str, ...]:
+    """What recomputes in a run of `spec` (the one rule of parallelize and hybridpar train): the user's
+    explicit ask first (`asked`: "all", from `train --recompute all` or parallelize's recompute=, or the
+    blocks named; a bad value passes on to sharding_refusal); else the plan's "all"; else its per-block
+    choice (recompute_blocks); else "none". asked None or "none" asks nothing: "none" is the CLI's
+    default, so it cannot turn a plan's choice off. Strategies and layouts ask nothing themselves."""
+    if asked is not None and asked != "none":
+        return asked
     if isinstance(spec, Plan):
+        if spec.recompute == "all":  # (a validated plan never has both; "all" is the larger ask)
+            return "all"
         if spec.recompute_blocks is not None:
             return tuple(spec.recompute_blocks)
-        return spec.recompute or "none"
     return "none"
 
 
 def take_options(spec: Plan | LayerLayout | str, options: dict[str, Any],
                  world_size: int) -> tuple[str | tuple[str, ...], str]:
     """Pop parallelize's `recompute` and `mixed_precision` options and refuse what does not run, before any
-    collective. Returns (recompute, mixed_precision); recompute: the option where given, else the plan's
-    (`plan_recompute`: "all", or its per-block choice)."""
-    recompute = options.pop("recompute", None) or plan_recompute(spec)
+    collective. Returns (recompute, mixed_precision); recompute: `plan_recompute`'s rule (the option where
+    it asks something, else the plan's "all" or per-block choice)."""
+    recompute = plan_recompute(spec, options.pop("recompute", None))
     mixed = options.pop("mixed_precision", None) or "none"
     if mixed not in MIXED_PRECISION:
         raise UserError(f"mixed_precision must be one of {', '.join(MIXED_PRECISION)}, got {mixed!r}")

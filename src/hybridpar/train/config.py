@@ -237,7 +237,7 @@ class RunSetup:
     world_size: int  # ranks to start (or that the launcher started)
     start_step: int = 0  # > 0 when resuming
     total_steps: int = 0
-    notes: list[str] = field(default_factory=list)  # one line each: resume decisions, skipped checkpoints
+    notes: list[str] = field(default_factory=list)  # one line each: a schedule fallback, resume decisions, ...
     memory_per_rank: int = 0  # estimated bytes of one rank's process
 
     @property
@@ -281,8 +281,11 @@ def run_config(config: TrainConfig | None = None, *, launcher_world: int | None 
         m = _load_checked(model, input_shape, batch, cfg.loss)
     with startup.phase("placement") if the_plan.mp > 1 else contextlib.nullcontext():  # only MP plans search
         the_plan = _placed(cfg, m, place)
-    # a plan that chose recomputation (`plan --recompute auto|all`) runs it without --recompute all
-    recompute = "all" if the_plan.recompute == "all" else cfg.parallel.recompute
+    from hybridpar.parallel.fsdp import plan_recompute
+
+    # a plan's "all" (`plan --recompute all`) runs without --recompute all (the plan's per-block choice is
+    # kept on the plan: parallelize runs it); parallel.fsdp.plan_recompute is the one rule
+    recompute = "all" if plan_recompute(the_plan, cfg.parallel.recompute) == "all" else "none"
     micro = cfg.parallel.micro_batches  # absent: the placer's choice (the plan's), else one
     if micro is None:
         micro = (the_plan.micro_batches or 1) if the_plan.mp > 1 else 1
@@ -290,8 +293,11 @@ def run_config(config: TrainConfig | None = None, *, launcher_world: int | None 
     from hybridpar.parallel.pipeline.schedule import settle_schedule
 
     # --schedule (refused before start if it cannot run), else the placer's (gpipe where 1f1b cannot)
-    the_plan = settle_schedule(m.loaded.module, the_plan, cfg.parallel.schedule, batch, micro,
-                               tuple(m.loaded.example_inputs))
+    settled = settle_schedule(m.loaded.module, the_plan, cfg.parallel.schedule, batch, micro,
+                              tuple(m.loaded.example_inputs))
+    # its fallback from the placer's 1f1b (GPipe holds more activations): told at start-up and in --json
+    schedule_notes = [f"note: {n}" for n in settled.notes[len(the_plan.notes):]]
+    the_plan = settled
     cfg = replace(cfg, parallel=replace(cfg.parallel, plan=the_plan, recompute=recompute, micro_batches=micro))
     with startup.phase("dry run of the layout"):
         _check_layout(m.loaded.module, the_plan, batch, cfg.parallel.micro_batches, cfg.optim.precision,
@@ -312,7 +318,7 @@ def run_config(config: TrainConfig | None = None, *, launcher_world: int | None 
     per_rank = _rank_memory(cfg, m, data_bytes)
     _check_memory(per_rank, local_ranks or world, launched=launcher_world is not None)
     cfg, start, notes = _resume(cfg)
-    return RunSetup(cfg, world, start, last, notes, per_rank)
+    return RunSetup(cfg, world, start, last, [*schedule_notes, *notes], per_rank)
 
 
 def _load_checked(model: str, input_shape, batch: int, loss: str | None = None) -> _Loaded:
@@ -614,12 +620,10 @@ def _shape_text(loaded) -> str:
 
 def _check_sharding(cfg: TrainConfig, plan: Plan) -> None:
     """zero=2|3 and recompute: what does not run yet, one line before any rank starts."""
-    from hybridpar.parallel.fsdp import sharding_refusal
+    from hybridpar.parallel.fsdp import plan_recompute, sharding_refusal
 
     layouts = [plan.default_layout, *plan.layers.values()]
-    recompute = cfg.parallel.recompute  # a plan's per-block choice runs unless --recompute all overrides it
-    if recompute == "none" and plan.recompute_blocks is not None:
-        recompute = tuple(plan.recompute_blocks)
+    recompute = plan_recompute(plan, cfg.parallel.recompute)  # --recompute all, else the plan's choice
     why = sharding_refusal(layouts, plan.mp, recompute, dict(plan.layers))
     if why is not None:
         raise UserError(why, param="recompute" if "recompute" in why.split(":")[0] else "strategy")
@@ -734,11 +738,12 @@ def _predicted_memory(loaded, plan: Plan, batch: int, optimizer: str, momentum: 
         return None
     from hybridpar.cost.memory import predict_rank_memory
     from hybridpar.graph import trace
+    from hybridpar.parallel.fsdp import plan_recompute
 
     try:
         graph = trace(loaded.module, loaded.example_inputs)
         # what recomputes: --recompute all (or a plan's "all"), else the plan's per-block choice
-        blocks = plan.recompute_blocks if recompute == "none" and plan.recompute_blocks is not None else recompute
+        blocks = plan_recompute(plan, recompute)
         return predict_rank_memory(graph, plan.default_layout, layers=plan.layers, batch=batch, optimizer=optimizer,
                                    momentum=momentum, weight_decay=weight_decay, recompute=blocks).total_bytes
     except Exception:  # noqa: BLE001 - then the coarser estimate below

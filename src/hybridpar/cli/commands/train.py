@@ -387,7 +387,7 @@ def _report(result, setup, json_: bool) -> None:
                             "final_loss": result.final_loss, "param_bytes_per_rank": result.param_bytes_per_rank,
                             "param_bytes_by_type_per_rank": result.param_bytes_by_type_per_rank,
                             "saved": result.saved, "memory": memory, **_gns_summary(result, cfg),
-                            "startup": startup.phases()}))
+                            "startup": startup.phases(), "notes": list(setup.notes)}))
         return
     last = steps[-1]
     rows = [[k, human_bytes(v)] for k, v in last["comm_bytes"].items()]

@@ -48,43 +48,66 @@ if TYPE_CHECKING:
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def chain_order(part: Partition) -> tuple[int, ...]:
-    """The partition's devices in stage order; UserError (one line) when it is not a chain."""
+def _instead(kind: str) -> str:
+    """What runs any placement instead of torch's `kind` schedule: the executor, which `--schedule gpipe`
+    (hybridpar train) and `model(x)` + `loss.backward()` run; step() runs torch's schedule either way."""
+    return "use --schedule gpipe" if kind == "1f1b" else "use model(...) and loss.backward()"
+
+
+def check_even_micro_batches(kind: str, batch: int, dp: int, k: int) -> None:
+    if batch % (dp * k):
+        raise UserError(f"{kind}: global batch {batch} must divide evenly over sample={dp} x {k} micro-batches "
+                        "(torch's pipeline stages need equal micro-batches)")
+
+
+def check_crossings_have_gradients(kind: str, transfers, cross: dict) -> None:
+    """torch's stages send a gradient back for every activation they receive: UserError for a crossing
+    (`transfers`, their Crossing in `cross`) that holds a tensor without one."""
+    for t in transfers:
+        if not all(cross[t.index].diff):
+            raise UserError(f"{kind}: the activation {t.node} crossing from device {t.src} to {t.dst} holds a tensor "
+                            "without a gradient (integers, or computed without autograd); torch's pipeline stages "
+                            f"send a gradient for every activation: {_instead(kind)}")
+
+
+def chain_order(part: Partition, kind: str = "1f1b") -> tuple[int, ...]:
+    """The partition's devices in stage order; UserError (one line, naming torch's schedule `kind`)
+    when it is not a chain."""
     used = {d for d in part.device_of.values() if d is not None}
     idle = sorted(set(range(part.mp)) - used)
     if idle:
-        raise UserError(f"1f1b: device {idle[0]} of mp={part.mp} runs no layer; a pipeline needs every device as a "
-                        "stage (use --schedule gpipe)")
+        raise UserError(f"{kind}: device {idle[0]} of mp={part.mp} runs no layer; a pipeline needs every device as "
+                        f"a stage ({_instead(kind)})")
     nxt: dict[int, int] = {}
     prev: dict[int, int] = {}
     for t in part.transfers:
         if nxt.setdefault(t.src, t.dst) != t.dst or prev.setdefault(t.dst, t.src) != t.src:
-            raise UserError(f"1f1b: the placement is not a chain of stages (node {t.node} goes from device {t.src} to "
-                            f"{t.dst}, skipping or branching); use --schedule gpipe, which runs any placement")
+            raise UserError(f"{kind}: the placement is not a chain of stages (node {t.node} goes from device {t.src} "
+                            f"to {t.dst}, skipping or branching); {_instead(kind)}, which runs any placement")
     first = [d for d in range(part.mp) if d not in prev]
     order = [first[0]] if len(first) == 1 else []
     while order and order[-1] in nxt and len(order) <= part.mp:
         order.append(nxt[order[-1]])
     if len(order) != part.mp:
-        raise UserError("1f1b: the placement's devices do not form one chain of stages (a cycle, or stages that "
-                        "do not feed each other); use --schedule gpipe")
-    _check_ends(part, order[0], order[-1])
+        raise UserError(f"{kind}: the placement's devices do not form one chain of stages (a cycle, or stages that "
+                        f"do not feed each other); {_instead(kind)}")
+    _check_ends(part, order[0], order[-1], kind)
     return tuple(order)
 
 
-def _check_ends(part: Partition, first: int, last: int) -> None:
+def _check_ends(part: Partition, first: int, last: int, kind: str) -> None:
     for node in part.nodes:
         if node.op != "placeholder":
             continue
         late = sorted({d for u in node.users if u.op != "output" and (d := part.device_of[u.name]) is not None}
                       - {first})
         if late:
-            raise UserError(f"1f1b: the model's input {node.name} is read on device {late[0]}, not only by the first "
-                            f"stage (device {first}); use --schedule gpipe")
+            raise UserError(f"{kind}: the model's input {node.name} is read on device {late[0]}, not only by the "
+                            f"first stage (device {first}); {_instead(kind)}")
     for name in part.output_nodes:
         if part.device_of.get(name) != last:
-            raise UserError(f"1f1b: the model's output {name} is computed on device {part.device_of.get(name)}, not "
-                            f"on the last stage (device {last}); use --schedule gpipe")
+            raise UserError(f"{kind}: the model's output {name} is computed on device {part.device_of.get(name)}, "
+                            f"not on the last stage (device {last}); {_instead(kind)}")
 
 
 def check_schedule(schedule: str | None, micro_batches: int, stages: int, time_chunks: int | None = None) -> None:
@@ -121,7 +144,7 @@ class ChainPipeline:
     def __init__(self, state: MPState, schedule: str, loss_fn):
         eng = state.engine
         self.state, self.kind, self.loss_fn = state, schedule, loss_fn
-        self.order = chain_order(eng.partition)
+        self.order = chain_order(eng.partition, schedule)
         self.stage = self.order.index(state.layout.device)
         self.S = len(self.order)
         check_schedule(schedule, state.micro_batches, self.S, getattr(state.plan, "time_chunks", None))
@@ -186,11 +209,7 @@ class ChainPipeline:
         if key in self._built:
             return self._built[key]
         cross, _n, outs = eng._shapes(piece)  # noqa: SLF001 - the engine's meta shapes of one micro-batch
-        for t in [*self._in, *self._out]:
-            if not all(cross[t.index].diff):
-                raise UserError(f"1f1b: the activation {t.node} crossing from device {t.src} to {t.dst} holds a tensor "
-                                "without a gradient (integers, or computed without autograd); torch's pipeline "
-                                "stages send a gradient for every activation: use --schedule gpipe")
+        check_crossings_have_gradients(self.kind, [*self._in, *self._out], cross)
         ins = [x for x in piece if isinstance(x, torch.Tensor)] if self.stage == 0 else [
             x for t in self._in for x in cross[t.index].tensor_leaves]
         if self.stage == self.S - 1:
@@ -228,9 +247,7 @@ class ChainPipeline:
             raise UserError(f"step: target must be a tensor leading with the batch's {n} samples (torch's pipeline "
                             "schedules cut it into micro-batches)")
         k = state.micro_batches
-        if n % (lay.dp * k):
-            raise UserError(f"{self.kind}: global batch {n} must divide evenly over sample={lay.dp} x {k} "
-                            "micro-batches (torch's pipeline stages need equal micro-batches)")
+        check_even_micro_batches(self.kind, n, lay.dp, k)
         local = tuple(split_rows(list(inputs), n, lay.dp)[lay.replica]) if lay.dp > 1 else inputs
         tgt = torch.tensor_split(target, lay.dp)[lay.replica].to(eng.device)
         piece = tuple(split_rows(list(local), n // lay.dp, k)[0])
@@ -329,9 +346,7 @@ def check_pipeline_plan(module: nn.Module, plan, batch: int, micro_batches: int,
     from hybridpar.parallel.pipeline.partition import partition_module
 
     check_schedule("1f1b", micro_batches, plan.mp, getattr(plan, "time_chunks", None))
-    if batch % (plan.dp * micro_batches):
-        raise UserError(f"1f1b: global batch {batch} must divide evenly over sample={plan.dp} x {micro_batches} "
-                        "micro-batches (torch's pipeline stages need equal micro-batches)")
+    check_even_micro_batches("1f1b", batch, plan.dp, micro_batches)
     examples = None if example_inputs is None else micro_batch_inputs(
         example_inputs, plan.model_copy(update={"batch": batch}), micro_batches)
     part = partition_module(module, plan.placement, plan.mp, example_inputs=examples)
@@ -349,25 +364,25 @@ def _check_crossings_differentiable(module: nn.Module, part: Partition, examples
 
     meta = meta_copy(part.gm if is_exported(part.gm) else module).train()
     inputs = bind_inputs(part.gm, _signature(module), tuple(examples), {})
-    cross = crossings(part, meta_values(part, meta, inputs))
-    for t in part.transfers:
-        if not all(cross[t.index].diff):
-            raise UserError(f"1f1b: the activation {t.node} crossing from device {t.src} to {t.dst} holds a tensor "
-                            "without a gradient (integers, or computed without autograd); torch's pipeline stages "
-                            "send a gradient for every activation: use --schedule gpipe")
+    check_crossings_have_gradients("1f1b", part.transfers, crossings(part, meta_values(part, meta, inputs)))
 
 
 def settle_schedule(module: nn.Module, plan, asked: str | None, batch: int, micro_batches: int,
                     example_inputs: tuple | None = None):
     """The run's plan with its schedule checked before start: `asked` (--schedule) is refused with one
     line when it cannot run; the placer's 1f1b that cannot (its coarse graph's chain is not the traced
-    one's, or the run's micro-batches differ) falls back to gpipe, noted in the plan (both are exact)."""
+    one's, or the run's micro-batches differ) falls back to gpipe, noted last in plan.notes for the run to
+    tell at start-up (both are exact). The note says what changes: GPipe holds every micro-batch's
+    activations where the placer priced 1F1B's S - s (the runtime does not price; `hybridpar place
+    --schedule gpipe` does)."""
     plan = with_schedule(plan, asked)
     try:
         check_pipeline_plan(module, plan, batch, micro_batches, example_inputs)
     except UserError as err:
         if asked is not None:
             raise
-        note = f"schedule: gpipe (the placer's 1f1b cannot run: {err})"
+        note = (f"schedule: gpipe (the placer's 1f1b cannot run: {err}); gpipe holds all {micro_batches} "
+                "micro-batches' activations where the plan priced 1f1b's, so its memory figure is low: "
+                "`hybridpar place --schedule gpipe` prices this run")
         return plan.model_copy(update={"schedule": "gpipe", "notes": [*plan.notes, note]})
     return plan

@@ -165,9 +165,6 @@ class _Rewriter:
         self.device[n.name] = dev
         return n
 
-    def _whole_for(self, dev: int | None, old: fx.Node) -> fx.Node:
-        return self.whole(old, dev)
-
     def whole(self, old: fx.Node, dev: int | None) -> fx.Node:
         """The new graph's value of `old`, its chunks concatenated (on `dev`) when it was split."""
         if old not in self.chunked:
@@ -189,7 +186,7 @@ class _Rewriter:
             if self._timewise(node):
                 continue
             dev = self.old_device.get(node.name)
-            new = self.g.node_copy(node, functools.partial(self._whole_for, dev))
+            new = self.g.node_copy(node, functools.partial(self.whole, dev=dev))
             self.env[node] = new
             self.device[new.name] = dev
         out = fx.GraphModule(self.gm, self.g)
@@ -219,7 +216,8 @@ class _Rewriter:
         own = self.module_device[node.name]
         devs = [self.placement.get(f"{name}[{layer}]", own) for layer in range(mod.num_layers)]
         ins = self._input_chunks(x, bf, devs[0], node)
-        hx_new = None if hx is None else self.whole(hx, devs[0]) if isinstance(hx, fx.Node) else hx
+        # hx may be a literal (h, c) tuple of nodes: every node in it mapped into the new graph
+        hx_new = fx.node.map_arg(hx, lambda n: self.whole(n, devs[0]))
         last = []
         for layer, dev in enumerate(devs):
             weights = [self.emit("get_attr", f"{name}.{w}", (), f"{node.name}_{w}", dev, node.meta)
