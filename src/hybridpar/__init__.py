@@ -82,7 +82,9 @@ def _placer(example_inputs: tuple, cluster: str, time_chunks: int | None = None,
             n = batch_rows(example_inputs)
             mine = tuple(split_rows(list(example_inputs), n, plan_.dp)[0]) if plan_.dp > 1 else example_inputs
             try:
-                asked = {} if schedule is None else {"schedule": schedule, "micro_batches": micro_batches}
+                # each one given is the run's (as api.with_placement passes them): a count the placer
+                # chose itself would be priced while the run used the user's
+                asked = {k: v for k, v in (("schedule", schedule), ("micro_batches", micro_batches)) if v is not None}
                 outcome = _place(module, cluster, plan_.mp, example_inputs=mine, batch=batch_rows(mine),
                                  time_chunks=time_chunks, **asked)
                 box[0] = {"placement": placement_from_outcome(outcome, module, mine),

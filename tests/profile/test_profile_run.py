@@ -40,6 +40,13 @@ def test_profile_writes_a_calibration_that_localhost_uses(calibration, capsys):
     assert cal.runtime_overhead is not None and cal.runtime_overhead.layer_fwd_s + cal.runtime_overhead.layer_bwd_s > 0
     c = load_cluster("localhost", gpus=2, calibration=path)
     assert c.device.peak("fp32") == cal.peak_flops_fp32
+    # the memory model's framework constant: an initialised gloo rank holding no model (torch's libraries
+    # alone are over 100 MiB resident), and what the memory model then adds
+    from hybridpar.cost.memory import framework_bytes_for
+
+    assert 100 << 20 < cal.framework_bytes < 2 << 30 and framework_bytes_for(None, path) == cal.framework_bytes
+    # the optimizer step and the loss, fitted for every optimizer kind (hybridpar.profile.update)
+    assert set(cal.update) == {"sgd", "momentum", "adamw"} and cal.loss is not None
     assert c.intra.link_latency_s == pytest.approx(cal.gloo[2].alpha_s)
     assert {m.kind for m in c.measured_collectives} == {f.kind for f in cal.collectives}
 

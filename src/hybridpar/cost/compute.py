@@ -43,7 +43,9 @@ _CLASS = {
     "relu": "elementwise", "pointwise": "elementwise", "add": "elementwise", "mul": "elementwise",
     "concat": "elementwise", "dropout": "elementwise", "softmax": "softmax", "loss": "softmax",
 }
-_FREE = {"input", "output", "flatten", "reshape"}  # views and graph plumbing: no work
+# views and graph plumbing: no work; the one set (cost.coverage and profile.graph_ops skip these too)
+FREE_OPS = frozenset({"input", "output", "flatten", "reshape"})
+_FREE = FREE_OPS
 _MATMUL = {"conv2d", "linear", "lstm", "attention"}  # run at the dtype's tensor-core rate
 
 

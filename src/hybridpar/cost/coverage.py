@@ -9,12 +9,12 @@ reason `hybridpar profile` gave when it could not time them (`Calibration.untime
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from hybridpar.cluster.calibration import Calibration, resolve_calibration
 from hybridpar.cluster.model import DeviceSpec
-from hybridpar.cost.compute import local_shapes, op_time
+from hybridpar.cost.compute import FREE_OPS, local_shapes, op_time
 from hybridpar.graph.types import Graph, Node
 
 LABEL = "UNCALIBRATED ESTIMATE"  # the note's first words: the CLI's table title and the report look for it
@@ -29,6 +29,10 @@ class Coverage:
     total_s: float = 0.0
     untimed: dict[str, str] = field(default_factory=dict)  # op kind -> why the profile could not time it
     why: str = ""  # set when nothing could be measured (no file, another dtype)
+    # whether `hybridpar profile` would measure some of those op times (decided per op-table key: a
+    # key the profile tried and could not time, one it never times, or another dtype would not change)
+    fixable: bool = True
+    unprofiled: dict[str, str] = field(default_factory=dict)  # op kind -> why the profile never times it here
 
     @property
     def calibrated(self) -> bool:
@@ -41,41 +45,52 @@ class Coverage:
             return ""
         fix = f"run `hybridpar profile {profile_args}` to measure them"
         if self.why:
-            return f"{LABEL}: {self.why}; every compute figure is the roofline's ({fix})"
-        kinds = ", ".join(f"{op} x{len(names)}" + (f" (could not be timed: {self.untimed[op][:80]})"
-                                                   if op in self.untimed else "")
+            tail = f" ({fix})" if self.fixable else ""
+            return f"{LABEL}: {self.why}; every compute figure is the roofline's{tail}"
+        kinds = ", ".join(f"{op} x{len(names)}" + _why(op, self.untimed, self.unprofiled)
                           for op, names in sorted(self.roofline.items()))
+        if self.unprofiled:  # one reason (a spatial plan's pieces) for many kinds: said once
+            kinds += f" (*: not timed by `hybridpar profile`: {'; '.join(sorted(set(self.unprofiled.values())))})"
         share = self.roofline_s / self.total_s if self.total_s > 0 else 1.0
-        # an op the profile could not time stays on the roofline: re-profiling would not change it
-        tail = "" if set(self.roofline) <= set(self.untimed) else f"; {fix}"
+        tail = f"; {fix}" if self.fixable else ""
         return (f"{LABEL}: {sum(map(len, self.roofline.values()))} op(s) priced by the roofline (FLOPs and "
                 f"bytes at the device's rates) instead of a time measured on this machine, {share:.0%} of the "
                 f"predicted compute: {kinds}{tail}")
 
     def as_dict(self) -> dict:
         return {"roofline_ops": self.roofline, "roofline_compute_s": self.roofline_s,
-                "compute_s": self.total_s, "untimed": self.untimed, "why": self.why}
+                "compute_s": self.total_s, "untimed": self.untimed, "unprofiled": self.unprofiled, "why": self.why,
+                "profiling_helps": self.fixable}
 
 
-_FREE = ("input", "output", "flatten", "reshape")
+def _why(op: str, untimed: dict[str, str], unprofiled: dict[str, str]) -> str:
+    if op in untimed:
+        return f" (could not be timed: {untimed[op][:80]})"
+    return "*" if op in unprofiled else ""
 
 
 def coverage(graph: Graph, device: DeviceSpec, fractions: Callable[[Node], tuple[float, float, float]], *,
-             dtype: str = "fp32", calibration: Calibration | str | os.PathLike | None = None) -> Coverage | None:
+             dtype: str = "fp32", calibration: Calibration | str | os.PathLike | None = None,
+             profiled: tuple[Collection[str], str] | None = None) -> Coverage | None:
     """What `op_time` would price by the roofline for each node of `graph` at its layout's
-    (sample, channel, filter) fractions; None on a GPU preset (priced by its published rates)."""
+    (sample, channel, filter) fractions; None on a GPU preset (priced by its published rates).
+    `profiled`: (the op-table keys `hybridpar profile` measures for this plan, why it measures no
+    other), None when it measures every key the plan looks up."""
     if device.kind != "cpu":
         return None
     cal = resolve_calibration(calibration, default=True)
     if cal is None or cal.device_name != device.name:
         return Coverage(why="no calibration file of this machine (`hybridpar profile` writes it)")
-    if dtype != "fp32":
-        return Coverage(why=f"the calibration's op times are fp32; a {dtype} plan is priced by the roofline")
+    if dtype != "fp32":  # the profile times fp32 only: running it again would not help
+        return Coverage(why=f"the calibration's op times are fp32; a {dtype} plan is priced by the roofline",
+                        fixable=False)
     roof: dict[str, list[str]] = {}
     untimed: dict[str, str] = {}
+    unprofiled: dict[str, str] = {}
+    fixable = False
     roof_s = total = 0.0
     for n in graph.nodes:
-        if n.op in _FREE:
+        if n.op in FREE_OPS:
             continue
         s, c, f = fractions(n)
         t = op_time(n, device, dtype=dtype, sample_frac=s, channel_frac=c, filter_frac=f, calibration=cal)
@@ -83,7 +98,12 @@ def coverage(graph: Graph, device: DeviceSpec, fractions: Callable[[Node], tuple
         if t.source == "roofline" and t.total_s > 0:
             roof.setdefault(n.op, []).append(n.name)
             roof_s += t.total_s
-            why = cal.untimed.get(local_shapes(n, s, c, f).key(n.op))
-            if why:
-                untimed.setdefault(n.op, why)
-    return Coverage(roof, roof_s, total, untimed)
+            key = local_shapes(n, s, c, f).key(n.op)
+            # per key: an op kind can be untimed at one shape and simply unmeasured at another
+            if key in cal.untimed:
+                untimed.setdefault(n.op, cal.untimed[key])
+            elif profiled is not None and key not in profiled[0]:
+                unprofiled.setdefault(n.op, profiled[1])
+            else:
+                fixable = True
+    return Coverage(roof, roof_s, total, untimed, fixable=fixable, unprofiled=unprofiled)

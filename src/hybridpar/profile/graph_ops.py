@@ -25,12 +25,11 @@ import torch
 from torch import fx, nn
 
 from hybridpar.cluster.calibration import OpRecord
-from hybridpar.cost.compute import local_shapes
+from hybridpar.cost.compute import FREE_OPS, local_shapes
 from hybridpar.graph.types import Graph, Node
 from hybridpar.profile.timing import clock, summarize
 
-# graph plumbing and views: no work of their own (cost.compute._FREE), nothing to time
-_SKIP = {"input", "output", "flatten", "reshape"}
+_SKIP = FREE_OPS  # graph plumbing and views: no work of their own, nothing to time
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from tests.parallel._fsdp_mixed_workers import MixNet
 from tests.search.layers.fsdp_models import activation_heavy_cnn, wide_cnn
 
-from hybridpar.cost.memory import predict_rank_memory
+from hybridpar.cost.memory import block_of, predict_rank_memory
 from hybridpar.parallel.fsdp import sharding_refusal
 from hybridpar.plans import LayerLayout
 from hybridpar.search.layers import fsdp_baseline
@@ -47,8 +47,10 @@ def test_composed_zero_layouts_are_proposed_when_fastest_that_fit():
     others = tuple(lay.to_strategy() for lay in all_layouts(4) if lay.sample != 2)  # the S=2 splits only
     res = plan_model(model, "lassen", 4, 8, optimizer="adamw", memory_limit=50 * 2**20, exclude_layouts=others)
     plan = res.plan
-    assert plan.default_layout == LayerLayout(sample=2, channel=2, zero=3) or \
-        {lay.zero for lay in plan.layers.values()} - {0}, plan.default_layout
+    # a composed zero layout: every layer on one sample=2 x channel/filter=2 split, some of it sharded
+    lays = [plan.default_layout, *plan.layers.values()]
+    assert len({lay.model_copy(update={"zero": 0}) for lay in lays}) == 1, lays
+    assert lays[0].sample == 2 and lays[0].g_size == 2 and any(lay.zero for lay in lays), lays
     assert res.prediction.memory_bytes[0] <= 50 * 2**20
     looser = plan_model(model, "lassen", 4, 8, optimizer="adamw", memory_limit=60 * 2**20, exclude_layouts=others)
     zeros = {lay.zero for lay in looser.plan.layers.values()}
@@ -57,6 +59,34 @@ def test_composed_zero_layouts_are_proposed_when_fastest_that_fit():
         assert sharding_refusal([p.default_layout, *p.layers.values()], 1, "none", dict(p.layers)) is None
     s = _setup(model, "lassen", 4, 8, PlannerConfig(optimizer="adamw"))
     assert looser.prediction.memory_bytes[0] == _rule(s, looser.plan)
+    # the JSON's breakdown: no single level for a mixed plan, each block's instead
+    assert looser.breakdown.zero == "mixed" and res.breakdown.zero == 3
+    per_block = looser.breakdown.zero_per_block
+    assert per_block[""] == looser.plan.default_layout.zero
+    assert all(per_block[block_of(m)] == lay.zero for m, lay in looser.plan.layers.items())
+
+
+def test_pruning_bound_is_below_every_per_block_choice():
+    """A split is left unsearched when its bound is no faster than the best found: the bound must be below
+    every choice on it, mixed levels included (on Lassen they beat every uniform level here)."""
+    import itertools
+
+    from hybridpar.search.layers import fsdp_blocks as fb
+
+    s = _setup(wide_cnn(), "lassen", 4, 8, PlannerConfig())
+    mixed_wins = False
+    for lay in (LayerLayout(sample=4), LayerLayout(sample=2, channel=2)):
+        sp = fb._split(s, lay, "buckets")
+        names = ["", *sp.named]
+        steps = {zs: fb._price(s, sp, (dict(zip(names, zs)), frozenset()))[0]
+                 for zs in itertools.product((0, 2, 3), repeat=len(names))}
+        uniform = min(steps[(z,) * len(names)] for z in (0, 2, 3))
+        mixed_wins |= min(steps.values()) < uniform * (1 - 1e-6)
+        bound = fb._lower_bound(s, sp)
+        assert bound <= min(steps.values()) * (1 + 1e-12)
+        every = frozenset(sp.blocks)  # recomputation only adds time
+        assert bound <= fb._price(s, sp, (dict.fromkeys(names, 2), every))[0]
+    assert mixed_wins  # the uniform levels' best is no bound
 
 
 def test_memory_rule_per_block():

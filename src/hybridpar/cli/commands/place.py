@@ -9,6 +9,7 @@ import click
 from hybridpar.cli.options import batch_option, cluster_option, gpus_option
 from hybridpar.cli.output import console, err_console, human_bytes, print_json, table, time_columns
 from hybridpar.search.placer.config import OPTIMIZER_ALIASES, RUN_OPTIMIZERS
+from hybridpar.search.placer.unroll import WHAT_IF_TIME_CHUNKS
 
 SOLVER_CHOICES = ("ilp", "dp", "etf", "greedy", "single")
 
@@ -41,8 +42,8 @@ def register(app: click.Group) -> None:
     @click.option("--time-chunks", "time_chunks", type=int, default=None,
                   help="price each recurrent layer as K time chunks (the time-step wavefront, as `train "
                        "--time-chunks K` runs it; the layers of a stacked nn.LSTM placed one by one); "
-                       "0 or 1 = whole layers  [default: the placer's choice, whole or 4 chunks, the shorter "
-                       "predicted step]")
+                       f"0 or 1 = whole layers  [default: the placer's choice, whole or {WHAT_IF_TIME_CHUNKS} "
+                       "chunks, the shorter predicted step]")
     @click.option("--micro-batches", "micro_batches", type=click.IntRange(min=1), default=None,
                   help="GPipe micro-batches per step, priced with their bubble (1: no pipelining)  "
                        "[default: the placer's choice, 1 for a model with batch norm]")
@@ -122,7 +123,8 @@ def _print(s: dict) -> None:
              for (name, _), cell in zip(times[:6], cells[:6])]
     rows += [[f"memory device {d} (gpu {g})", f"{human_bytes(m)} of {human_bytes(c)}"]
              for d, (g, m, c) in enumerate(zip(s["device_ids"], s["memory_bytes"], s["memory_capacity_bytes"]))]
-    console.print(table(f"{s['model']} on {s['devices']} x {s['cluster']} (batch {s['batch']})",
+    tag = " (UNCALIBRATED ESTIMATE: see the note below)" if s.get("uncalibrated_estimate") else ""
+    console.print(table(f"{s['model']} on {s['devices']} x {s['cluster']} (batch {s['batch']}){tag}",
                         ["name", "value"], rows, justify_right=lambda c: c == "value"))
     base = [[k, cell, f"{s['single_device_step_s'] / v:.3f}x"]
             for (k, v), cell in zip(s["baselines"].items(), cells[6:])]

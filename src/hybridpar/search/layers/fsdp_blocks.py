@@ -35,10 +35,19 @@ from hybridpar.plans import LayerLayout, Plan, Prediction
 from hybridpar.search.layers.decomposition import shard_groups
 from hybridpar.search.layers.fsdp_baseline import FsdpBreakdown, _segments, _Stream
 
-__all__ = ["BlockPlan", "best_per_block", "to_plan"]
+__all__ = ["BlockBreakdown", "BlockPlan", "best_per_block", "to_plan"]
 
 # A choice: each nameable block's zero level ("" the default layout's) and the blocks that recompute.
 Choice = tuple[Mapping[str, int], frozenset[str]]
+
+
+@dataclass(frozen=True)
+class BlockBreakdown(FsdpBreakdown):
+    """FsdpBreakdown of a per-block choice: `zero` is the one level of every block, or "mixed", and
+    `zero_per_block` each block's ("" the default layout's: the root's own parameters)."""
+
+    zero: int | str = 0  # type: ignore[assignment]
+    zero_per_block: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -221,11 +230,17 @@ def _prediction(s, sp: _Split, pick: Choice) -> tuple[Prediction, FsdpBreakdown]
                       exposed_comm_s=max(0.0, step - compute), memory_bytes=[peak] * s.ctx.ranks, comm_bytes=nbytes,
                       per_layer=_per_layer(s.lg, sp.opts, costs, [0.0] * len(sp.opts),
                                            sp.opts[0].dist(sp.vertex_choice[0]), s.ctx))
-    brk = FsdpBreakdown(grad_s, layer_comm, 0.0, sp.extra_s,
-                        sum(b for (_, kind, _), b in sent.items() if kind != "allgather"), ag_s,
-                        sum(b for (_, kind, _), b in sent.items() if kind == "allgather"),
-                        redo_s, max(zeros.values()), "blocks" if redo else "none")
+    per_block = {b: sp.level(zeros, b) for b in ["", *sp.blocks]}
+    brk = BlockBreakdown(grad_s, layer_comm, 0.0, sp.extra_s,
+                         sum(b for (_, kind, _), b in sent.items() if kind != "allgather"), ag_s,
+                         sum(b for (_, kind, _), b in sent.items() if kind == "allgather"),
+                         redo_s, _one_level(per_block), "blocks" if redo else "none", per_block)
     return pred, brk
+
+
+def _one_level(per_block: Mapping[str, int]) -> int | str:
+    levels = set(per_block.values())
+    return levels.pop() if len(levels) == 1 else "mixed"
 
 
 def _sends(sp: _Split, zeros: Mapping[str, int], key: tuple[str, str, str]) -> bool:
@@ -307,9 +322,29 @@ def _search_split(s, sp: _Split, recompute: str) -> tuple[float, Choice] | None:
     return min(found, key=lambda x: x[0]) if found else None
 
 
-def _floor(s, sp: _Split) -> float:
+def _block_comm(sp: _Split, block: str, level: int) -> float:
+    """Seconds of the collectives `block` issues at `level` (_simulate's `launch` rules)."""
+    if not level:
+        return sp.comm.get((block, "allreduce", "grad"), 0.0)
+    phases = [("allgather", "fwd"), ("reduce_scatter", "grad")] + ([("allgather", "bwd")] if level == 3 else [])
+    return sum(sp.comm.get((block, kind, phase), 0.0) for kind, phase in phases)
+
+
+def _lower_bound(s, sp: _Split) -> float:
+    """A step no choice on this split beats (the pruning test): the compute without recomputation, and
+    each block's collectives at its own cheapest level, one after the other on the one communication
+    stream (the step is at least the longer of the two; their sum where the exchanges take the cores),
+    plus the fixed extras and the update of the fewest gradient elements a rank can hold (every block
+    sharded). Mixed levels can beat every uniform one, so the uniform steps are no bound."""
+    from hybridpar.search.layers.planner import step_extra_s
+
     levels = (0, 2, 3) if sp.layout.sample > 1 else (0,)
-    return min(_price(s, sp, (dict.fromkeys(["", *sp.named], z), frozenset()))[0] for z in levels)
+    compute = sum(sp.fwd.values()) + sum(sp.bwd.values())
+    comm = sum(min(_block_comm(sp, b, z) for z in levels) for b in dict.fromkeys(["", *sp.order]))
+    t = compute + comm if s.ctx.cluster.device.comm_takes_compute else max(compute, comm)
+    every = list(dict.fromkeys([*sp.memory.owners, *sp.memory.params]))
+    held = min(sp.memory.at(dict.fromkeys(every, z)).grads_bytes for z in levels)
+    return t + sp.extra_s + step_extra_s(s.lg, [LayerMemory(weights_bytes=held)], sp.layout.sample, s.ctx)
 
 
 def best_per_block(s, layouts: Sequence[LayerLayout], recompute: str,
@@ -325,10 +360,9 @@ def best_per_block(s, layouts: Sequence[LayerLayout], recompute: str,
             splits.append(_split(s, lay, grad_sync))
         except InfeasibleError as err:
             reasons.append(f"{lay.to_strategy()}: {err}")
-    # splits in the order of their floor, the fastest uniform level without recomputation (memory
-    # aside); a split whose floor is no faster than the best choice found is not searched (recomputing
-    # only adds time; mixed levels are taken to lie between the uniform ones): the search's budget
-    floors = {id(sp): _floor(s, sp) for sp in splits}
+    # splits in the order of their lower bound; one whose bound is no faster than the best choice found
+    # is not searched (the search's budget)
+    floors = {id(sp): _lower_bound(s, sp) for sp in splits}
     for sp in sorted(splits, key=lambda x: floors[id(x)]):
         if best is not None and floors[id(sp)] >= best[0]:
             continue

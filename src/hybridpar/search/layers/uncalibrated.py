@@ -7,30 +7,73 @@ from __future__ import annotations
 import dataclasses
 
 from hybridpar.cluster import Cluster, load_cluster
+from hybridpar.cost.compute import FREE_OPS, local_shapes
 from hybridpar.cost.coverage import LABEL, Coverage, coverage
-from hybridpar.graph.types import Node
+from hybridpar.graph.types import Graph, Node
 from hybridpar.plans import Plan
+
+# why a spatial plan's piece and halo-window times stay the roofline's after `hybridpar profile`
+SPATIAL_UNPROFILED = "a spatial piece or halo window, not a whole layer's shape"
 
 
 def plan_coverage(res, model, cluster, config) -> Coverage | None:
-    """Coverage of the plan in `res` (a PlanResult of plan_model with `config`), None on a GPU preset
-    or for a model given as an nn.Module (no cached graph to price again)."""
+    """Coverage of the plan in `res` (a PlanResult of plan_model with `config`; `model` as plan_model
+    took it: a (module, inputs) tuple is traced as it does), None on a GPU preset."""
     from hybridpar.search.layers.planner import _scaled, _traced
 
-    if isinstance(model, tuple):
-        return None
     plan: Plan = res.plan
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster, gpus=plan.world_size)
     if cl.device.kind != "cpu":
         return None
     graph, _, _ = _traced(model, tuple(config.input_shape) if config.input_shape else None)
     graph = _scaled(graph, plan.batch)
+    if plan.default_layout.spatial > 1:
+        return _spatial_coverage(graph, plan, cl, config)
 
     def fractions(n: Node) -> tuple[float, float, float]:
         lay = plan.layers.get(n.module or "", plan.default_layout)
         return 1 / lay.sample, 1 / lay.channel, 1 / lay.filter
 
     return coverage(graph, cl.device, fractions, dtype=config.dtype, calibration=config.calibration)
+
+
+def _spatial_coverage(graph: Graph, plan: Plan, cl: Cluster, config) -> Coverage | None:
+    """A uniform spatial plan is priced on the pieces its first rank holds, halo windows included
+    (cost.spatial.local_graph), as the proxy layout's sample groups (cost.spatial.proxy_layout), so
+    its op times are looked up there, not at the whole graph's shapes."""
+    from hybridpar.cost.spatial import local_graph, proxy_layout
+
+    lay = plan.default_layout
+    proxy = proxy_layout(lay)
+    split = (1 / proxy.sample, 1 / proxy.channel, 1 / proxy.filter)
+    whole = (1 / proxy.sample, 1.0, 1.0)  # spatial x channel/filter runs Linear layers whole (_whole_linears)
+
+    def fractions(n: Node) -> tuple[float, float, float]:
+        return whole if lay.g_size > 1 and n.op == "linear" else split
+
+    keys: dict[str, str] = {}
+    for k in profile_splits(plan):
+        keys.update(profiled_keys(graph, k))
+    return coverage(local_graph(graph, lay), cl.device, fractions, dtype=config.dtype,
+                    calibration=config.calibration, profiled=(keys, SPATIAL_UNPROFILED))
+
+
+def profile_splits(plan: Plan) -> tuple[int, ...]:
+    """The `hybridpar profile --splits` that time what the plan looks up: its rank count, and for a
+    spatial plan its sample degree too (the layers after the spatial part, a Linear head, run on B/S
+    samples of whole tensors)."""
+    lay = plan.default_layout
+    return tuple(sorted({plan.world_size, lay.sample} - {1})) if lay.spatial > 1 else (plan.world_size,)
+
+
+def profiled_keys(graph: Graph, ranks: int) -> dict[str, str]:
+    """The op-table keys (with their op kinds) `hybridpar profile --model M --batch B --splits ranks`
+    measures for `graph` (at batch B): each working node whole and at every (sample, channel, filter)
+    layout of `ranks` (hybridpar.profile.graph_ops.graph_jobs's rule)."""
+    layouts = [(1, 1, 1)] + [(ranks // (c * f), c, f) for c in range(1, ranks + 1) if ranks % c == 0
+                             for f in range(1, ranks // c + 1) if (ranks // c) % f == 0]
+    return {local_shapes(n, 1 / s, 1 / c, 1 / f).key(n.op): n.op for n in graph.nodes
+            if n.op not in FREE_OPS and n.out_shape for s, c, f in layouts}
 
 
 def with_uncalibrated_note(res, model, cluster, config):
@@ -40,8 +83,9 @@ def with_uncalibrated_note(res, model, cluster, config):
         return res
     p = res.plan
     shape = f" --input-shape {','.join(map(str, config.input_shape))}" if config.input_shape else ""
-    note = cov.note(f"--model {model if isinstance(model, str) else p.model}{shape} --batch {p.batch} "
-                    f"--splits {p.world_size}")
+    # an nn.Module has no name `hybridpar profile` can load: the user's factory for it
+    name = model if isinstance(model, str) else "path/to/file.py:factory" if isinstance(model, tuple) else p.model
+    note = cov.note(f"--model {name}{shape} --batch {p.batch} --splits {','.join(map(str, profile_splits(p)))}")
     notes = [n for n in res.plan.notes if not n.startswith(LABEL)]
     if note:
         notes.insert(0, note)

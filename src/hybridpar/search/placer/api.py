@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from hybridpar.cluster import Cluster, load_cluster
+from hybridpar.cost.coverage import LABEL
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.graph.types import Graph
 from hybridpar.plans import Plan, Prediction
@@ -25,7 +26,7 @@ from hybridpar.search.placer.config import PlacerConfig, optimizer_cost_name
 from hybridpar.search.placer.micro import MicroCompute
 from hybridpar.search.placer.problem import PlacementProblem
 from hybridpar.search.placer.result import PlacementResult
-from hybridpar.search.placer.unroll import CHOSEN_TIME_CHUNKS, has_recurrence, split_layers, unroll
+from hybridpar.search.placer.unroll import WHAT_IF_TIME_CHUNKS, has_recurrence, split_layers, unroll
 
 DEFAULT_CLUSTER = "localhost"  # one default everywhere (hybridpar.api.DEFAULT_CLUSTER)
 DEFAULT_BATCH = 32  # per data-parallel worker (one MP group), when the caller gives none
@@ -93,6 +94,8 @@ class PlaceOutcome:
                     "idle_s": bd.idle_s, "memory_bytes": self.memory_bytes,
                     "memory_capacity_bytes": list(self.problem.mem_capacity_bytes),
                     "baselines": self.baselines, "notes": list(self.notes) + list(r.notes),
+                    # the note saying which op times are the roofline's, not measured here (a CPU), else None
+                    "uncalibrated_estimate": next((n for n in self.notes if n.startswith(LABEL)), None),
                     "cost_notes": list(self.problem.notes)}  # what the prices hold (cluster, runtime, update)
 
 
@@ -277,8 +280,27 @@ def place_model(model, cluster: str | Cluster = DEFAULT_CLUSTER, gpus: int = 2, 
         plan = plan.model_copy(update={"notes": [*plan.notes, *(n for n in notes if n not in plan.notes)]})
     compute = micro_compute(coarse, fine, cl, cfg.dtype)
     plan = _with_micro_batches(plan, result, cfg, (fine, coarse, cl), compute)
+    label = uncalibrated_note(model, fine, cl, cfg, plan)
+    if label:  # first, as `plan` puts it: the CLI prints the outcome's notes, the report the plan's
+        plan = plan.model_copy(update={"notes": [label, *plan.notes]})
+        notes = (label, *notes)
     return PlaceOutcome(result, one_process_step_s(prob), "single" in baselines, baselines, plan, coarse, len(fine),
                         notes, compute)
+
+
+def uncalibrated_note(model, fine: Graph, cl: Cluster, cfg: PlacerConfig, plan: Plan) -> str:
+    """cost.coverage's label (issue 35) when some op time of the placement on this CPU is the roofline's,
+    else "": every device runs its ops whole, at one micro-batch's samples (placer.micro)."""
+    from hybridpar.cost.coverage import coverage
+
+    k = plan.micro_batches or 1
+    cov = coverage(fine, cl.device, lambda n: (1 / k, 1.0, 1.0), dtype=cfg.dtype)
+    if cov is None:
+        return ""
+    # an nn.Module has no name `hybridpar profile` can load: the user's factory for it
+    name = model if isinstance(model, str) else "path/to/file.py:factory" if isinstance(model, tuple) else plan.model
+    shape = f" --input-shape {','.join(map(str, cfg.input_shape))}" if cfg.input_shape else ""
+    return cov.note(f"--model {name}{shape} --batch {plan.batch}" + (f" --splits {k}" if k > 1 else ""))
 
 
 def micro_compute(coarse: Graph, fine: Graph, cl: Cluster, dtype: str) -> MicroCompute:
@@ -293,16 +315,16 @@ def micro_compute(coarse: Graph, fine: Graph, cl: Cluster, dtype: str) -> MicroC
 
 def _choose_time_chunks(model, cluster: str | Cluster, gpus: int, cfg: PlacerConfig) -> PlaceOutcome | None:
     """No time_chunks given: for a recurrent model the MP runtime can chunk, the placement of whole
-    layers or of CHOSEN_TIME_CHUNKS chunks, whichever has the shorter predicted step (both solved);
+    layers or of WHAT_IF_TIME_CHUNKS chunks, whichever has the shorter predicted step (both solved);
     None for any other model (nothing to choose)."""
     fine, _ = model_graph(model, DEFAULT_BATCH if cfg.batch is None else cfg.batch, cfg.input_shape)
     if gpus < 2 or cfg.schedule == "1f1b" or not has_recurrence(fine) or not runs_time_chunks(fine):
         return None  # (1f1b runs whole recurrent layers: parallel/pipeline/schedule.py)
     whole = place_model(model, cluster, gpus, replace(cfg, time_chunks=1))
-    split = place_model(model, cluster, gpus, replace(cfg, time_chunks=CHOSEN_TIME_CHUNKS))
+    split = place_model(model, cluster, gpus, replace(cfg, time_chunks=WHAT_IF_TIME_CHUNKS))
     best = split if split.step_time_s < whole.step_time_s else whole
     note = (f"time chunks: {best.plan.time_chunks} chosen (predicted step {whole.step_time_s * 1e3:.4g} ms with "
-            f"whole recurrent layers, {split.step_time_s * 1e3:.4g} ms with {CHOSEN_TIME_CHUNKS} time chunks)")
+            f"whole recurrent layers, {split.step_time_s * 1e3:.4g} ms with {WHAT_IF_TIME_CHUNKS} time chunks)")
     return replace(best, plan=best.plan.model_copy(update={"notes": [*best.plan.notes, note]}),
                    notes=(*best.notes, note))
 
@@ -333,19 +355,22 @@ def _with_micro_batches(plan: Plan, result: PlacementResult, cfg: PlacerConfig,
     elif any(n.op == "batchnorm" for n in fine.nodes):
         counts, why = [1], "batch norm: statistics over the whole batch"
         schedules = ("gpipe",) if cfg.schedule is None else schedules
-    elif cfg.schedule is None and cl.device.kind == "cpu" and not executor_node_overhead_s(cl):
+    elif cl.device.kind == "cpu" and not executor_node_overhead_s(cl):
         # measured on 2 CPU ranks: every K > 1 slower than one micro-batch (a micro-batch's fixed costs,
-        # unpriced without the profiled executor cost, outweigh the overlap): pipelining is not chosen
-        # on a guess; asked for, it runs and is priced
-        counts, why = [1], ("the MP executor's cost per micro-batch is not measured on this CPU (run `hybridpar "
-                            "profile`); give --micro-batches K to pipeline")
+        # unpriced without the profiled executor cost, outweigh the overlap): no count is chosen on a
+        # guess, whatever the schedule; a count asked for runs and is priced. 1f1b needs one micro-batch
+        # per stage at least: the fewest it runs
+        counts = [plan.mp] if cfg.schedule == "1f1b" else [1]
+        why = ("the MP executor's cost per micro-batch is not measured on this CPU (run `hybridpar profile`); "
+               + ("1f1b's fewest, one per stage; " if cfg.schedule == "1f1b" else "")
+               + "give --micro-batches K to pipeline")
     else:
         counts, why = None, ""
     if counts == [1] and schedules == ("1f1b",):
         raise UserError("1f1b: the model's batch norm keeps one micro-batch (statistics over the whole batch); give "
                         "--micro-batches K (with --bn-stats local) or use --schedule gpipe", param="schedule")
-    k, sched, steps = choose_pipeline(prob, assign, samples, act, counts=counts, schedules=schedules,
-                                      compute=compute)
+    k, sched, steps, fits = choose_pipeline(prob, assign, samples, act, counts=counts, schedules=schedules,
+                                            compute=compute)
     if not why:
         why = "the shortest predicted step of " + ", ".join(f"{n}: {v * 1e3:.3g} ms" for (n, s), v in steps.items()
                                                            if s == sched)
@@ -353,12 +378,22 @@ def _with_micro_batches(plan: Plan, result: PlacementResult, cfg: PlacerConfig,
              f"schedule: {sched} (" + ("as asked" if cfg.schedule is not None else "chosen with the count: "
                                       + ", ".join(f"{n} {s}: {v * 1e3:.3g} ms" for (n, s), v in steps.items()
                                                   if n == k)) + ")"]
+    memory = [int(m) for m in pipeline_memory(prob, assign, k, sched, act)]
+    if not fits:
+        notes.append(_over_memory_note(memory, prob.mem_capacity_bytes, (k, sched), len(steps)))
     update: dict = {"micro_batches": k, "schedule": sched, "notes": [*plan.notes, *notes]}
     if k > 1 and plan.predicted is not None:
-        memory = [int(m) for m in pipeline_memory(prob, assign, k, sched, act)]
         update["predicted"] = plan.predicted.model_copy(update={"step_time_s": steps[(k, sched)],
                                                                 "memory_bytes": memory})
     return plan.model_copy(update=update)
+
+
+def _over_memory_note(memory: list[int], capacity, chosen: tuple[int, str], candidates: int) -> str:
+    """The plan's note when no (count, schedule) priced fits every device (choose_pipeline)."""
+    d = max(range(len(memory)), key=lambda i: memory[i] - capacity[i])
+    return (f"over the memory limit: device {d} holds {memory[d] / 2**20:,.2f} MiB of {capacity[d] / 2**20:,.2f} "
+            f"MiB with {chosen[0]} micro-batch(es) ({chosen[1]}), the smallest peak of the {candidates} "
+            "count/schedule pair(s) priced")
 
 
 def _chain_for_1f1b(result: PlacementResult, cfg: PlacerConfig) -> PlacementResult:

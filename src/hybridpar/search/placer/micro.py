@@ -243,11 +243,12 @@ def choose_micro_batches(problem: PlacementProblem, assignment: Sequence[int], s
 def choose_pipeline(problem: PlacementProblem, assignment: Sequence[int], samples: int,
                     act_bytes: Sequence[int], *, counts: Sequence[int] | None = None,
                     schedules: Sequence[str] = ("gpipe", "1f1b"),
-                    compute: MicroCompute | None = None) -> tuple[int, str, dict[tuple[int, str], float]]:
-    """(K, schedule, every candidate's predicted step) chosen together: the shortest step among the
-    candidates whose every device fits its memory (pipeline_memory); 1F1B only for a chain placement
-    and K >= its stage count. Ties (within TIE_REL): fewer micro-batches, then the smaller peak memory
-    (1F1B's). No candidate fits: the one with the smallest peak memory."""
+                    compute: MicroCompute | None = None) -> tuple[int, str, dict[tuple[int, str], float], bool]:
+    """(K, schedule, every candidate's predicted step, whether it fits) chosen together: the shortest
+    step among the candidates whose every device fits its memory (pipeline_memory); 1F1B only for a
+    chain placement and K >= its stage count. Ties (within TIE_REL): fewer micro-batches, then the
+    smaller peak memory (1F1B's). No candidate fits: the one with the smallest peak memory, and False
+    (the caller says so: the plan is over the memory limit)."""
     chain = chain_devices(problem, assignment)
     cap = problem.mem_capacity_bytes
     cands: dict[tuple[int, str], float] = {}
@@ -266,10 +267,10 @@ def choose_pipeline(problem: PlacementProblem, assignment: Sequence[int], sample
     ok = [c for c in cands if fits[c]]
     if not ok:
         best = min(cands, key=lambda c: (peak[c], cands[c]))
-        return best[0], best[1], cands
+        return best[0], best[1], cands, False
     fastest = min(cands[c] for c in ok)
     best = min((c for c in ok if cands[c] <= fastest * (1 + TIE_REL)), key=lambda c: (c[0], peak[c]))
-    return best[0], best[1], cands
+    return best[0], best[1], cands, True
 
 
 def task_activation_bytes(coarse: Graph, fine: Graph, dtype: str = "fp32") -> dict[str, int]:

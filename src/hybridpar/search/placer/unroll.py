@@ -3,7 +3,7 @@
 A graph node for an LSTM layer runs the whole sequence, so two stacked layers on two devices could
 only run one after the other. Here every coarse node that works step by step along the sequence
 (LSTM layers and the time-wise ops around them: dropout, residual add, concat, linear projections,
-embedding, attention over its queries) is split into K time chunks, each with 1/K of the node's time,
+embedding; attention runs whole) is split into K time chunks, each with 1/K of the node's time,
 memory and output bytes. Edges:
   - chunk t -> chunk t+1 of a node holding a recurrent layer (the recurrence: h and c stay on its device);
   - chunk t of u -> chunk t of v when v reads u step for step (the activation, 1/K of the bytes);
@@ -35,10 +35,9 @@ from hybridpar.graph.types import Graph, Node
 # ops that compute each time step from the same time step of their inputs (last-axis ops, elementwise)
 TIMEWISE_OPS = frozenset({"lstm", "dropout", "add", "mul", "pointwise", "relu", "concat", "linear",
                           "layernorm", "embedding"})
-# K when the wavefront is asked for without a K (`hybridpar project --time-chunks`)
+# K when the wavefront is asked for without a K (`hybridpar project --time-chunks`), and the K the placer
+# weighs against whole layers when none is given (api._choose_time_chunks, `place --time-chunks`'s help)
 WHAT_IF_TIME_CHUNKS = 4
-# the K the placer weighs against whole layers when none is given (api._choose_time_chunks)
-CHOSEN_TIME_CHUNKS = 4
 
 
 def _members(node: Node) -> tuple[str, ...]:
@@ -70,13 +69,10 @@ def _timewise(node: Node, bt: tuple[int, int]) -> bool:
 
 def _aligned(fine: Graph, u: str, v: str, bt: tuple[int, int]) -> bool:
     """v's step t reads only u's step t. Conservative: any broadcast or reshaped input of v (whose
-    in_shape does not start with (batch, steps)) makes every input of v need the whole sequence,
-    and attention reads only its first input (the queries) step for step."""
+    in_shape does not start with (batch, steps)) makes every input of v need the whole sequence."""
     nu, nv = fine.node(u), fine.node(v)
     if not (_timewise(nv, bt) and _timewise(nu, bt)):
         return False
-    if nv.op == "attention":
-        return nv.inputs[:1] == (u,) and len(nv.inputs) == len(nv.in_shapes) and tuple(nv.in_shapes[0][:2]) == bt
     return all(len(s) >= 2 and tuple(s[:2]) == bt for s in nv.in_shapes)
 
 
