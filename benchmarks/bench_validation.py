@@ -123,6 +123,17 @@ MP_GROUPS = [  # (model, global batch, dp): mp=2 with dp replicas (dp 1: MP alon
     (TWO_TOWER, 32, 1), ("lstm2", 32, 1),
 ]
 WARMUP_STEPS = 2
+HOLDOUT = ROOT / "benchmarks" / "holdout.yaml"
+
+
+def holdout_groups() -> list[tuple[str, int, int, list[str]]]:
+    """The held-out groups (benchmarks/holdout.yaml: models the cost model was never tuned on, listed
+    before the first run and never edited to drop a row), as GROUPS."""
+    import yaml
+
+    doc = yaml.safe_load(HOLDOUT.read_text())
+    return [(str(ROOT / g["model"].split(":")[0]) + ":" + g["model"].split(":")[1], int(g["ranks"]), int(g["batch"]),
+             list(g["strategies"])) for g in doc["groups"]]
 
 
 def run(args: list[str], timeout_s: float = 600) -> dict:
@@ -316,6 +327,8 @@ def _short(model: str) -> str:
 def _family(label: str) -> str:
     if label.startswith("plan"):
         return "plan"
+    if any(d in label for d in ("height", "width", "depth")):
+        return "spatial"
     return "sample" if "channel" not in label and "filter" not in label else "channel/filter"
 
 
@@ -342,6 +355,11 @@ def main() -> None:
                     help="profile every round first, then measure every repeat (the order before 2026-12-01 "
                          "12:00 UTC); default: profile round k, then repeat k of every run, in turn")
     ap.add_argument("--report-from", help=argparse.SUPPRESS)  # internal: predict and report in a fresh process
+    ap.add_argument("--holdout", action="store_true",
+                    help="the held-out models of benchmarks/holdout.yaml instead of the development set (no MP "
+                         "groups); with --docs the table replaces docs/results.md's holdout section")
+    ap.add_argument("--docs", action="store_true",
+                    help="write the run's table into docs/results.md between its markers (the old one to the history)")
     ap.add_argument("--two-rank-groups", action="store_true",
                     help="per-layer layouts on 2 ranks only (every family and model still covered; the 4-rank "
                          "channel/filter groups take most of the time on a loaded machine)")
@@ -349,10 +367,11 @@ def main() -> None:
     if args.report_from:
         report(json.loads(Path(args.report_from).read_text()))
         return
-    groups = [(m, r, b, s[:2]) for m, r, b, s in GROUPS[:2]] if args.quick else GROUPS
+    dev = holdout_groups() if args.holdout else GROUPS
+    groups = [(m, r, b, s[:2]) for m, r, b, s in dev[:2]] if args.quick else dev
     if args.two_rank_groups:
         groups = [g for g in groups if g[1] == 2]
-    mp_groups = MP_GROUPS[:2] if args.quick else MP_GROUPS
+    mp_groups = [] if args.holdout else MP_GROUPS[:2] if args.quick else MP_GROUPS
     tmp = Path(tempfile.mkdtemp(prefix="hybridpar-validation-"))
     os.environ.setdefault("HYBRIDPAR_CALIBRATION", str(tmp / "calibration.json"))
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -363,7 +382,8 @@ def main() -> None:
     mp_models = {m for m, _, _ in mp_groups}
     # the per-layer models at 1/2 and 1/4 of samples, channels, filters; the MP models whole and at
     # half the batch (a replica's share in mp x sample=2)
-    splits = {m: ("1,2" if m in mp_models else "1,2,4") for m in batch_of}
+    splits = {m: ("1,2" if m in mp_models or args.holdout else "1,2,4") for m in batch_of}  # held out: 2 ranks
+    prof_ranks = ",".join(str(r) for r in sorted({g[1] for g in groups} | {2 * dp for _, _, dp in mp_groups}))
     # Interleaved (the default): profile round k, then repeat k of every run, so that the op table and
     # the runs it predicts sample the same stretches of this VM's drift (a profile taken in a fast
     # half-hour under-predicted every family of the runs after it: 2026-12-01 07:39 UTC, results-history);
@@ -377,7 +397,7 @@ def main() -> None:
         k = len(files)
         print(f"profiling localhost, round {k + 1}/{args.rounds} ...", file=sys.stderr)
         t = time.perf_counter()
-        f, c = profile_round(k, set(batch_of), batch_of, target, splits_of=splits)
+        f, c = profile_round(k, set(batch_of), batch_of, target, ranks=prof_ranks, splits_of=splits)
         files.append(f)
         coll_runs.extend(c)
         merge_rounds(files, coll_runs, target, args.keep)
@@ -389,10 +409,14 @@ def main() -> None:
     # Every run to measure, with what predicts it; the runs are then measured `--repeats` times in
     # round-robin (all runs once, then all again), so a slow minute of this VM hits one repeat of
     # many runs rather than every repeat of one; a run's figure is the median of its repeats.
-    jobs = []
+    jobs, failed = [], []  # failed: (what, why) of a group or run that would not plan or train (kept, said)
     for model, ranks, batch, strategies in groups:
         plan_file = str(tmp / f"{_short(model)}-{ranks}-{batch}.json")  # a file model's spec is a path
-        plan = predict(model, ranks, batch, ["--out", plan_file])
+        try:
+            plan = predict(model, ranks, batch, ["--out", plan_file])
+        except RuntimeError as err:
+            failed.append((f"{_short(model)} x{ranks} b{batch}: plan", str(err)[-300:]))
+            continue
         chosen = sorted({row["choice"] for row in plan["layers"] if row["algorithm"] != "join"})
         runs = [(s, ["--strategy", s], ["--strategy", s]) for s in strategies]
         runs.append(("plan: " + " | ".join(chosen), ["--plan", plan_file], []))
@@ -415,10 +439,18 @@ def main() -> None:
             stretch = compute_stretch(job["ranks"]) if args.measure_stretch and job["mp"] is None else None
             print(f"  [{rep + 1}/{args.repeats}] {job['model']} x{job['ranks']} batch {job['batch']}: {job['label']}"
                   + (f" (compute stretch {stretch:.2f})" if stretch else ""), file=sys.stderr)
-            out.append((*measure(job["model"], job["ranks"], job["batch"], args.steps, job["train_args"]), stretch))
+            if job.get("failed"):
+                continue
+            try:
+                out.append((*measure(job["model"], job["ranks"], job["batch"], args.steps, job["train_args"]),
+                            stretch))
+            except RuntimeError as err:  # a run that does not train is reported as such, never dropped
+                job["failed"] = str(err)[-300:]
+                failed.append((f"{_short(job['model'])} x{job['ranks']} b{job['batch']}: {job['label']}",
+                               job["failed"]))
     while interleave and len(files) < args.rounds:  # more rounds than repeats asked for
         profile_next()
-    state = {"args": vars(args), "groups": groups, "jobs": jobs, "got": got, "load_start": load_start,
+    state = {"args": vars(args), "groups": groups, "jobs": jobs, "got": got, "load_start": load_start, "failed": failed,
              "prof_s": prof_s, "t0_wall": time.time() - (time.perf_counter() - t0), "interleave": interleave}
     state_file = tmp / "state.json"
     state_file.write_text(json.dumps(state))
@@ -433,7 +465,10 @@ def report(state: dict) -> None:
     groups = [tuple(g) for g in state["groups"]]
     jobs, got, load_start, prof_s = state["jobs"], state["got"], state["load_start"], state["prof_s"]
     rows = []
+    failed = [tuple(f) for f in state.get("failed", [])]
     for job, runs_ in zip(jobs, got):
+        if job.get("failed"):
+            continue
         model, ranks, batch, label = job["model"], job["ranks"], job["batch"], job["label"]
         measured = statistics.median(r[0] for r in runs_)
         measured_comm = statistics.median(r[1] for r in runs_)
@@ -477,7 +512,9 @@ def report(state: dict) -> None:
     choice_fastest = {}
     for model, ranks, batch, _ in groups:
         grp = [r for r in rows if (r["model"], r["ranks"], r["batch"]) == (model, ranks, batch)]
-        plan_row = next(r for r in grp if r["is_plan"])
+        plan_row = next((r for r in grp if r["is_plan"]), None)
+        if plan_row is None:  # the plan did not run (failed): no verdict on the pick
+            continue
         chosen = plan_row["layout"].removeprefix("plan: ")
         # the chosen *layout*: when it is one of the strategies run, both of its runs count (two runs of
         # one layout differed by up to 15% on this machine)
@@ -498,6 +535,8 @@ def report(state: dict) -> None:
                   "-" if r["bytes_equal"] is None else "yes" if r["bytes_equal"] else "no")
     console = Console(width=160)
     console.print(t)
+    for what, why in failed:
+        console.print(f"did not run: {what}: {why}")
     families = {}
     for r in strat_rows:
         families.setdefault(r["family"], []).append(abs(r["rel_error"]))
@@ -512,7 +551,7 @@ def report(state: dict) -> None:
                "repeats": args.repeats, "per_repeat": per_repeat, "profile_rounds": args.rounds,
                "profile_keep": args.keep,
                "profile_s": prof_s, "profile_interleaved": state["interleave"],
-               "wall_s": time.time() - state["t0_wall"], "rows": rows}
+               "wall_s": time.time() - state["t0_wall"], "rows": rows, "failed": failed}
     console.print(f"layouts: {len(strat_rows)} on {summary['models']} models; median |error| "
                   f"{summary['median_rel_error'] * 100:.1f}% (target <= 10%), worst "
                   f"{summary['worst_rel_error'] * 100:.1f}% (target <= 25%); Spearman {rho:.2f} (target >= 0.9); "
@@ -528,6 +567,64 @@ def report(state: dict) -> None:
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:
         Path(out).write_text(json.dumps(summary, indent=2))
+    if getattr(args, "docs", False):
+        write_docs_section(summary, args)
+
+
+def markdown(summary: dict, args) -> str:
+    """The run as Markdown: how it was made, the figures against their targets, every row."""
+    cmd = "python benchmarks/bench_validation.py" + (" --holdout" if args.holdout else "") + \
+        f" --repeats {args.repeats} --rounds {args.rounds} --docs"
+    t = summary["targets"]
+    picks = summary["planner_choice_fastest"]
+    rows = ["| model | ranks | batch | family | layout | predicted | measured | error |",
+            "|---|---:|---:|---|---|---:|---:|---:|"]
+    for r in summary["rows"]:
+        rows.append(f"| {_short(r['model'])} | {r['ranks']} | {r['batch']} | {r['family']} | {r['layout']} | "
+                    f"{r['predicted_s'] * 1e3:.1f} ms | {r['measured_s'] * 1e3:.1f} ms | "
+                    f"{r['rel_error'] * 100:+.1f}% |")
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    fastest = sum(picks.values()) / len(picks) if picks else 0.0
+    return (f"Produced by `{cmd}` on {summary['date']} (commit {_commit()}), load average "
+            f"{summary['load_avg_start'][0]:.1f} at the start and {summary['load_avg_end'][0]:.1f} at the end; "
+            f"medians of {summary['repeats']} round-robin repeats per run. {summary['layouts']} layouts on "
+            f"{summary['models']} models: median |error| {summary['median_rel_error'] * 100:.1f}% (target <= "
+            f"{t['median_rel_error'] * 100:.0f}%: {verdict(summary['median_rel_error'] <= t['median_rel_error'])}), "
+            f"worst {summary['worst_rel_error'] * 100:.1f}% (target <= {t['worst_rel_error'] * 100:.0f}%: "
+            f"{verdict(summary['worst_rel_error'] <= t['worst_rel_error'])}), Spearman {summary['spearman']:.2f} "
+            f"(target >= {t['spearman']}: {verdict(summary['spearman'] >= t['spearman'])}), the planner's pick "
+            f"the fastest measured (within 5%) in {sum(picks.values())} of {len(picks)} groups ({fastest:.0%}; "
+            f"target >= 80%: {verdict(fastest >= 0.8)}).\n\n" + "\n".join(rows) + "\n"
+            + "".join(f"\nDid not run (kept in the list, not in the figures): {what}: {why}\n"
+                      for what, why in summary.get("failed", [])))
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_docs_section(summary: dict, args) -> None:
+    """Replace docs/results.md's section between `<!-- holdout:start -->` and `<!-- holdout:end -->`
+    (or `validation` for the development set) with this run; the previous text goes to the history."""
+    name = "holdout" if args.holdout else "validation"
+    doc = ROOT / "docs" / "results.md"
+    text = doc.read_text()
+    start, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"docs/results.md has no {start.strip()} ... {end} section")
+    head, rest = text.split(start, 1)
+    old, tail = rest.split(end, 1)
+    hist = ROOT / "docs" / "results-history.md"
+    if old.strip():
+        hist.write_text(hist.read_text() + f"\n## {name} run (kept from docs/results.md)\n\n{old.strip()}\n")
+    doc.write_text(head + start + markdown(summary, args) + end + tail)
 
 
 if __name__ == "__main__":

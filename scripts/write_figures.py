@@ -15,7 +15,8 @@ script computes now.
 
     python scripts/write_figures.py                  # rewrite every region (make figures)
     python scripts/write_figures.py --check          # exit 1 and show the difference if a region is stale
-    python scripts/write_figures.py --only make-run  # one group (GROUPS: make-run, lassen, nvlink, projection, spatial, gpu-check)
+    python scripts/write_figures.py --only make-run  # one group of GROUPS (make-run, lassen, nvlink,
+                                                     # projection, spatial, gpu-check)
 
 Groups and their cost (cold caches, this 2-core machine): `make-run` is one plan (the same call as
 `make run`, with --json); `nvlink` prices three allreduces; `lassen` is 15 plans on the `lassen`
@@ -63,7 +64,7 @@ SPATIAL_MODEL, SPATIAL_BATCH, SPATIAL_GPUS, SPATIAL_CLUSTER = "unet", 8, (8, 16,
 # search; tests/search/layers/test_spatial_plan.py's slow test checks it is this one) against the best
 # spatial layout (spatial x filter since the planner prices spatial x channel/filter; the same test checks
 # it), both priced as fixed layouts
-SPATIAL_RESNET = ("resnet50", 64, "sample=8,channel=2,filter=4", "sample=8,height=2,filter=4")
+SPATIAL_RESNET = ("resnet50", 64, "sample=8,channel=2,filter=4", "height=4,width=4,channel=4")
 
 
 # -- computing ---------------------------------------------------------------------------------------

@@ -36,12 +36,15 @@ def _layouts(plan) -> set[str]:
     return {lay.to_strategy() for lay in [plan.default_layout, *plan.layers.values()]}
 
 
-@pytest.mark.parametrize(("cluster", "gpus", "batch"), [("localhost", 2, 2), ("lassen", 16, 16)])
-def test_plan_excludes_layouts_the_dry_run_refuses(cosmo, cluster, gpus, batch):
+@pytest.mark.parametrize(("cluster", "gpus", "batch", "first"), [("localhost", 2, 2, "channel"),
+                                                                   ("lassen", 16, 16, "spatial")])
+def test_plan_excludes_layouts_the_dry_run_refuses(cosmo, cluster, gpus, batch, first):
     res = hybridpar.plan(cosmo, cluster, gpus, batch, input_shape=SHAPE)
     excluded = [n for n in res.plan.notes if n.startswith("excluded ")]
-    # the search's first choice split channels (it is cheaper at this batch): refused on MaxPool3d
-    assert excluded and all("max_pool3d" in n for n in excluded), res.plan.notes
+    if first == "channel":  # the search's first choice split channels (cheaper at this batch): refused on MaxPool3d
+        assert excluded and all("max_pool3d" in n for n in excluded), res.plan.notes
+    else:  # 16 GPUs at batch 16: a spatial split of the volume (which runs MaxPool3d) wins outright
+        assert not excluded and res.plan.default_layout.spatial > 1, res.plan.notes
     refused = {n.split()[1].rstrip(":") for n in excluded}
     assert not (_layouts(res.plan) & refused)
     assert all(lay.g_size == 1 for lay in [res.plan.default_layout, *res.plan.layers.values()])
