@@ -574,7 +574,7 @@ def report(state: dict) -> None:
 def markdown(summary: dict, args) -> str:
     """The run as Markdown: how it was made, the figures against their targets, every row."""
     cmd = "python benchmarks/bench_validation.py" + (" --holdout" if args.holdout else "") + \
-        f" --repeats {args.repeats} --rounds {args.rounds} --docs"
+        f" --repeats {args.repeats} --rounds {args.rounds} --steps {args.steps} --docs"
     t = summary["targets"]
     picks = summary["planner_choice_fastest"]
     rows = ["| model | ranks | batch | family | layout | predicted | measured | error |",

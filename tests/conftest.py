@@ -27,7 +27,9 @@ if importlib.util.find_spec("transformers") is not None:
 
 # Figures every test process adds to (tests/hardening's fuzz tallies), summed over the processes of the
 # run: the pytest-xdist workers inherit the controller's folder (set before they start).
-SHARED = os.environ.setdefault("HYBRIDPAR_TEST_SHARED", tempfile.mkdtemp(prefix="hybridpar-tests-shared-"))
+_OWN_SHARED = "HYBRIDPAR_TEST_SHARED" not in os.environ  # removed at the end only when this run made it
+SHARED = os.environ.setdefault("HYBRIDPAR_TEST_SHARED", "") or tempfile.mkdtemp(prefix="hybridpar-tests-shared-")
+os.environ["HYBRIDPAR_TEST_SHARED"] = SHARED
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -74,5 +76,5 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput"):  # the run's own process (or xdist's controller): after the summary
+    if _OWN_SHARED and not hasattr(config, "workerinput"):  # the controller that made it: after the summary
         shutil.rmtree(SHARED, ignore_errors=True)
