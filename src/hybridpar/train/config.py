@@ -115,7 +115,8 @@ SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig
 # keywords) -> (section or None for the run's own fields, field).
 FLAT_OPTIONS: dict[str, tuple[str | None, str]] = {
     **{name: (None, name) for name in ("model", "input_shape", "batch", "steps", "epochs", "seed", "gns",
-                                       "deterministic", "callbacks", "max_loss_ratio", "loss")},
+                                       "deterministic", "callbacks", "max_loss_ratio", "loss",
+                                       "channels_last")},
     **{name: ("parallel", name) for name in ("plan", "strategy", "gpus", "micro_batches", "time_chunks", "schedule",
                                                        "bn_stats", "recompute")},
     "nproc": ("parallel", "gpus"), "devices": ("parallel", "gpus"),  # the device count's old names
@@ -162,6 +163,7 @@ class TrainConfig:
     callbacks: tuple[str, ...] = ()  # "module:function" step callbacks, imported in every rank
     max_loss_ratio: float | None = None  # stop (exit 3) when the loss exceeds this times its first value (guard)
     loss: str | None = None  # cross_entropy | mse | path.py:fn (hybridpar.train.loss); None: the task loss
+    channels_last: bool = False  # 4-D weights and inputs in NHWC (hybridpar.train.memory_format)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -211,6 +213,8 @@ class TrainConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"seed must be an integer from 0 to 2**63-1, got {self.seed!r}", param="seed")
         self.checkpoint.check()
+        if not isinstance(self.channels_last, bool):
+            raise UserError(f"channels_last must be true or false, got {self.channels_last!r}", param="channels_last")
         if self.steps is not None and self.epochs is not None:
             raise UserError("steps and `epochs`: give one, not both", param="steps")
         self.optim.check_options()
@@ -297,6 +301,9 @@ def run_config(config: TrainConfig | None = None, *, launcher_world: int | None 
                               tuple(m.loaded.example_inputs))
     # its fallback from the placer's 1f1b (GPipe holds more activations): told at start-up and in --json
     schedule_notes = [f"note: {n}" for n in settled.notes[len(the_plan.notes):]]
+    if cfg.channels_last:  # speed only (same values); the cost model has no per-format rates yet
+        schedule_notes.append("note: --channels-last runs 4-D weights and inputs in NHWC; the plan's step-time "
+                              "figures are NCHW's (the memory format is not priced)")
     the_plan = settled
     cfg = replace(cfg, parallel=replace(cfg.parallel, plan=the_plan, recompute=recompute, micro_batches=micro))
     with startup.phase("dry run of the layout"):

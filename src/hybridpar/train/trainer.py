@@ -200,6 +200,10 @@ class _RankRun:
                                example_inputs=loaded.example_inputs)
         if hasattr(engine, "warm_up"):  # final shard shapes before the optimizer and checkpoints see them
             engine.warm_up(shape)
+        if cfg.channels_last:  # after the final shard shapes, before the optimizer (the same Parameters)
+            from hybridpar.train.memory_format import module_to_channels_last
+
+            module_to_channels_last(engine.module)
         self.probe = None
         if cfg.gns:
             from hybridpar.train.grad_noise import GradNoiseProbe
@@ -254,7 +258,12 @@ class _RankRun:
         faults.maybe_pause(step)
         if self.tracer is not None:
             self.tracer.before(step)
-        x_loc, y_loc = engine.local_batch(cast_inputs(x, cfg.optim.precision), y)
+        x = cast_inputs(x, cfg.optim.precision)
+        if cfg.channels_last:
+            from hybridpar.train.memory_format import inputs_to_channels_last
+
+            x = inputs_to_channels_last(x)
+        x_loc, y_loc = engine.local_batch(x, y)
         lr = lr_at(step, cfg.optim.lr, cfg.optim.lr_schedule, cfg.optim.warmup_steps, self.last)
         set_lr(self.opt, lr)
         t0 = time.perf_counter()

@@ -86,6 +86,9 @@ _OPTIONS = [
     click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16", "fp64"]), default="fp32",
                  show_default=True, help="bf16: autocast (CPU and CUDA); fp64: weights, buffers and inputs in "
                                          "float64, for checking a layout against one process"),
+    click.option("--channels-last", is_flag=True, default=False,
+                 help="4-D weights and image inputs in channels-last (NHWC) memory: oneDNN's and cuDNN's native "
+                      "convolution format (same values; speed only; not priced by plan: its figures are NCHW's)"),
     click.option("--metrics", type=click.Path(), default=None,
                  help="stream one JSON record per step to FILE.jsonl (loss, lr, samples/s, FLOP/s, mfu, memory, comm)"),
     click.option("--tensorboard", type=click.Path(), default=None,
