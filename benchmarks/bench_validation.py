@@ -126,14 +126,27 @@ WARMUP_STEPS = 2
 HOLDOUT = ROOT / "benchmarks" / "holdout.yaml"
 
 
+def _holdout_doc() -> list[dict]:
+    import yaml
+
+    return yaml.safe_load(HOLDOUT.read_text())["groups"]
+
+
+def _spec(g: dict) -> str:
+    return str(ROOT / g["model"].split(":")[0]) + ":" + g["model"].split(":")[1]
+
+
 def holdout_groups() -> list[tuple[str, int, int, list[str]]]:
     """The held-out groups (benchmarks/holdout.yaml: models the cost model was never tuned on, listed
     before the first run and never edited to drop a row), as GROUPS."""
-    import yaml
+    return [(_spec(g), int(g["ranks"]), int(g["batch"]), list(g["strategies"])) for g in _holdout_doc()]
 
-    doc = yaml.safe_load(HOLDOUT.read_text())
-    return [(str(ROOT / g["model"].split(":")[0]) + ":" + g["model"].split(":")[1], int(g["ranks"]), int(g["batch"]),
-             list(g["strategies"])) for g in doc["groups"]]
+
+def holdout_train_args() -> dict[str, list[str]]:
+    """Per held-out model spec (as holdout_groups gives it), the options every `hybridpar train` of its
+    group takes besides the layout: `--loss X` for a group with a `loss:` key (a dense-output model,
+    e.g. the U-Net's per-pixel logits, which `train` refuses without one). `plan` takes no loss."""
+    return {_spec(g): ["--loss", str(g["loss"])] for g in _holdout_doc() if g.get("loss")}
 
 
 def run(args: list[str], timeout_s: float = 600) -> dict:
@@ -368,6 +381,7 @@ def main() -> None:
         report(json.loads(Path(args.report_from).read_text()))
         return
     dev = holdout_groups() if args.holdout else GROUPS
+    train_extra = holdout_train_args() if args.holdout else {}
     groups = [(m, r, b, s[:2]) for m, r, b, s in dev[:2]] if args.quick else dev
     if args.two_rank_groups:
         groups = [g for g in groups if g[1] == 2]
@@ -418,8 +432,9 @@ def main() -> None:
             failed.append((f"{_short(model)} x{ranks} b{batch}: plan", str(err)[-300:]))
             continue
         chosen = sorted({row["choice"] for row in plan["layers"] if row["algorithm"] != "join"})
-        runs = [(s, ["--strategy", s], ["--strategy", s]) for s in strategies]
-        runs.append(("plan: " + " | ".join(chosen), ["--plan", plan_file], []))
+        extra = train_extra.get(model, [])  # e.g. --loss for a dense-output model (holdout.yaml's loss:)
+        runs = [(s, ["--strategy", s, *extra], ["--strategy", s]) for s in strategies]
+        runs.append(("plan: " + " | ".join(chosen), ["--plan", plan_file, *extra], []))
         for label, train_args, plan_args in runs:
             jobs.append({"model": model, "ranks": ranks, "batch": batch, "label": label, "train_args": train_args,
                          "plan_args": plan_args, "plan_file": plan_file, "mp": None})

@@ -19,6 +19,7 @@ times per local shape first (`hybridpar profile --splits`), else the matmul rate
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
 from collections.abc import Iterable
@@ -30,6 +31,7 @@ import yaml
 
 from hybridpar.cluster.calibration import Calibration, OpRecord, RuntimeOverhead, op_key, resolve_calibration
 from hybridpar.cluster.model import Cluster, DeviceSpec
+from hybridpar.cost.spatial import SPATIAL_WHOLE_SHAPES
 from hybridpar.graph.types import DTYPE_BYTES, Node
 
 EFFICIENCY_FILE = Path(__file__).with_name("efficiency.yaml")
@@ -347,6 +349,26 @@ def _lookup(cal: Calibration, op: str, loc: LocalShapes) -> _Hit | None:
     return _Hit(at(t1[0], t2[0]), at(t1[1], t2[1]), None if w1 is None or w2 is None else at(w1, w2), derived=True)
 
 
+def _piece_hit(cal: Calibration, node: Node, variant: str | None, fracs: tuple[float, float, float],
+               loc: LocalShapes) -> tuple[_Hit | None, bool]:
+    """(the time of a spatial piece with no record of its own shape, whether it is the variant's): the
+    whole layer's record (cost.spatial.local_graph's SPATIAL_WHOLE_SHAPES, at the piece's samples,
+    channels and filters; `hybridpar profile --model` times whole layers) scaled by the piece's share
+    of the output elements, which a convolution's or pooling's FLOPs and an elementwise op's bytes
+    are linear in (of the input's, for an op whose output is not cut: a global average pooling);
+    op_time then corrects the rate for the smaller size as for a batch-scaled record."""
+    ins, out = node.attr(SPATIAL_WHOLE_SHAPES)
+    whole = local_shapes(dataclasses.replace(node, in_shapes=ins, out_shape=out), *fracs)
+    hit = _lookup(cal, variant, whole) if variant else None
+    of_variant = hit is not None
+    hit = hit or _lookup(cal, node.op, whole)
+    if hit is None or not whole.y or not math.prod(whole.y):
+        return None, False
+    share = math.prod(loc.y) / math.prod(whole.y) if loc.y != whole.y or not whole.x or not math.prod(whole.x) \
+        else math.prod(loc.x) / math.prod(whole.x)
+    return dataclasses.replace(hit, scale=hit.scale * share, derived=True), of_variant
+
+
 def variant_name(op: str, channel: int, filter_: int, input_grad: bool = True) -> str:
     """The op-table name of a conv/linear as the runtime runs it split over channel x filter
     (hybridpar.profile.dist_layers times it; `/nodx`: without the input gradient)."""
@@ -380,9 +402,11 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
         hit = _lookup(cal, variant, loc) if variant else None
         of_variant = hit is not None
         hit = hit or _lookup(cal, node.op, loc)
+        if hit is None and node.attr(SPATIAL_WHOLE_SHAPES):
+            hit, of_variant = _piece_hit(cal, node, variant, (sample_frac, channel_frac, filter_frac), loc)
         if hit is not None:
             scale = hit.scale
-            if scale != 1.0 and cpu is not None:  # one other batch's record: its FLOP rate at this size
+            if scale != 1.0 and cpu is not None:  # another batch's (or the whole layer's) record: its rate here
                 f = node.fwd_flops * loc.flop_frac
                 scale *= curve_factor(cpu, f / scale) / curve_factor(cpu, f)
             k = scale * dev.time_share

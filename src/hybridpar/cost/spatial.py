@@ -4,7 +4,8 @@ and the time of its halo exchanges: the cost rule of hybridpar.parallel.styles.s
 The runtime runs a spatial layout only uniformly (every layer under the one `sample=S,height=H,...`
 layout). A rank then holds B/S samples of every activation, cut along each split spatial dim to its
 torch.chunk piece (the first piece is the largest: ceil(size / parts)); tensors without those dims
-(after a flatten or a global pooling) whole, their ops computed on every spatial rank for its samples.
+(after a flatten or a global pooling) whole, their ops computed on every spatial rank for its samples,
+as are the ops the runtime runs on the gathered input (`gathered`: an adaptive pool to more than 1).
 Every convolution or pooling first builds its input window (the piece, the halo rows the neighbours
 send and the edge padding, concatenated into a new tensor) and runs on it with no padding along the
 split dims; for backward it keeps only its input piece (which the producer keeps anyway) and the halo
@@ -16,7 +17,8 @@ piece, a `halo` node before each sliding-window op (priced as an elementwise cop
 memory, with `window_freed`, a view of the piece keeping `kept_numel` elements: its halo rows), and the batch
 multiplied by the spatial ranks P, so that `sample = S x P` gives each rank B/S samples of the pieces
 and sums weight gradients and batch-norm statistics over all S x P ranks, as the runtime's
-`stats_group` does. FLOPs scale with the output elements a rank computes.
+`stats_group` does. FLOPs scale with the output elements a rank computes; a piece's measured time is
+the whole layer's, scaled the same way (the SPATIAL_WHOLE_SHAPES attribute: cost.compute.op_time).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ from hybridpar.layout.layer import ORDER, LayerLayout
 from hybridpar.layout.pieces import piece_offsets, piece_sizes
 
 SLIDING = ("conv2d", "conv", "maxpool", "avgpool")  # ops that read a window of their input (graph.ops kinds)
+# the attribute local_graph gives a node cut to its spatial piece: (input shapes, output shape) of the
+# whole layer at the piece's batch, for cost.compute.op_time to derive the piece's time from a measured
+# record of the whole layer (`hybridpar profile --model` times whole layers' shapes only)
+SPATIAL_WHOLE_SHAPES = "spatial_whole_shapes"
 # the window copy local_graph adds before a sliding op: priced as an elementwise copy; for memory (the
 # "window_freed" and "kept_numel" attributes cost.memory reads) its op keeps the piece it was built from
 # and the halo rows it received
@@ -124,6 +130,39 @@ def _sliding(node: Node, nd: int) -> bool:
         and node.attr("kernel") is not None
 
 
+def gathered(node: Node, layout: LayerLayout) -> bool:
+    """Whether the runtime runs `node` on the spatially whole input on every spatial rank
+    (parallel.styles.spatial_layers.SpatialGathered: an adaptive max pool, or an adaptive average pool
+    to more than 1 along any dim, split or not; DTensor gathers its input over the spatial ranks first). The
+    graph has no class for pools: an nn.AdaptiveXPoolNd module's node (as search.layers.spatial_plan's
+    global average pooling rule)."""
+    if node.op != "adaptive_avgpool" or not node.module or not node.in_shapes or len(node.in_shapes[0]) < 3:
+        return False
+    try:
+        split = [d for d, _ in spatial_dims(layout, len(node.in_shapes[0]) - 2)]
+    except ValueError:
+        return False
+    return bool(split) and (bool(node.attr("max")) or any(o != 1 for o in node.out_shape[2:]))
+
+
+def gather_moves(node: Node, layout: LayerLayout, elem: int = 4) -> list[tuple[int, int]]:
+    """(group size, bytes) of each allgather DTensor sends to make `node`'s input spatially whole
+    (`gathered`), on one rank, as hybridpar.parallel.dtensor.log records them (the padded piece times
+    the group): one per split mesh dim, the innermost (last in layout.ORDER) first, the piece growing
+    to the whole along each dim in turn; the sample dim stays split (B/S samples). Its backward
+    (Replicate to Shard) is a local slice: no bytes."""
+    x = node.in_shapes[0]
+    dims = spatial_dims(layout, len(x) - 2)
+    local = [ceil(x[0] / layout.sample), *x[1:]]
+    for d, parts in dims:
+        local[d] = ceil(x[d] / parts)
+    out = []
+    for d, parts in reversed(dims):
+        out.append((parts, prod(local) * parts * elem))
+        local[d] = x[d]
+    return out
+
+
 def local_graph(graph: Graph, layout: LayerLayout) -> Graph:
     """`graph` (shapes at its global batch) as the first rank of the uniform spatial `layout` holds
     it, at batch graph.batch x P (module docstring). ValueError for a split the model lacks."""
@@ -133,10 +172,14 @@ def local_graph(graph: Graph, layout: LayerLayout) -> Graph:
     nodes: list[Node] = []
     inputs_of_graph = {n.name for n in graph.nodes if n.op == "input"}
     for n in graph.nodes:
-        out = _piece_shape(n.out_shape, dims, nd, b, p)
-        ins = tuple(_piece_shape(s, dims, nd, b, p) for s in n.in_shapes)
+        cut = [] if gathered(n, layout) else dims  # run on the whole input, its output whole (gather_moves)
+        out = _piece_shape(n.out_shape, cut, nd, b, p)
+        ins = tuple(_piece_shape(s, cut, nd, b, p) for s in n.in_shapes)
         inputs = n.inputs
         attrs = _attrs_as_run(n, layout)
+        entire = (tuple(_piece_shape(s, [], nd, b, p) for s in n.in_shapes), _piece_shape(n.out_shape, [], nd, b, p))
+        if (ins, out) != entire:  # a piece: priced from the whole layer's measured time (cost.compute.op_time)
+            attrs = (*attrs, (SPATIAL_WHOLE_SHAPES, entire))
         if _sliding(n, nd) and n.inputs:
             ext = list(ins[0])
             for d, parts in dims:

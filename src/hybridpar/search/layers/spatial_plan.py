@@ -11,7 +11,8 @@ gradients and batch-norm statistics summed over all S x P ranks) as the layout S
 them), with each sliding op's halo exchanges (cost.layout_comm.halo_collectives' bytes,
 point-to-point on the cluster's links: cost.spatial.halo_cost) added to its layer's forward and
 backward communication, and what the proxy prices otherwise than the runtime runs it corrected
-(`evaluate_spatial`: the output's gathers, global average pooling, layers DTensor runs whole).
+(`evaluate_spatial`: the output's gathers, global average pooling, adaptive pools run on the
+gathered input, layers DTensor runs whole).
 The plan's notes say which layers go spatial and why (time or memory), or
 why the best spatial layout lost.
 """
@@ -26,7 +27,16 @@ from math import prod
 from hybridpar.cost.collectives import CommOp
 from hybridpar.cost.layout_comm import layout_refusal, spatial_cf_refusal, splits_by_layout
 from hybridpar.cost.memory import kept_activations
-from hybridpar.cost.spatial import SLIDING, halo_cost, local_graph, model_ndim, proxy_layout, spatial_dims
+from hybridpar.cost.spatial import (
+    SLIDING,
+    gather_moves,
+    gathered,
+    halo_cost,
+    local_graph,
+    model_ndim,
+    proxy_layout,
+    spatial_dims,
+)
 from hybridpar.errors import InfeasibleError, UserError
 from hybridpar.layout.halo import SPATIAL_DIMS
 from hybridpar.plans import LayerLayout, Plan, Prediction
@@ -250,11 +260,11 @@ def _with_spatial_sums(vo, names: Sequence[str], originals: dict, lay: LayerLayo
         # an adaptive max pool's; a functional call inside a module's forward would be taken too)
         if n is None or n.op != "adaptive_avgpool" or n.attr("max") or not n.module or not n.in_shapes:
             continue
-        x, y = n.in_shapes[0], n.out_shape
+        x = n.in_shapes[0]
         nd = len(x) - 2
         split = {d for d, _ in spatial_dims(lay, nd)}
-        if not split or any(y[d] != 1 for d in split):
-            continue  # another adaptive pool: SpatialGathered (DTensor's gather, in the dry run's records)
+        if not split or gathered(n, lay):
+            continue  # another adaptive pool: SpatialGathered (_with_spatial_gathers)
         keep = prod(1 if d in split else x[d] for d in range(2, len(x)))
         b = x[0] // lay.sample * piece_sizes(x[1], lay.g_size)[0] * keep * ctx.elem
         groups = _spatial_groups(lay)
@@ -266,6 +276,41 @@ def _with_spatial_sums(vo, names: Sequence[str], originals: dict, lay: LayerLayo
     c = dataclasses.replace(c, comm_fwd_s=c.comm_fwd_s + t,
                             comm_bytes={**c.comm_bytes, "allreduce": c.comm_bytes.get("allreduce", 0) + nbytes})
     return dataclasses.replace(vo, costs=(c, *vo.costs[1:]))
+
+
+def _with_spatial_gathers(vo, names: Sequence[str], originals: dict, lay: LayerLayout, ctx: CostContext):
+    """`vo` with DTensor's allgathers of the input of each op among its `names` that the runtime runs
+    on the spatially whole input on every spatial rank (cost.spatial.gathered: SpatialGathered, e.g.
+    an adaptive pool to 4^3 before a flatten), forward only (their backward slices the gradient): one
+    per split mesh dim, over the ranks along it (cost.spatial.gather_moves' bytes). Listed in the
+    cost's dtensor_moves, so the dry run's records of them are not added again
+    (api.with_redistributions). Under channel/filter too (G > 1) the pieces' channel placements vary
+    with the layers around: left to the dry run's records, which that path adds."""
+    if lay.g_size > 1:
+        return vo
+    moves = [(dim, size, nbytes) for name in names if (n := originals.get(name)) is not None and gathered(n, lay)
+             for dim, (size, nbytes) in zip(reversed([k for k in SPATIAL_DIMS if getattr(lay, k) > 1]),
+                                            gather_moves(n, lay, ctx.elem))]
+    if not moves:
+        return vo
+    t = sum(ctx.comm_time(CommOp.placed("allgather", "fwd", b, _dim_groups(lay, dim), "spatial", lay))
+            for dim, _, b in moves)
+    c = vo.costs[0]
+    c = dataclasses.replace(c, comm_fwd_s=c.comm_fwd_s + t,
+                            comm_bytes={**c.comm_bytes,
+                                        "allgather": c.comm_bytes.get("allgather", 0) + sum(m[2] for m in moves)},
+                            dtensor_moves=(*c.dtensor_moves, *(("allgather", size, b) for _, size, b in moves)))
+    return dataclasses.replace(vo, costs=(c, *vo.costs[1:]))
+
+
+def _dim_groups(lay: LayerLayout, name: str) -> tuple[tuple[int, ...], ...]:
+    """The groups of ranks along mesh dim `name` (the others' coordinates fixed; rank order: layout.ORDER)."""
+    from hybridpar.layout.layer import ORDER
+
+    deg = getattr(lay, name)
+    stride = prod(getattr(lay, k) for k in ORDER[ORDER.index(name) + 1:])
+    world = prod(getattr(lay, k) for k in ORDER)
+    return tuple(tuple(r + j * stride for j in range(deg)) for r in range(world) if (r // stride) % deg == 0)
 
 
 def _spatial_groups(lay: LayerLayout) -> tuple[tuple[int, ...], ...]:
@@ -325,6 +370,7 @@ def evaluate_spatial(s, lay: LayerLayout, grad_sync: str, contexts: dict | None 
             names += [n.name for n in lg.prefix]
         opts[i], t = _with_halo(vo, names, originals, lay, ctx, inputs)
         opts[i] = _with_spatial_sums(opts[i], names, originals, lay, ctx)
+        opts[i] = _with_spatial_gathers(opts[i], names, originals, lay, ctx)
         halo_s += t
     opts[-1] = _with_output_gather(opts[-1], lg, graph, lay, ctx)
     pred, brk = planner.predict_with_breakdown(lg, opts, [0] * len(opts), ctx, grad_sync)

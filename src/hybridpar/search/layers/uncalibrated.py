@@ -40,7 +40,8 @@ def plan_coverage(res, model, cluster, config) -> Coverage | None:
 def _spatial_coverage(graph: Graph, plan: Plan, cl: Cluster, config) -> Coverage | None:
     """A uniform spatial plan is priced on the pieces its first rank holds, halo windows included
     (cost.spatial.local_graph), as the proxy layout's sample groups (cost.spatial.proxy_layout), so
-    its op times are looked up there, not at the whole graph's shapes."""
+    its op times are looked up there (a piece with no record of its own from its whole layer's:
+    cost.compute.op_time), not at the whole graph's shapes."""
     from hybridpar.cost.spatial import local_graph, proxy_layout
 
     lay = plan.default_layout

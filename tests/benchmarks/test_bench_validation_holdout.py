@@ -1,0 +1,31 @@
+"""benchmarks/holdout.yaml as bench_validation.py reads it: every group planned and trained, and a
+group's optional `loss:` key passed as `--loss X` to its `hybridpar train` runs (the U-Net's dense
+outputs: `train` refuses them without one; the first held-out run could not run those rows)."""
+
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_validation
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return bench_validation
+
+
+def test_holdout_groups_and_their_loss():
+    b = _bench()
+    doc = yaml.safe_load((ROOT / "benchmarks" / "holdout.yaml").read_text())["groups"]
+    groups = b.holdout_groups()
+    assert len(groups) == len(doc) and all(Path(m.split(":")[0]).is_file() for m, *_ in groups)
+    extra = b.holdout_train_args()
+    unet = next(m for m, *_ in groups if m.endswith("_holdout_models.py:unet_64"))
+    assert extra[unet] == ["--loss", "cross_entropy"]
+    # only the groups with the key get it
+    assert len(extra) == sum(1 for g in doc if g.get("loss"))
