@@ -48,35 +48,27 @@ def smooth_l1_on_one_hot(logits, y):
     return F.smooth_l1_loss(logits, F.one_hot(y, logits.shape[-1]).float())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", default="sample=2,channel=2")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args()
-
-    dist.init_process_group("gloo")
+def train(strategy: str, steps: int, batch: int, check: bool) -> None:
     torch.manual_seed(0)
     model = Net()
-    reference = copy.deepcopy(model) if args.check else None
+    reference = copy.deepcopy(model) if check else None
 
-    model = hybridpar.parallelize(model, args.strategy)
+    model = hybridpar.parallelize(model, strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
 
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(args.batch, 3, 16, 16, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
-               for _ in range(args.steps)]
+    batches = [(torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g))
+               for _ in range(steps)]
     for step, (x, y) in enumerate(batches):
         loss = smooth_l1_on_one_hot(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         if dist.get_rank() == 0:
-            print(json.dumps({"step": step, "loss": loss.item()}), flush=True)
+            print(json.dumps({"strategy": strategy, "step": step, "loss": loss.item()}), flush=True)
 
     state = hybridpar.full_state_dict(model)  # the undistributed weights, on every rank
-    if args.check and dist.get_rank() == 0:
+    if check and dist.get_rank() == 0:
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.05)
         for x, y in batches:
             smooth_l1_on_one_hot(reference(x), y).backward()
@@ -84,8 +76,22 @@ def main() -> None:
             ref_opt.zero_grad()
         diff = max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items()
                    if v.is_floating_point())
-        print(json.dumps({"strategy": args.strategy, "max_weight_diff": diff}), flush=True)
+        print(json.dumps({"strategy": strategy, "max_weight_diff": diff}), flush=True)
     dist.barrier()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    # several layouts are trained one after another in the same ranks (the tests check three in one launch)
+    ap.add_argument("--strategy", nargs="+", default=["sample=2,channel=2"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    for strategy in args.strategy:
+        train(strategy, args.steps, args.batch, args.check)
     dist.destroy_process_group()
     os._exit(0)  # gloo ranks can abort in interpreter teardown
 
