@@ -31,10 +31,13 @@ def test_wavefront_mp2_k4_equals_one_process():
     cases = [("lm4", "plan", 4), ("gnmt", "plan", 4), ("lm4", "placer", 4)]
     results = spawn(w.run_cases, 2, cases)
     _check(cases, results)
-    for (name, how, _k), res in zip(cases[:2], results):
+    for (name, how, _k), res in zip(cases, results):
         # the layers' time chunks cross devices one by one (the wavefront), not whole sequences
         assert res["chunk_moves"] >= 4, (name, how, res["chunk_moves"])
     assert results[0]["placement"]["lstm[2]"] == 1  # one nn.LSTM's layers on two devices
+    # the placer's own placement splits the stacked LSTM too (devices too small for the whole model)
+    placed = results[2]["placement"]
+    assert {placed[f"lstm[{i}]"] for i in range(4)} == {0, 1}, placed
 
 
 @pytest.mark.slow  # a 4-rank world: ~20-40 s here
@@ -71,6 +74,25 @@ def test_refusals_are_one_line_before_start():
     assert [n for n in part.device_of if n.startswith("lstm")] == ["lstm"]
 
 
+def _place_on_small_devices(tmp_path, capsys, model: str, out) -> int:
+    """`hybridpar place` with time chunks on two localhost-like devices of 600 KB each (tiny GNMT needs
+    838 KiB in all): its placement must use both."""
+    import yaml
+
+    from hybridpar.cli.main import main
+    from hybridpar.cluster.loader import PRESET_DIR
+
+    spec = yaml.safe_load((PRESET_DIR / "localhost.yaml").read_text())
+    spec.update(name="two-small-devices", gpus_per_node=2)
+    spec["device"]["memory_bytes"]["value"] = 6.0e5
+    cluster = tmp_path / "small.yaml"
+    cluster.write_text(yaml.safe_dump(spec))
+    code = main(["place", "--model", model, "--cluster", str(cluster), "--gpus", "2", "--batch", "8",
+                 "--time-chunks", "4", "--time-limit", "5", "--out", str(out)])  # any feasible placement splits
+    capsys.readouterr()
+    return code
+
+
 def _train(tmp_path, capsys, model: str, *args: str) -> tuple[dict, list[float], dict]:
     import json
 
@@ -91,7 +113,8 @@ def _train(tmp_path, capsys, model: str, *args: str) -> tuple[dict, list[float],
 @pytest.mark.timeout(600)
 def test_train_cli_time_chunks_equals_one_process(tmp_path, capsys):
     """`hybridpar train --time-chunks 4` under mp=2: the LM with a plan placing its stacked LSTM's
-    layers on two devices, and tiny GNMT placed by the placer, equal one process (fp64)."""
+    layers on two devices, and tiny GNMT placed by `hybridpar place` on devices too small to hold it
+    whole (so that the placer's placement splits it), equal one process (fp64)."""
     import json
     from pathlib import Path
 
@@ -100,7 +123,9 @@ def test_train_cli_time_chunks_equals_one_process(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"model": "lm", "world_size": 2, "batch": 8, "dp": 1, "mp": 2,
                                 "placement": {"lstm[2]": 1, "lstm[3]": 1, "head": 1}}))
-    for factory, how in (("lm_logits", ["--plan", str(plan)]), ("gnmt_tiny", ["--strategy", "mp=2"])):
+    placed = tmp_path / "gnmt_plan.json"
+    assert _place_on_small_devices(tmp_path, capsys, f"{models}:gnmt_tiny", placed) == 0
+    for factory, how in (("lm_logits", ["--plan", str(plan)]), ("gnmt_tiny", ["--plan", str(placed)])):
         model = f"{models}:{factory}"
         one, loss1, _ = _train(tmp_path, capsys, model, "--strategy", "sample=1", "--nproc", "1")
         got, loss2, res = _train(tmp_path, capsys, model, *how, "--time-chunks", "4")
@@ -111,6 +136,7 @@ def test_train_cli_time_chunks_equals_one_process(tmp_path, capsys):
         if factory == "lm_logits":  # the one nn.LSTM's layers are split between the ranks, two each
             by_type = res["param_bytes_by_type_per_rank"]
             assert by_type[0]["other"] == by_type[1]["other"] > 0, by_type
+        assert min(res["param_bytes_per_rank"]) > 0, (factory, res["param_bytes_per_rank"])  # both ranks compute
 
 
 class _Stack(nn.Module):
