@@ -17,6 +17,8 @@ from hybridpar.cluster.model import DeviceSpec
 from hybridpar.cost.compute import FREE_OPS, local_shapes, op_time
 from hybridpar.graph.types import Graph, Node
 
+Layout = tuple[int, int, int]  # (sample, channel, filter) degrees
+
 LABEL = "UNCALIBRATED ESTIMATE"  # the note's first words: the CLI's table title and the report look for it
 
 
@@ -107,3 +109,44 @@ def coverage(graph: Graph, device: DeviceSpec, fractions: Callable[[Node], tuple
             else:
                 fixable = True
     return Coverage(roof, roof_s, total, untimed, fixable=fixable, unprofiled=unprofiled)
+
+
+def whole_nodes(graph: Graph) -> frozenset[str]:
+    """Names of the nodes the runtime runs with every channel under any channel/filter layout: a
+    conv/linear it does not replace (cost.layout_comm.splits_by_layout: a grouped or depthwise conv,
+    a subclass, a functional call), and the nodes that follow it in its layer, which the planner prices
+    on that layer's distribution (search.layers.layer_cost.weight_layer_cost: sample split only)."""
+    from hybridpar.cost.layout_comm import splits_by_layout
+    from hybridpar.cost.memory import WEIGHT_OPS, layer_groups
+
+    heads, _ = layer_groups(graph)
+    return frozenset(n.name for head, followers, _ in heads if head.op in WEIGHT_OPS and not splits_by_layout(head)
+                     for n in (head, *followers))
+
+
+def as_run(node: Node, layout: Layout, whole: Collection[str]) -> Layout:
+    """The (sample, channel, filter) degrees `node` runs at under `layout`: its samples only when the
+    runtime runs it whole (`whole`: `whole_nodes`), so the op times looked up and profiled are the
+    shapes the runtime runs (a depthwise conv cut to half its channels cannot run at all)."""
+    return (layout[0], 1, 1) if node.name in whole else layout
+
+
+def split_layouts(k: int) -> list[Layout]:
+    """Every (sample, channel, filter) with sample x channel x filter = k: the layouts of k ranks."""
+    return [(k // (c * f), c, f) for c in range(1, k + 1) if k % c == 0
+            for f in range(1, k // c + 1) if (k // c) % f == 0]
+
+
+def profile_keys(graph: Graph, splits: Collection[int]) -> dict[str, tuple[Node, Layout]]:
+    """The op-table keys `hybridpar profile --model M --splits ...` times for `graph` (at its batch),
+    each with its first node and degrees: each working node whole and at every layout of every k in
+    `splits`, as the runtime runs it there (`as_run`), so the key is what `op_time` looks up."""
+    whole = whole_nodes(graph)
+    layouts = [(1, 1, 1)] + [lay for k in splits if k > 1 for lay in split_layouts(k)]
+    out: dict[str, tuple[Node, Layout]] = {}
+    for n in graph.nodes:
+        if n.op in FREE_OPS or not n.out_shape:
+            continue
+        for lay in dict.fromkeys(as_run(n, lay, whole) for lay in layouts):
+            out.setdefault(local_shapes(n, 1 / lay[0], 1 / lay[1], 1 / lay[2]).key(n.op), (n, lay))
+    return out

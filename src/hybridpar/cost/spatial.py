@@ -130,19 +130,45 @@ def _sliding(node: Node, nd: int) -> bool:
         and node.attr("kernel") is not None
 
 
+# the class the spatial runtime wraps as an upsampling (spatial_layers.spatial_wraps: the exact type)
+UPSAMPLE_CLASS = "torch.nn.modules.upsampling.Upsample"
+
+
 def gathered(node: Node, layout: LayerLayout) -> bool:
-    """Whether the runtime runs `node` on the spatially whole input on every spatial rank
-    (parallel.styles.spatial_layers.SpatialGathered: an adaptive max pool, or an adaptive average pool
-    to more than 1 along any dim, split or not; DTensor gathers its input over the spatial ranks first). The
-    graph has no class for pools: an nn.AdaptiveXPoolNd module's node (as search.layers.spatial_plan's
-    global average pooling rule)."""
-    if node.op != "adaptive_avgpool" or not node.module or not node.in_shapes or len(node.in_shapes[0]) < 3:
+    """Whether the runtime runs `node` on the spatially whole input on every spatial rank: an
+    adaptive max pool, an adaptive average pool to more than 1 along any dim, split or not, an
+    nn.Upsample other than nearest by integer factors (parallel.styles.spatial_layers.SpatialGathered),
+    and any other upsampling (F.interpolate, nn.UpsamplingBilinear2d, which run through DTensor, whose
+    rule for them shards samples and channels only); DTensor gathers the input over the spatial ranks
+    first. The graph has no class for pools: an nn.AdaptiveXPoolNd module's node (as
+    search.layers.spatial_plan's global average pooling rule); an upsampling's class and interpolation
+    are recorded (graph.ops._upsample_attrs)."""
+    if not node.in_shapes or len(node.in_shapes[0]) < 3:
+        return False
+    if node.op == "adaptive_avgpool" and node.module:
+        whole = bool(node.attr("max")) or any(o != 1 for o in node.out_shape[2:])
+    elif node.attr("upsample_mode") is not None:
+        scale = node.attr("upsample_scale")
+        whole = not (node.attr("module_class") == UPSAMPLE_CLASS and node.attr("upsample_mode") == "nearest"
+                     and not node.attr("upsample_size") and scale is not None
+                     and all(float(v).is_integer() for v in scale))
+    else:
         return False
     try:
         split = [d for d, _ in spatial_dims(layout, len(node.in_shapes[0]) - 2)]
     except ValueError:
         return False
-    return bool(split) and (bool(node.attr("max")) or any(o != 1 for o in node.out_shape[2:]))
+    return bool(split) and whole
+
+
+def regathered(node: Node, layout: LayerLayout) -> bool:
+    """Whether the gradient of a `gathered` node's output is gathered in backward: its output, whole
+    over the spatial dims, is a spatial activation the next layers split again (a U-Net's bilinear
+    upsampling before a conv or a skip concatenation: DTensor's Replicate -> Shard, whose backward
+    allgathers the gradient), and its input needs a gradient. An adaptive pool's output goes to a
+    flatten and the head, whole: none."""
+    return gathered(node, layout) and node.op != "adaptive_avgpool" and node.bwd_data_flops > 0 \
+        and len(node.out_shape) == len(node.in_shapes[0])
 
 
 def gather_moves(node: Node, layout: LayerLayout, elem: int = 4) -> list[tuple[int, int]]:
@@ -150,8 +176,17 @@ def gather_moves(node: Node, layout: LayerLayout, elem: int = 4) -> list[tuple[i
     (`gathered`), on one rank, as hybridpar.parallel.dtensor.log records them (the padded piece times
     the group): one per split mesh dim, the innermost (last in layout.ORDER) first, the piece growing
     to the whole along each dim in turn; the sample dim stays split (B/S samples). Its backward
-    (Replicate to Shard) is a local slice: no bytes."""
-    x = node.in_shapes[0]
+    (Replicate to Shard) is a local slice: no bytes. `backward_moves` has the output gradient's."""
+    return _gathers(node.in_shapes[0], layout, elem)
+
+
+def backward_moves(node: Node, layout: LayerLayout, elem: int = 4) -> list[tuple[int, int]]:
+    """(group size, bytes) of each allgather of the output's gradient in backward (`regathered`), as
+    `gather_moves` counts them, of the output's shape; none when it is not regathered."""
+    return _gathers(node.out_shape, layout, elem) if regathered(node, layout) else []
+
+
+def _gathers(x: tuple[int, ...], layout: LayerLayout, elem: int) -> list[tuple[int, int]]:
     dims = spatial_dims(layout, len(x) - 2)
     local = [ceil(x[0] / layout.sample), *x[1:]]
     for d, parts in dims:

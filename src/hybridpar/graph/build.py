@@ -72,7 +72,8 @@ def build_graph(name: str, records: list[OpRecord], *, batch: int = 1,
         needs_grad[r.name] = any(input_grads) or has_weight
         reps[r.name], carry[r.name], branch[r.name] = (r.name,), (), {}
         attrs = {**attrs, "scope": r.scope}
-        if kind in ("conv2d", "linear") and module_classes is not None:  # "": a functional op (F.linear)
+        # "": a functional op (F.linear, F.interpolate); an upsampling's class decides its spatial runtime
+        if (kind in ("conv2d", "linear") or "upsample_mode" in attrs) and module_classes is not None:
             attrs["module_class"] = module_classes.get(r.module, "") if r.module else ""
         nodes.append(Node(r.name, kind, data_inputs, in_shapes, r.out_shape, r.module,
                           tuple((n, s) for n, s, _ in new_params), f.fwd, f.bwd_data, f.bwd_weight,

@@ -195,7 +195,7 @@ def classify(op_name: str, mod: nn.Module | None, args: tuple, kwargs: dict,
         raise UnpricedOp(op_name)
     extract = _ATTRS.get(kind)
     attrs = extract(mod, args, kwargs, in_shapes, out) if extract else {}
-    attrs = {**attrs, **_saved_attrs(name, kind, mod, args, kwargs, out)}
+    attrs = {**attrs, **_saved_attrs(name, kind, mod, args, kwargs, out), **_upsample_attrs(name, mod, args, kwargs)}
     if kind == "conv2d" and (len(attrs["kernel"]) != 2 or attrs.get("transposed")):
         kind = "conv"  # 1-D/3-D and transposed convolutions: priced, but no channel/filter layouts
     return kind, attrs
@@ -208,6 +208,28 @@ _KEEPS_OUTPUT = {"sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "sqrt", "rsqrt",
 _KEEPS_NOTHING = {"neg", "interpolate", "upsample", "upsamplingbilinear2d", "upsamplingnearest2d",
                   "upsample_bilinear2d", "upsample_nearest2d", "upsample_bicubic2d", "upsample_nearest1d",
                   "upsample_linear1d", "upsample_nearest3d", "upsample_trilinear3d"}
+
+
+def _upsample_attrs(name: str, mod, args: tuple, kwargs: dict) -> dict:
+    """An upsampling's interpolation, which decides how a spatial layout runs it
+    (parallel.styles.spatial_layers.spatial_style: nearest by integer factors on the pieces, any other
+    on the gathered input, cost.spatial.gathered): 'upsample_mode', 'upsample_scale' (the scale
+    factors, a tuple, or None) and 'upsample_size' (whether an output size was given). From the module
+    (nn.Upsample and its subclasses), F.interpolate's arguments, or an aten upsample_<mode><n>d name."""
+    if name not in _KEEPS_NOTHING or name == "neg":
+        return {}
+    if isinstance(mod, nn.Upsample):
+        mode, size, scale = mod.mode, mod.size, mod.scale_factor
+    elif name == "interpolate":
+        mode, size, scale = (_arg(args, kwargs, 3, "mode", "nearest"), _arg(args, kwargs, 1, "size"),
+                             _arg(args, kwargs, 2, "scale_factor"))
+    elif name.startswith("upsample_"):  # aten: the output size is always given there
+        mode, size, scale = name.removeprefix("upsample_").rstrip("d").rstrip("0123456789"), True, None
+    else:
+        return {}
+    if scale is not None:
+        scale = tuple(float(v) for v in scale) if isinstance(scale, (tuple, list)) else (float(scale),)
+    return {"upsample_mode": str(mode), "upsample_scale": scale, "upsample_size": size is not None}
 
 
 def _saved_attrs(name: str, kind: str, mod, args: tuple, kwargs: dict, out) -> dict:

@@ -50,27 +50,14 @@ class GraphJob:
     fracs: tuple[int, int, int]  # sample, channel, filter degrees
 
 
-def factorisations(k: int) -> list[tuple[int, int, int]]:
-    from hybridpar.profile.ops import _factorisations
-
-    return _factorisations(k) if k > 1 else [(1, 1, 1)]
-
-
 def graph_jobs(graph: Graph, splits: tuple[int, ...], covered: set[str]) -> list[GraphJob]:
     """One job per distinct (op, local shapes) key of the graph's working nodes at every layout of
-    every k in `splits` (and whole), leaving out keys in `covered` (measured by the hook path)."""
-    seen = set(covered)
-    jobs = []
-    layouts = [(1, 1, 1)] + [f for k in splits for f in factorisations(k)]
-    for n in graph.nodes:
-        if n.op in _SKIP or not n.out_shape:
-            continue
-        for s, c, f in dict.fromkeys(layouts):
-            key = local_shapes(n, 1 / s, 1 / c, 1 / f).key(n.op)
-            if key not in seen:
-                seen.add(key)
-                jobs.append(GraphJob(key, n.op, n.name, (s, c, f)))
-    return jobs
+    every k in `splits` (and whole), as the runtime runs each node there (cost.coverage.profile_keys:
+    a depthwise conv whole over channels), leaving out keys in `covered` (measured by the hook path)."""
+    from hybridpar.cost.coverage import profile_keys
+
+    return [GraphJob(key, n.op, n.name, lay) for key, (n, lay) in profile_keys(graph, splits).items()
+            if key not in covered]
 
 
 @dataclass

@@ -29,6 +29,7 @@ from hybridpar.cost.layout_comm import layout_refusal, spatial_cf_refusal, split
 from hybridpar.cost.memory import kept_activations
 from hybridpar.cost.spatial import (
     SLIDING,
+    backward_moves,
     gather_moves,
     gathered,
     halo_cost,
@@ -81,10 +82,16 @@ def _splits(p: int, k: int) -> list[tuple[int, ...]]:
     return sorted(set(one) | {t for t in every if max(t) / min(t) == spread}, reverse=True)
 
 
-def _smallest_sizes(graph, nd: int) -> tuple[int, ...]:
-    """Per spatial dim, the smallest size a sliding op's output has (more parts leave ranks idle)."""
-    sizes = [n.out_shape[2:] for n in graph.nodes if n.op in SLIDING and len(n.out_shape) == 2 + nd]
-    return tuple(min(s[i] for s in sizes) for i in range(nd)) if sizes else (1,) * nd
+def _largest_sizes(graph, nd: int) -> tuple[int, ...]:
+    """Per spatial dim, the largest size a sliding op's input has (the model input's, mostly). A dim cut
+    into more pieces than that leaves ranks without a row in every layer, and its rank 0 the one-row
+    pieces of a cut into that many: the search does not price those (one such evaluation took ~50 s,
+    ResNet-50 at height=1024: halo plans over 1,024 pieces); `--strategy` still does, and the runtime
+    runs them. Pieces that run out in later layers (a 32^3 CosmoFlow's last pooling to 1^3 under
+    depth=2) are the runtime's empty pieces, priced as it runs them, not a reason to drop the split."""
+    sizes = [n.in_shapes[0][2:] for n in graph.nodes
+             if n.op in SLIDING and n.in_shapes and len(n.in_shapes[0]) == 2 + nd]
+    return tuple(max(s[i] for s in sizes) for i in range(nd)) if sizes else (1,) * nd
 
 
 # graph.ops kinds whose moves under spatial x channel/filter the planner leaves to the dry run (DTensor
@@ -128,14 +135,14 @@ MAX_CF_ON_SPATIAL = 4
 
 def spatial_layouts(graph, gpus: int, batch: int) -> list[LayerLayout]:
     """The uniform sample x spatial (x channel or filter) layouts of `gpus` ranks the runtime can run
-    for `graph` at `batch` (at least 2 spatial ranks; no split dim cut into more pieces than its
-    smallest sliding-op output has rows; the ranks left over after sample x spatial split each piece's
-    channels or filters, for a 2-D model with convolutions the runtime splits), excluding those
-    cost.layout_comm.layout_refusal refuses."""
+    for `graph` at `batch` (at least 2 spatial ranks; pieces empty in some layers included, as the
+    runtime runs them, but no split dim cut into more pieces than it has rows anywhere: _largest_sizes;
+    the ranks left over after sample x spatial split each piece's channels or filters, for a 2-D model
+    with convolutions the runtime splits), excluding those cost.layout_comm.layout_refusal refuses."""
     nd = model_ndim(graph)
     if not 1 <= nd <= 3:
         return []
-    names, smallest = SPATIAL_DIMS[3 - nd:], _smallest_sizes(graph, nd)
+    names, largest = SPATIAL_DIMS[3 - nd:], _largest_sizes(graph, nd)
     cf = _cf_searched(graph, nd)
     out = []
     for s in divisors(gpus):
@@ -146,7 +153,7 @@ def spatial_layouts(graph, gpus: int, batch: int) -> list[LayerLayout]:
             if p == 1 or (g > 1 and not cf) or g > MAX_CF_ON_SPATIAL:
                 continue
             for degrees in _splits(p, nd):
-                if not all(d <= m for d, m in zip(degrees, smallest)):
+                if not all(d <= m for d, m in zip(degrees, largest)):
                     continue
                 for extra in ([{}] if g == 1 else [{"channel": g}, {"filter": g}]):
                     lay = LayerLayout(sample=s, **dict(zip(names, degrees)), **extra)
@@ -281,25 +288,29 @@ def _with_spatial_sums(vo, names: Sequence[str], originals: dict, lay: LayerLayo
 def _with_spatial_gathers(vo, names: Sequence[str], originals: dict, lay: LayerLayout, ctx: CostContext):
     """`vo` with DTensor's allgathers of the input of each op among its `names` that the runtime runs
     on the spatially whole input on every spatial rank (cost.spatial.gathered: SpatialGathered, e.g.
-    an adaptive pool to 4^3 before a flatten), forward only (their backward slices the gradient): one
-    per split mesh dim, over the ranks along it (cost.spatial.gather_moves' bytes). Listed in the
-    cost's dtensor_moves, so the dry run's records of them are not added again
-    (api.with_redistributions). Under channel/filter too (G > 1) the pieces' channel placements vary
-    with the layers around: left to the dry run's records, which that path adds."""
+    an adaptive pool to 4^3 before a flatten, a bilinear upsampling), forward (their backward slices
+    the gradient), and in backward those of the output's gradient where the next layers split the
+    whole output again (cost.spatial.regathered: a U-Net's upsampling): one per split mesh dim, over
+    the ranks along it (cost.spatial.gather_moves' and backward_moves' bytes). Listed in the cost's
+    dtensor_moves, so the dry run's records of them are not added again (api.with_redistributions).
+    Under channel/filter too (G > 1) the pieces' channel placements vary with the layers around: left
+    to the dry run's records, which that path adds."""
     if lay.g_size > 1:
         return vo
-    moves = [(dim, size, nbytes) for name in names if (n := originals.get(name)) is not None and gathered(n, lay)
-             for dim, (size, nbytes) in zip(reversed([k for k in SPATIAL_DIMS if getattr(lay, k) > 1]),
-                                            gather_moves(n, lay, ctx.elem))]
+    dims = list(reversed([k for k in SPATIAL_DIMS if getattr(lay, k) > 1]))
+    moves = [(phase, dim, size, nbytes) for name in names if (n := originals.get(name)) is not None
+             for phase, got in (("fwd", gather_moves(n, lay, ctx.elem) if gathered(n, lay) else []),
+                                ("bwd", backward_moves(n, lay, ctx.elem)))
+             for dim, (size, nbytes) in zip(dims, got)]
     if not moves:
         return vo
-    t = sum(ctx.comm_time(CommOp.placed("allgather", "fwd", b, _dim_groups(lay, dim), "spatial", lay))
-            for dim, _, b in moves)
+    t = {ph: sum(ctx.comm_time(CommOp.placed("allgather", ph, b, _dim_groups(lay, dim), "spatial", lay))
+                 for p, dim, _, b in moves if p == ph) for ph in ("fwd", "bwd")}
     c = vo.costs[0]
-    c = dataclasses.replace(c, comm_fwd_s=c.comm_fwd_s + t,
+    c = dataclasses.replace(c, comm_fwd_s=c.comm_fwd_s + t["fwd"], comm_bwd_s=c.comm_bwd_s + t["bwd"],
                             comm_bytes={**c.comm_bytes,
-                                        "allgather": c.comm_bytes.get("allgather", 0) + sum(m[2] for m in moves)},
-                            dtensor_moves=(*c.dtensor_moves, *(("allgather", size, b) for _, size, b in moves)))
+                                        "allgather": c.comm_bytes.get("allgather", 0) + sum(m[3] for m in moves)},
+                            dtensor_moves=(*c.dtensor_moves, *(("allgather", size, b) for _, _, size, b in moves)))
     return dataclasses.replace(vo, costs=(c, *vo.costs[1:]))
 
 
@@ -471,7 +482,8 @@ def compare(s, other: Prediction | InfeasibleError, gpus: int, batch: int, grad_
     if best is None:  # the runtime's reason for the plainest one, when it refuses
         why = layout_refusal(s.lg.graph, LayerLayout(**{SPATIAL_DIMS[3 - nd]: gpus}))
         return None, ["spatial splits not considered: " + (why or f"no uniform sample x spatial layout of {gpus} "
-                                                                  f"ranks fits this model's sizes at batch {batch}")], \
+                                                                  f"ranks is left for this model at batch {batch} "
+                                                                  "(the runtime or its dry run refused each)")], \
             _summary("not considered", None, base, label)
     if base is None:
         if fitting is None:

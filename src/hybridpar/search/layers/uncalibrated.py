@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from hybridpar.cluster import Cluster, load_cluster
-from hybridpar.cost.compute import FREE_OPS, local_shapes
-from hybridpar.cost.coverage import LABEL, Coverage, coverage
+from hybridpar.cost.coverage import LABEL, Coverage, as_run, coverage, profile_keys, whole_nodes
 from hybridpar.graph.types import Graph, Node
 from hybridpar.plans import Plan
 
@@ -30,9 +29,12 @@ def plan_coverage(res, model, cluster, config) -> Coverage | None:
     if plan.default_layout.spatial > 1:
         return _spatial_coverage(graph, plan, cl, config)
 
-    def fractions(n: Node) -> tuple[float, float, float]:
+    whole = whole_nodes(graph)
+
+    def fractions(n: Node) -> tuple[float, float, float]:  # at the shape the runtime runs it (a depthwise conv whole)
         lay = plan.layers.get(n.module or "", plan.default_layout)
-        return 1 / lay.sample, 1 / lay.channel, 1 / lay.filter
+        s, c, f = as_run(n, (lay.sample, lay.channel, lay.filter), whole)
+        return 1 / s, 1 / c, 1 / f
 
     return coverage(graph, cl.device, fractions, dtype=config.dtype, calibration=config.calibration)
 
@@ -49,8 +51,10 @@ def _spatial_coverage(graph: Graph, plan: Plan, cl: Cluster, config) -> Coverage
     split = (1 / proxy.sample, 1 / proxy.channel, 1 / proxy.filter)
     whole = (1 / proxy.sample, 1.0, 1.0)  # spatial x channel/filter runs Linear layers whole (_whole_linears)
 
+    runs_whole = whole_nodes(graph)
+
     def fractions(n: Node) -> tuple[float, float, float]:
-        return whole if lay.g_size > 1 and n.op == "linear" else split
+        return whole if lay.g_size > 1 and (n.op == "linear" or n.name in runs_whole) else split
 
     keys: dict[str, str] = {}
     for k in profile_splits(plan):
@@ -69,12 +73,9 @@ def profile_splits(plan: Plan) -> tuple[int, ...]:
 
 def profiled_keys(graph: Graph, ranks: int) -> dict[str, str]:
     """The op-table keys (with their op kinds) `hybridpar profile --model M --batch B --splits ranks`
-    measures for `graph` (at batch B): each working node whole and at every (sample, channel, filter)
-    layout of `ranks` (hybridpar.profile.graph_ops.graph_jobs's rule)."""
-    layouts = [(1, 1, 1)] + [(ranks // (c * f), c, f) for c in range(1, ranks + 1) if ranks % c == 0
-                             for f in range(1, ranks // c + 1) if (ranks // c) % f == 0]
-    return {local_shapes(n, 1 / s, 1 / c, 1 / f).key(n.op): n.op for n in graph.nodes
-            if n.op not in FREE_OPS and n.out_shape for s, c, f in layouts}
+    measures for `graph` (at batch B): hybridpar.profile.graph_ops.graph_jobs's rule, one function
+    (cost.coverage.profile_keys)."""
+    return {key: n.op for key, (n, _) in profile_keys(graph, (ranks,)).items()}
 
 
 def with_uncalibrated_note(res, model, cluster, config):
