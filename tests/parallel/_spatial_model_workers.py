@@ -79,10 +79,38 @@ class Small3d(nn.Module):
         return self.head(self.gap(self.features(x)))
 
 
+class TFPadded(nn.Module):
+    """TensorFlow-style "same" padding computed from the conv module's own geometry, as Hugging Face's
+    MobileNet V1/V2 and EfficientNet do (`apply_tf_padding` reads `conv.stride`, `conv.kernel_size`,
+    `conv.dilation`): the spatial layer that replaces the conv must answer those reads."""
+
+    def __init__(self, c: int = 4, classes: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 3, stride=2, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+        self.fc = nn.Linear(c, classes)
+
+    @staticmethod
+    def _tf_pad(x, conv):
+        pads = []
+        for size, k, s, d in zip(x.shape[-2:], conv.kernel_size, conv.stride, conv.dilation):
+            total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+            pads.append((total // 2, total - total // 2))
+        (top, bottom), (left, right) = pads
+        return F.pad(x, (left, right, top, bottom))
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv(self._tf_pad(x, self.conv))))
+        x = F.relu(self.conv2(x))
+        return self.fc(x.mean((2, 3)))
+
+
 MODELS = {
     "unet": (UNetish, (4, 3, 33, 47), "pixels"),
     "dilated": (Dilated, (4, 3, 29, 19), "labels"),
     "cnn3d": (Small3d, (4, 2, 13, 11, 10), "labels"),
+    "tfpad": (TFPadded, (4, 3, 15, 12), "labels"),
 }
 
 

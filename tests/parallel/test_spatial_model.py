@@ -1,9 +1,10 @@
 """Spatial layouts (height/width/depth splits with halo exchange) run users' CNNs with one process's
 semantics: models written here (a U-Net-like net with strided and transposed convs, nearest upsampling,
 max pooling, batch norm and skip concatenation on a 33x47 input; a dilated conv net with residual adds,
-a grouped conv, avg and global pooling; a 3-D CNN), trained 2 SGD steps in fp64 through
-`hybridpar.parallelize` in gloo worlds (one spawn per world size) and through `hybridpar train`,
-against the same steps in one process. Layouts the runtime does not serve are refused before start."""
+a grouped conv, avg and global pooling; a 3-D CNN; TF-style padding read off the conv module and a
+mean over the split dims), trained 2 SGD steps in fp64 through `hybridpar.parallelize` in gloo worlds
+(one spawn per world size) and through `hybridpar train`, against the same steps in one process.
+Layouts the runtime does not serve are refused before start."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from ._spatial_model_workers import build, train_cases
 TOL = 1e-9  # fp64
 
 WORLDS = {
-    2: [("unet", "height=2"), ("unet", "width=2"), ("dilated", "width=2"), ("cnn3d", "depth=2")],
+    2: [("unet", "height=2"), ("unet", "width=2"), ("dilated", "width=2"), ("cnn3d", "depth=2"),
+        ("tfpad", "height=2")],
     # spatial x channel/filter in one layer (SpatialDistConv; transposed convs and concat on channel
     # pieces); the 3-D net's corners (depth x height). DTensor's first-step propagation over these 3-4-D
     # meshes took ~100 s for the first two alone before hybridpar.parallel.dtensor.propagation

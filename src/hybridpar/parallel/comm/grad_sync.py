@@ -18,11 +18,12 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from hybridpar.layout.runs import BUCKET_BYTES  # one rule: the planner prices these buckets
@@ -201,7 +202,7 @@ class GradSync:
         channel_filter) (an embedding's or a norm's under a channel/filter layout: each rank summed
         its own samples' share of the rows) is one sum over the whole mesh, not a sum over each dim
         in turn (which sent its bytes twice, in two collectives per parameter)."""
-        done: list[tuple[DTensor, DTensor, torch.Tensor, list[Placement]]] = []
+        done: list[tuple[DTensor, DTensor, torch.Tensor, list[Placement], int]] = []
         by_dims: dict[tuple[tuple[str, ...], torch.dtype], list[torch.Tensor]] = {}
         for p in self.params:
             if not isinstance(p, DTensor):
@@ -215,19 +216,24 @@ class GradSync:
             local = g.to_local()
             names = g.device_mesh.mesh_dim_names
             assert names is not None  # our meshes name their dims
-            dims = tuple(names[d] for d, pl in enumerate(g.placements)
-                         if pl.is_partial() and self.mesh_groups[names[d]].size > 1)
+            partial = [(names[d], pl) for d, pl in enumerate(g.placements)
+                       if isinstance(pl, Partial) and self.mesh_groups[names[d]].size > 1]
+            dims = tuple(name for name, _ in partial)
             if dims:  # same order on every rank: placements are the same everywhere
                 by_dims.setdefault((dims, local.dtype), []).append(local)
-            done.append((p, g, local, [Replicate() if pl.is_partial() else pl for pl in g.placements]))
+            # Partial(avg): the mean of the ranks' values (a weight fed by a mean over a split dim, e.g.
+            # x.mean((2, 3)) under height=2, has each rank's gradient from its own rows' mean): the sum
+            # below divided by the ranks it ran over (summing alone doubled that gradient)
+            averaged = prod(self.mesh_groups[name].size for name, pl in partial if _reduce_op(pl) == "avg")
+            done.append((p, g, local, [Replicate() if pl.is_partial() else pl for pl in g.placements], averaged))
         for (dims, _), locals_ in by_dims.items():
             flat = _flatten_dense_tensors(locals_)
             all_reduce_(flat, self.mesh_groups[dims[0] if len(dims) == 1 else dims], self.log, "grad_sync")
             for t, synced in zip(locals_, _unflatten_dense_tensors(flat, locals_)):
                 t.copy_(synced)
-        for p, g, local, places in done:
-            if self.average_over > 1:
-                local.div_(self.average_over)
+        for p, g, local, places, averaged in done:
+            if self.average_over * averaged > 1:
+                local.div_(self.average_over * averaged)
             out = DTensor.from_local(local, g.device_mesh, places, run_check=False, shape=g.shape,
                                      stride=g.stride())
             if tuple(places) != tuple(p.placements):
@@ -237,3 +243,12 @@ class GradSync:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _reduce_op(pl: Partial) -> str:
+    """A gradient's Partial is a sum or a mean of the ranks' values; any other reduction (max, min)
+    has no gradient meaning here: refused rather than summed."""
+    op = getattr(pl, "reduce_op", "sum")
+    if op not in ("sum", "avg"):
+        raise RuntimeError(f"a gradient Partial({op}) over the mesh cannot be synchronised (only sum and avg)")
+    return op

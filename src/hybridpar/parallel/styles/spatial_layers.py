@@ -221,7 +221,35 @@ def _out_shape(shape: tuple[int, ...], channels: int, windows: Sequence[Window])
     return (shape[0], channels, *(w.out_size for w in windows))
 
 
-class SpatialConv(SpatialLayer):
+class _TorchGeometry:
+    """torch's attribute names for a sliding window's geometry, read off `geom`: model code reads them
+    from the module it calls (Hugging Face MobileNet's and EfficientNet's TF-style padding read
+    `conv.stride` and `conv.kernel_size`), and a spatial layer replaces that module."""
+
+    geom: Sliding
+
+    @property
+    def kernel_size(self) -> tuple[int, ...]:
+        return self.geom.kernel
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return self.geom.stride
+
+    @property
+    def padding(self) -> tuple[int, ...]:
+        return self.geom.padding
+
+    @property
+    def dilation(self) -> tuple[int, ...]:
+        return self.geom.dilation
+
+    @property
+    def groups(self) -> int:
+        return self.geom.groups
+
+
+class SpatialConv(_TorchGeometry, SpatialLayer):
     """Conv1d/2d/3d on spatial pieces (halo exchange): weight and bias whole on every rank."""
 
     def __init__(self, name: str, m: Any, grid: ProcessGrid):
@@ -244,7 +272,7 @@ class SpatialConv(SpatialLayer):
         return f"{self.name}: weight={tuple(self.weight.shape)} {self.geom}"
 
 
-class SpatialDistConv(SpatialLayer):
+class SpatialDistConv(_TorchGeometry, SpatialLayer):
     """A Conv2d split over channel/filter and spatially at once (stationary-x/y/w on a spatial piece):
     the halo exchange extends this rank's channel piece to its output piece's window, and the
     channel/filter algorithm (hybridpar.parallel.styles.conv.DistConvFunction: gather x in the filter
@@ -313,7 +341,7 @@ def _dist_conv(name: str, m: nn.Conv2d, lay, state) -> SpatialDistConv:
     return new
 
 
-class SpatialPool(SpatialLayer):
+class SpatialPool(_TorchGeometry, SpatialLayer):
     def __init__(self, name: str, m: Any, grid: ProcessGrid):
         super().__init__(name, grid)
         self.nd = _NDIM[type(m)]
