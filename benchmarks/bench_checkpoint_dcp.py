@@ -14,11 +14,11 @@ import json
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _timing import barrier_timed  # benchmarks/ is sys.path[0] when run as a script
 from torch import nn
 
 
@@ -27,14 +27,6 @@ def _model(width: int) -> nn.Module:
                          nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
                          nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
-
-
-def _timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
 
 
 def worker(root: str, strategy: str, width: int, rounds: int) -> dict:
@@ -61,9 +53,9 @@ def worker(root: str, strategy: str, width: int, rounds: int) -> dict:
         for f in order:
             ckpt._use_dcp = formats[f]
             d = Path(root) / f
-            times[f]["save"].append(_timed(lambda d=d, r=r: ckpt.save_checkpoint(d, r + 1, engine, opt, keep=1)))
+            times[f]["save"].append(barrier_timed(lambda d=d, r=r: ckpt.save_checkpoint(d, r + 1, engine, opt, keep=1)))
             info = ckpt.latest_checkpoint(d, verify_hashes=False)
-            times[f]["load"].append(_timed(lambda info=info: ckpt.load_pieces(info, engine)))
+            times[f]["load"].append(barrier_timed(lambda info=info: ckpt.load_pieces(info, engine)))
             sizes[f] = sum(p.stat().st_size for p in info.path.iterdir())
     ckpt._use_dcp = real
     med = {f: {k: statistics.median(v) for k, v in t.items()} for f, t in times.items()}

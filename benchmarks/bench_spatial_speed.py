@@ -24,18 +24,9 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
-
-def _timed(fn) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
+from _timing import barrier_timed  # benchmarks/ is sys.path[0] when run as a script
 
 
 def world_trial(model: str, shape: tuple[int, ...], steps: int) -> dict[str, list[float]]:
@@ -78,11 +69,11 @@ def world_trial(model: str, shape: tuple[int, ...], steps: int) -> dict[str, lis
                   "one process, 2 threads": stepper(whole, 2, {0})}
     names = list(contenders)
     for k in names:  # warm-up: allocator, DTensor's caches, the optimizer's first step
-        _timed(contenders[k])
+        barrier_timed(contenders[k])
     times: dict[str, list[float]] = {k: [] for k in names}
     for i in range(steps):
         for k in names[i % len(names):] + names[:i % len(names)]:
-            times[k].append(_timed(contenders[k]))
+            times[k].append(barrier_timed(contenders[k]))
     return times
 
 

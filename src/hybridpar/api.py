@@ -45,21 +45,23 @@ def plan(model, cluster=DEFAULT_CLUSTER, gpus: int = 1, batch: int = 32, config:
     `model`: a zoo name, `path/to/file.py:factory`, a traced Graph, or an `nn.Module` with
     `example_inputs`. `cluster`: a preset name, a cluster file, or a `Cluster`. `config`: a
     :class:`hybridpar.search.layers.planner.PlannerConfig`; keyword `options` are its fields, over it
-    (strategy, memory_limit, dtype, input_shape, optimizer, momentum, ...). `devices=` is the old name
-    of `gpus` and still accepted. `dry_run`: run the planned layout on meta tensors first and price
-    what DTensor redistributes between our layers (default: on for file models, whose code between
-    layers may mix channels; off for the zoo); False also prices layouts the runtime cannot run (a
-    what-if)."""
+    (strategy, memory_limit, dtype, input_shape, optimizer, momentum, channels_last, ...). `devices=` is
+    the old name of `gpus` and still accepted. `channels_last=True` prices 4-D ops as `train
+    --channels-last` runs them (the plan's `channels_last` field and notes say from what). `dry_run`:
+    run the planned layout on meta tensors first and price what DTensor redistributes between our
+    layers (default: on for file models, whose code between layers may mix channels; off for the zoo);
+    False also prices layouts the runtime cannot run (a what-if)."""
     from hybridpar.search.layers.planner import PlannerConfig, plan_model
 
     gpus = options.pop("devices", gpus)
     cfg = PlannerConfig.of(config, {**options, "runnable_only": dry_run is not False})
-    from hybridpar.search.layers.uncalibrated import with_uncalibrated_note
+    from hybridpar.search.layers.uncalibrated import with_format_note, with_uncalibrated_note
 
     if not (dry_run if dry_run is not None else (isinstance(model, str) and ":" in model)):
         res = with_baseline_notes(plan_model(_model_arg(model, example_inputs), cluster, gpus, batch, cfg,
                                              progress=progress))
-        return with_uncalibrated_note(res, _model_arg(model, example_inputs), cluster, cfg)
+        return with_format_note(with_uncalibrated_note(res, _model_arg(model, example_inputs), cluster, cfg),
+                                _model_arg(model, example_inputs), cluster, cfg)
     excluded: dict[str, str] = {}  # strategy -> the dry run's refusal
     while True:  # ends: each pass excludes a layout the last plan used, or returns
         cfg_ = dataclasses.replace(cfg, exclude_layouts=(*cfg.exclude_layouts, *excluded))
@@ -75,7 +77,8 @@ def plan(model, cluster=DEFAULT_CLUSTER, gpus: int = 1, batch: int = 32, config:
                 raise  # a fixed --strategy, or a refusal no exclusion can avoid: the user's to see
             excluded.update(dict.fromkeys(refused, str(err)))
     res = with_baseline_notes(_with_exclusion_notes(res, excluded))
-    return with_uncalibrated_note(res, _model_arg(model, example_inputs), cluster, cfg)
+    return with_format_note(with_uncalibrated_note(res, _model_arg(model, example_inputs), cluster, cfg),
+                            _model_arg(model, example_inputs), cluster, cfg)
 
 
 def _split_layouts(plan_: Plan) -> list[str]:

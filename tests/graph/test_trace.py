@@ -194,7 +194,10 @@ def test_export_fallback_with_lstm_and_weight_matmul_on_meta(flop_counter):
     assert (mm.fwd, mm.bwd_data + mm.bwd_weight) == (fwd, bwd)
 
 
-def test_scaled_dot_product_attention_flops(flop_counter):
+@pytest.mark.parametrize("shared", [False, True], ids=["q,k,v", "q,q,q"])
+def test_scaled_dot_product_attention_flops(flop_counter, shared):
+    """Separate q, k, v, and one tensor as all three (sdpa(q, q, q): the graph records its producer once;
+    its FLOPs come from the call's own arguments, which raised an IndexError before)."""
     class SelfAttention(nn.Module):
         def __init__(self, d=16, heads=4):
             super().__init__()
@@ -203,7 +206,7 @@ def test_scaled_dot_product_attention_flops(flop_counter):
         def forward(self, x):
             b, t, d = x.shape
             q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v)
+            y = F.scaled_dot_product_attention(q, q, q) if shared else F.scaled_dot_product_attention(q, k, v)
             return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
     # On CPU, SDPA may run the fused flash kernel that FlopCounterMode does not see; meta runs the

@@ -124,7 +124,7 @@ class Calibration(_Model):
     mem_bw_Bps: float = Field(gt=0)  # measured copy bandwidth (read + write bytes / time)
     gloo: dict[int, GlooFit] = {}
     collectives: list[CollectiveFit] = []  # per kind and group size, per world size
-    ops: dict[str, OpRecord] = {}
+    ops: dict[str, OpRecord] = {}  # by op_key; channels-last and bf16 records under format_op's names
     # resident bytes of one initialised gloo rank holding no model: interpreter, torch, process groups,
     # hybridpar's runtime (hybridpar.profile.framework_memory); the memory model adds it per rank
     framework_bytes: int | None = Field(default=None, ge=0)
@@ -177,6 +177,30 @@ def op_key(op: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...] | None,
     """Profile-table key of an op at a local shape: op kind, input, weight and output shapes."""
     w = "x".join(map(str, w_shape)) if w_shape else "-"
     return f"{op}|x={'x'.join(map(str, x_shape))}|w={w}|y={'x'.join(map(str, y_shape))}"
+
+
+MEMORY_FORMATS = ("nchw", "channels_last")
+PRECISIONS = ("fp32", "bf16")  # bf16: the op as a bf16 autocast step runs it (`train --precision bf16`)
+CHANNELS_LAST_TAG = "#cl"  # an op record timed in channels-last memory: "conv2d#cl|x=...", no NCHW key changes
+BF16_TAG = "#bf16"  # ... and under bf16 autocast: "conv2d#bf16|x=...", "conv2d#cl#bf16|x=..."
+
+
+def format_op(op: str, memory_format: str = "nchw", precision: str = "fp32") -> str:
+    """The op-table name of `op` timed in `memory_format` at `precision`: the NCHW fp32 name as it always
+    was (older files keep their keys), the others under their own names (`hybridpar profile
+    --channels-last`, `--precision bf16`)."""
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"memory format {memory_format!r}: expected one of {', '.join(MEMORY_FORMATS)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    return (op + (CHANNELS_LAST_TAG if memory_format == "channels_last" else "")
+            + (BF16_TAG if precision == "bf16" else ""))
+
+
+def format_key(key: str, memory_format: str = "nchw", precision: str = "fp32") -> str:
+    """An op-table key (`op_key`) with its op renamed for `memory_format` and `precision` (`format_op`)."""
+    op, _, rest = key.partition("|")
+    return f"{format_op(op, memory_format, precision)}|{rest}"
 
 
 def default_calibration_path() -> Path:

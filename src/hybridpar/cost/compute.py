@@ -14,6 +14,10 @@ pieces are small. GPUs: the published GEMM/convolution efficiency-vs-size curve 
 size_efficiency.yaml (DeepBench V100, an approximation for the other GPUs). localhost: measured op
 times per local shape first (`hybridpar profile --splits`), else the matmul rate-vs-size curve that
 `hybridpar profile` measures (calibration `matmul_curve`); without a calibration no size factor.
+
+Memory format and precision: a channels-last run's NHWC ops (`channels_last_layout`) are looked up
+among the records `hybridpar profile --channels-last` timed so, a bf16 plan's among those timed under
+bf16 autocast (`--precision bf16`); a channels-last activation read in NCHW order is a priced copy.
 """
 
 from __future__ import annotations
@@ -29,10 +33,19 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.cluster.calibration import Calibration, OpRecord, RuntimeOverhead, op_key, resolve_calibration
+from hybridpar.cluster.calibration import (
+    MEMORY_FORMATS,
+    PRECISIONS,
+    Calibration,
+    OpRecord,
+    RuntimeOverhead,
+    format_op,
+    op_key,
+    resolve_calibration,
+)
 from hybridpar.cluster.model import Cluster, DeviceSpec
 from hybridpar.cost.spatial import SPATIAL_WHOLE_SHAPES
-from hybridpar.graph.types import DTYPE_BYTES, Node
+from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 
 EFFICIENCY_FILE = Path(__file__).with_name("efficiency.yaml")
 SIZE_EFFICIENCY_FILE = Path(__file__).with_name("size_efficiency.yaml")
@@ -56,8 +69,12 @@ class OpTime:
     fwd_s: float
     bwd_data_s: float
     bwd_weight_s: float
-    # "measured", "measured-scaled" or "roofline"; a measured variant adds ":<variant>"
+    # "measured", "measured-scaled", "roofline" or "layout-copy" (a channels-last activation copied into
+    # NCHW order: `format_copy_time`); a measured variant adds ":<variant>"
     source: str = "roofline"
+    # priced channels-last and this op had no record in that format: its time is NCHW's
+    # (a measured NCHW record, or the roofline, which knows no format); the plan's notes say so
+    as_nchw: bool = False
 
     @property
     def bwd_s(self) -> float:
@@ -350,18 +367,19 @@ def _lookup(cal: Calibration, op: str, loc: LocalShapes) -> _Hit | None:
 
 
 def _piece_hit(cal: Calibration, node: Node, variant: str | None, fracs: tuple[float, float, float],
-               loc: LocalShapes) -> tuple[_Hit | None, bool]:
+               loc: LocalShapes, op: str | None = None) -> tuple[_Hit | None, bool]:
     """(the time of a spatial piece with no record of its own shape, whether it is the variant's): the
     whole layer's record (cost.spatial.local_graph's SPATIAL_WHOLE_SHAPES, at the piece's samples,
     channels and filters; `hybridpar profile --model` times whole layers) scaled by the piece's share
     of the output elements, which a convolution's or pooling's FLOPs and an elementwise op's bytes
     are linear in (of the input's, for an op whose output is not cut: a global average pooling);
+    `op`: the op-table name to look up (default the node's op; a channels-last or bf16 record's name);
     op_time then corrects the rate for the smaller size as for a batch-scaled record."""
     ins, out = node.attr(SPATIAL_WHOLE_SHAPES)
     whole = local_shapes(dataclasses.replace(node, in_shapes=ins, out_shape=out), *fracs)
     hit = _lookup(cal, variant, whole) if variant else None
     of_variant = hit is not None
-    hit = hit or _lookup(cal, node.op, whole)
+    hit = hit or _lookup(cal, op or node.op, whole)
     if hit is None or not whole.y or not math.prod(whole.y):
         return None, False
     share = math.prod(loc.y) / math.prod(whole.y) if loc.y != whole.y or not whole.x or not math.prod(whole.x) \
@@ -375,6 +393,69 @@ def variant_name(op: str, channel: int, filter_: int, input_grad: bool = True) -
     return f"{op}@c{channel}f{filter_}" + ("" if input_grad else "/nodx")
 
 
+# ops that return their 4-D input's memory format (TensorIterator and the NHWC kernels of oneDNN/cuDNN:
+# a channels-last input gives a channels-last output); a convolution returns it from its weight too
+_KEEPS_FORMAT = frozenset({"batchnorm", "relu", "pointwise", "add", "mul", "maxpool", "avgpool",
+                           "adaptive_avgpool", "dropout", "concat"})
+
+
+@dataclass(frozen=True)
+class ChannelsLast:
+    """Where a channels-last run (`train --channels-last`: the model's 4-D weights and inputs converted)
+    computes on NHWC activations, and where it copies one back into NCHW order."""
+
+    image: frozenset[str]  # nodes that compute on a channels-last activation (priced from "#cl" records)
+    copies: dict[str, int]  # node -> elements of the channels-last activation copied where it takes it
+
+
+def _is_4d(shape: tuple[int, ...]) -> bool:
+    return len(shape) == 4
+
+
+def channels_last_layout(graph: Graph) -> ChannelsLast:
+    """`ChannelsLast` of `graph` (nodes in topological order). Channels-last are its 4-D inputs, every
+    2-D convolution's output (its weight is converted), and the 4-D output of an op of `_KEEPS_FORMAT`
+    that took a channels-last operand as its producer made it. A working op taking such an operand
+    computes on NHWC memory (`image`); a flatten, or a view folded into its consumer (x.view(n, -1)
+    before a Linear), reads it in NCHW order: a copy, except where both orders agree (one channel, or a
+    1 x 1 image after a global pooling). Other 4-D tensors (attention's heads) are as PyTorch made them."""
+    image: set[str] = set()
+    cl_out: set[str] = set()
+    copies: dict[str, int] = {}
+    by_name = {n.name: n for n in graph.nodes}
+    for n in graph.nodes:
+        if n.op == "input":
+            if _is_4d(n.out_shape):
+                cl_out.add(n.name)
+            continue
+        cl_in = [(i, tuple(shape)) for i, shape in zip(n.inputs, n.in_shapes) if i in cl_out]
+        as_made = [i for i, shape in cl_in if shape == tuple(by_name[i].out_shape)]
+        moved = [by_name[i].out_shape for i, shape in cl_in if not _is_4d(shape)]
+        if n.op in _FREE and not _is_4d(n.out_shape):  # a flatten/reshape node: its own copy
+            moved += [by_name[i].out_shape for i in as_made]
+        elif n.op == "conv2d" or (as_made and n.op not in _FREE):
+            image.add(n.name)
+            if n.op == "conv2d" or (n.op in _KEEPS_FORMAT and _is_4d(n.out_shape)):
+                cl_out.add(n.name)
+        numel = sum(math.prod(x) for x in moved if x[1] > 1 and x[2] * x[3] > 1)
+        if numel:
+            copies[n.name] = numel
+    return ChannelsLast(frozenset(image), copies)
+
+
+def format_copy_time(node: Node, numel: int, dev: DeviceSpec, dtype: str, sample_frac: float = 1.0,
+                     channel_frac: float = 1.0, filter_frac: float = 1.0) -> OpTime:
+    """A channels-last activation of `numel` elements (whole shape) copied into NCHW order where `node`
+    takes it (`ChannelsLast.copies`), at the node's local share of its input: bytes read plus written at
+    the device's memory bandwidth, forward; backward the same again, an approximation (the gradient
+    comes back in NCHW order and the channels-last op before it converts it to its own format)."""
+    if not numel:
+        return OpTime(0.0, 0.0, 0.0)
+    frac = local_shapes(node, sample_frac, channel_frac, filter_frac).x_frac
+    t = 2.0 * numel * frac * DTYPE_BYTES[dtype] / dev.mem_bw_Bps * dev.time_share
+    return OpTime(t, t, 0.0, "layout-copy")
+
+
 def runtime_overhead_for(device: DeviceSpec,
                          calibration: Calibration | str | os.PathLike | None = None) -> RuntimeOverhead | None:
     """The calibration's RuntimeOverhead when it was measured on this device (`calibration` None: the
@@ -385,7 +466,8 @@ def runtime_overhead_for(device: DeviceSpec,
 
 def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sample_frac: float = 1.0,
             channel_frac: float = 1.0, filter_frac: float = 1.0,
-            calibration: Calibration | str | os.PathLike | None = None, variant: str | None = None) -> OpTime:
+            calibration: Calibration | str | os.PathLike | None = None, variant: str | None = None,
+            memory_format: str = "nchw") -> OpTime:
     """Forward / backward-data / backward-weight seconds of `node` on one device at its local shape.
 
     A measured time from the calibration table is used when the table was measured on this device
@@ -393,27 +475,54 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
     single-threaded per rank, so they stretch by `device.time_share` when ranks share cores.
     `variant` names the table entry of how the runtime runs this op here, when that differs from the
     plain op (e.g. "batchnorm_global": batch norm with statistics over several sample groups);
-    without a measurement of the variant, the plain op's is used."""
+    without a measurement of the variant, the plain op's is used.
+    `memory_format` "channels_last": the node computes on a channels-last activation
+    (`ChannelsLast.image`): looked up among the records timed so (`hybridpar profile --channels-last`),
+    else priced as NCHW with `as_nchw` set. A bf16 node is looked up among the records timed under bf16
+    autocast (`hybridpar profile --precision bf16`), never the fp32 ones: without one, the roofline."""
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"memory_format {memory_format!r}: expected one of {', '.join(MEMORY_FORMATS)}")
     dev = device.device if isinstance(device, Cluster) else device
+    fracs = (sample_frac, channel_frac, filter_frac)
+    if node.op in _FREE:
+        return OpTime(0.0, 0.0, 0.0)
     cal = resolve_calibration(calibration, default=dev.kind == "cpu")
     cpu = cpu_curve(cal) if cal is not None and cal.device_name == dev.name else None
-    if cal is not None and cal.device_name == dev.name and dtype == "fp32" and node.op not in _FREE:
-        loc = local_shapes(node, sample_frac, channel_frac, filter_frac)
-        hit = _lookup(cal, variant, loc) if variant else None
-        of_variant = hit is not None
-        hit = hit or _lookup(cal, node.op, loc)
-        if hit is None and node.attr(SPATIAL_WHOLE_SHAPES):
-            hit, of_variant = _piece_hit(cal, node, variant, (sample_frac, channel_frac, filter_frac), loc)
-        if hit is not None:
-            scale = hit.scale
-            if scale != 1.0 and cpu is not None:  # another batch's (or the whole layer's) record: its rate here
-                f = node.fwd_flops * loc.flop_frac
-                scale *= curve_factor(cpu, f / scale) / curve_factor(cpu, f)
-            k = scale * dev.time_share
-            bw = hit.bwd_weight_s * k if hit.bwd_weight_s is not None else 0.0
-            first = node.op in _MATMUL and node.bwd_data_flops == 0  # first layer: autograd skips dx
-            bd = 0.0 if first else hit.bwd_data_s * k
-            source = "measured-scaled" if hit.derived else "measured"
-            return OpTime(hit.fwd_s * k, bd, bw, f"{source}:{variant}" if of_variant else source)
-    return roofline_time(node, dev, dtype=dtype, sample_frac=sample_frac, channel_frac=channel_frac,
-                         filter_frac=filter_frac, cpu=cpu)
+    image = memory_format != "nchw"
+    if cal is not None and cal.device_name == dev.name and dtype in PRECISIONS:
+        if image:
+            t = _measured(cal, node, dev, fracs, variant, cpu, memory_format, dtype)
+            if t is not None:
+                return t
+        t = _measured(cal, node, dev, fracs, variant, cpu, "nchw", dtype)
+        if t is not None:
+            return dataclasses.replace(t, as_nchw=image)
+    t = roofline_time(node, dev, dtype=dtype, sample_frac=sample_frac, channel_frac=channel_frac,
+                      filter_frac=filter_frac, cpu=cpu)
+    return dataclasses.replace(t, as_nchw=image) if image else t
+
+
+def _measured(cal: Calibration, node: Node, dev: DeviceSpec, fracs: tuple[float, float, float],
+              variant: str | None, cpu: Curve | None, memory_format: str = "nchw", precision: str = "fp32"
+              ) -> OpTime | None:
+    """op_time from the calibration's records of `memory_format` and `precision` (None: none fits)."""
+    loc = local_shapes(node, *fracs)
+    var = format_op(variant, memory_format, precision) if variant else None
+    hit = _lookup(cal, var, loc) if var else None
+    of_variant = hit is not None
+    name = format_op(node.op, memory_format, precision)
+    hit = hit or _lookup(cal, name, loc)
+    if hit is None and node.attr(SPATIAL_WHOLE_SHAPES):
+        hit, of_variant = _piece_hit(cal, node, var, fracs, loc, name)
+    if hit is None:
+        return None
+    scale = hit.scale
+    if scale != 1.0 and cpu is not None:  # another batch's (or the whole layer's) record: its rate here
+        f = node.fwd_flops * loc.flop_frac
+        scale *= curve_factor(cpu, f / scale) / curve_factor(cpu, f)
+    k = scale * dev.time_share
+    bw = hit.bwd_weight_s * k if hit.bwd_weight_s is not None else 0.0
+    first = node.op in _MATMUL and node.bwd_data_flops == 0  # first layer: autograd skips dx
+    bd = 0.0 if first else hit.bwd_data_s * k
+    source = "measured-scaled" if hit.derived else "measured"
+    return OpTime(hit.fwd_s * k, bd, bw, f"{source}:{variant}" if of_variant else source)

@@ -12,9 +12,9 @@ import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from hybridpar.cluster.calibration import Calibration, resolve_calibration
+from hybridpar.cluster.calibration import BF16_TAG, PRECISIONS, Calibration, format_key, resolve_calibration
 from hybridpar.cluster.model import DeviceSpec
-from hybridpar.cost.compute import FREE_OPS, local_shapes, op_time
+from hybridpar.cost.compute import FREE_OPS, channels_last_layout, format_copy_time, local_shapes, op_time
 from hybridpar.graph.types import Graph, Node
 
 Layout = tuple[int, int, int]  # (sample, channel, filter) degrees
@@ -83,9 +83,12 @@ def coverage(graph: Graph, device: DeviceSpec, fractions: Callable[[Node], tuple
     cal = resolve_calibration(calibration, default=True)
     if cal is None or cal.device_name != device.name:
         return Coverage(why="no calibration file of this machine (`hybridpar profile` writes it)")
-    if dtype != "fp32":  # the profile times fp32 only: running it again would not help
+    if dtype not in PRECISIONS:  # the profile times fp32 and bf16 autocast only: running it again would not help
         return Coverage(why=f"the calibration's op times are fp32; a {dtype} plan is priced by the roofline",
                         fixable=False)
+    if dtype == "bf16" and not any(r.op.endswith(BF16_TAG) for r in cal.ops.values()):
+        return Coverage(why="the calibration's op times are fp32 (none timed under bf16 autocast); a bf16 plan is "
+                            "priced by the roofline")
     roof: dict[str, list[str]] = {}
     untimed: dict[str, str] = {}
     unprofiled: dict[str, str] = {}
@@ -100,11 +103,11 @@ def coverage(graph: Graph, device: DeviceSpec, fractions: Callable[[Node], tuple
         if t.source == "roofline" and t.total_s > 0:
             roof.setdefault(n.op, []).append(n.name)
             roof_s += t.total_s
-            key = local_shapes(n, s, c, f).key(n.op)
+            key = format_key(local_shapes(n, s, c, f).key(n.op), "nchw", dtype)
             # per key: an op kind can be untimed at one shape and simply unmeasured at another
             if key in cal.untimed:
                 untimed.setdefault(n.op, cal.untimed[key])
-            elif profiled is not None and key not in profiled[0]:
+            elif profiled is not None and local_shapes(n, s, c, f).key(n.op) not in profiled[0]:
                 unprofiled.setdefault(n.op, profiled[1])
             else:
                 fixable = True
@@ -150,3 +153,71 @@ def profile_keys(graph: Graph, splits: Collection[int]) -> dict[str, tuple[Node,
         for lay in dict.fromkeys(as_run(n, lay, whole) for lay in layouts):
             out.setdefault(local_shapes(n, 1 / lay[0], 1 / lay[1], 1 / lay[2]).key(n.op), (n, lay))
     return out
+
+
+@dataclass(frozen=True)
+class FormatCoverage:
+    """How a channels-last plan priced its NHWC ops: from channels-last records (`measured` nodes) or as
+    NCHW (`as_nchw`, by op kind), and the conversion copies where the model leaves the format
+    (`copies`: the nodes that read a channels-last activation in NCHW order; `copy_s`: seconds per step)."""
+
+    measured: tuple[str, ...] = ()
+    as_nchw: dict[str, list[str]] = field(default_factory=dict)
+    copies: tuple[str, ...] = ()
+    copy_s: float = 0.0
+    has_file: bool = True  # a calibration file of this machine was found (CPU devices)
+
+    @property
+    def status(self) -> str:
+        """The Plan's `channels_last` field."""
+        if not self.as_nchw:
+            return "measured"
+        return "partly-measured" if self.measured else "nchw-priced"
+
+    def note(self, device: DeviceSpec, profile_args: str) -> str:
+        """The plan's note, starting "channels-last:"; `profile_args`: the profile options that time the
+        model's ops (localhost only)."""
+        n_nchw = sum(map(len, self.as_nchw.values()))
+        total = n_nchw + len(self.measured)
+        copies = (f"; {len(self.copies)} layout conversion cop{'y' if len(self.copies) == 1 else 'ies'} "
+                  f"(a channels-last activation read in NCHW order: {', '.join(self.copies[:3])}"
+                  f"{' ...' if len(self.copies) > 3 else ''}) priced at the memory bandwidth, "
+                  f"{self.copy_s * 1e3:.3g} ms per step") if self.copies else ""
+        if not self.as_nchw:
+            return f"channels-last: all {total} 4-D op(s) priced from channels-last op times measured on this " \
+                   f"machine{copies}"
+        kinds = ", ".join(f"{op} x{len(names)}" for op, names in sorted(self.as_nchw.items()))
+        if device.kind != "cpu":
+            why = f"there are no channels-last measurements for {device.name}; the step time is NCHW's"
+        else:
+            where = "in the calibration file" if self.has_file else "(no calibration file of this machine)"
+            why = f"no channels-last record of them {where} (run `hybridpar profile {profile_args} --channels-last`)"
+        return (f"channels-last: {n_nchw} of {total} 4-D op(s) priced as NCHW, uncalibrated for that format "
+                f"({kinds}): {why}{copies}")
+
+
+def format_coverage(graph: Graph, device: DeviceSpec, fractions: Callable[[Node], tuple[float, float, float]], *,
+                    dtype: str = "fp32", calibration: Calibration | str | os.PathLike | None = None) -> FormatCoverage:
+    """Each node of `graph` a channels-last run computes on NHWC memory (cost.compute.channels_last_layout)
+    priced at its layout's fractions as the planner does: measured in that format, or as NCHW; and the
+    conversion copies."""
+    measured: list[str] = []
+    as_nchw: dict[str, list[str]] = {}
+    copy_s = 0.0
+    cal = resolve_calibration(calibration, default=device.kind == "cpu")
+    layout = channels_last_layout(graph)
+    for n in graph.nodes:
+        s, c, f = fractions(n)
+        if n.name in layout.copies:
+            copy_s += format_copy_time(n, layout.copies[n.name], device, dtype, s, c, f).total_s
+        if n.name not in layout.image:
+            continue
+        t = op_time(n, device, dtype=dtype, sample_frac=s, channel_frac=c, filter_frac=f, calibration=cal,
+                    memory_format="channels_last")
+        if t.as_nchw:
+            as_nchw.setdefault(n.op, []).append(n.name)
+        else:
+            measured.append(n.name)
+    copies = tuple(layout.copies)
+    return FormatCoverage(tuple(measured), as_nchw, copies, copy_s,
+                          has_file=cal is not None and cal.device_name == device.name)

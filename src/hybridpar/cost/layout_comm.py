@@ -26,6 +26,8 @@ boundary tensors split into G channel pieces (uneven: torch.chunk's, as DTensor'
   redistribution    a conv whose layout has another (S, G) than the plan's default: alltoall of its
                     input into its layout and of its output back, and the inverse in backward; bytes
                     are what this rank sends to other ranks (hybridpar.layout.moved_elements).
+  layer / RMS norm  on a channel_filter-split input: DTensor's allgather of the sample group's input
+                    over the G ranks, forward (and backward for a layer norm): `norm_gathers`.
 """
 
 from __future__ import annotations
@@ -316,6 +318,48 @@ def whole_grad_gather(meets: tuple[int, ...], layout: LayerLayout, *, dtype_byte
     if G == 1 or not meets:
         return []
     return [CommOp("allgather", G, prod(meets) // layout.sample * dtype_bytes, "sample", "bwd")]
+
+
+def norm_gathers(head: Node, followers: Sequence[Node], layout: LayerLayout, *, head_split: bool,
+                 head_grad: bool = True, dtype_bytes: int = FP32) -> list[CommOp]:
+    """DTensor's gathers of a layer or RMS norm's input (graph kind "layernorm" normalising the input's
+    last dims: 'stat_numel' their product) that arrives split on channel_filter (G > 1), among a
+    vertex's `followers`; each an allgather of the sample group's input over the G ranks:
+      - a layer norm: torch's aten.native_layer_norm strategy needs the normalised dims whole, so DTensor
+        gathers the input forward, and again backward (autograd saved the split input), where the
+        backward runs;
+      - an RMS norm: DTensor refuses its decomposition on a split input (an in-place add on the
+        Partial mean), which hybridpar.parallel.styles.concat serves on the input gathered first
+        (a redistribute autograd sees: its backward is a slice): once, forward.
+    Their output is whole (the planner's _whole_origins). What is split: `head` (the vertex's node)
+    when `head_split`, a split layer's output when its last piece is not empty (else the runtime
+    gathered it whole: runtime.dtensors.settle); a follower whose data input (its first) is split,
+    and a batch norm's output (it takes its channel piece). `head_grad`: the head's output needs a
+    gradient (a weight layer's always). Measured in the dry run's records
+    (tests/search/layers/test_bytes_norm_gathers.py). Approximation: the split dim is taken to be among
+    the normalised ones (a linear's features; a conv's channels permuted last)."""
+    G = layout.channel * layout.filter
+    if G == 1 or not head_split or not any(f.op == "layernorm" for f in followers):
+        return []
+    if head.op in ("linear", "conv2d") and len(head.out_shape) > 1:
+        size = head.out_shape[-1] if head.op == "linear" else head.out_shape[1]
+        head_split = _piece(size, G, G - 1) > 0
+    split, grad = {head.name: head_split}, {head.name: head_grad}
+    ops: list[CommOp] = []
+    for f in followers:
+        src = f.inputs[0] if f.inputs else ""
+        in_split, grad[f.name] = split.get(src, False), grad.get(src, False) or f.params > 0
+        trailing = {prod(f.in_shapes[0][k:]) for k in range(1, len(f.in_shapes[0]))} if f.in_shapes else set()
+        if f.op == "layernorm" and f.attr("stat_numel") in trailing:
+            split[f.name] = False
+            if in_split:
+                nbytes = f.in_shapes[0][0] // layout.sample * prod(f.in_shapes[0][1:]) * dtype_bytes
+                ops.append(CommOp("allgather", G, nbytes, "sample", "fwd"))
+                if not f.attr("rms") and grad[f.name] and not f.attr("dead_end"):
+                    ops.append(CommOp("allgather", G, nbytes, "sample", "bwd"))
+        else:
+            split[f.name] = f.op == "batchnorm" or in_split
+    return ops
 
 
 def _piece(n: int, p: int, k: int) -> int:

@@ -438,13 +438,41 @@ def conv_transient_bytes(node: Node, layout: LayerLayout, batch: int, elem: int,
     return float(max(partial, partial + dx) * elem)
 
 
+# ATen's CPU convolution takes oneDNN unless one sample meets small shapes: ConvUtils' use_mkldnn, fp32,
+# as measured here (torch 2.13, profiler allocation events): batch 1, groups 1, a kernel not larger than
+# 3 in both of its last two dims and N*C*size(2)*size(3) <= 20480 run the unfold path (slow_conv3d,
+# thnn_conv2d); batch >= 2, groups > 1, a 5x5 kernel or a larger input take oneDNN
+_ONEDNN_MIN_ELEMENTS = 20480
+
+
+def cpu_unfold_bytes(node: Node, batch: int, sample: int, elem: int) -> float:
+    """The column buffer a CPU convolution allocates when ATen runs it by unfolding its input (im2col):
+    C_in x prod(kernel) x the output's pixels of the one sample, once in forward (freed at its end) and
+    again in backward beside the input gradient; 0 where oneDNN runs it or nothing needs unfolding (a
+    1x1 kernel at stride 1 without padding). CosmoFlow at 4x48^3, batch 1: the step's peak was 1.94x the
+    prediction without it (benchmarks/bench_memory.py --spatial)."""
+    if node.op not in ("conv2d", "conv") or elem != 4 or node.attr("transposed") or not node.in_shapes:
+        return 0.0
+    x, y = node.in_shapes[0], node.out_shape
+    kernel, stride, padding = node.attr("kernel"), node.attr("stride"), node.attr("padding")
+    if kernel is None or y is None or len(x) < 4 or (node.attr("groups") or 1) != 1 or isinstance(padding, str):
+        return 0.0
+    n = max(1, batch // sample)
+    if n > 1 or (kernel[-1] > 3 and kernel[-2] > 3) or n * x[1] * x[2] * x[3] > _ONEDNN_MIN_ELEMENTS:
+        return 0.0
+    if all(k == 1 for k in kernel) and all(s == 1 for s in stride or ()) and not any(padding or ()):
+        return 0.0
+    return float(x[1] * prod(kernel) * prod(y[2:]) * elem)
+
+
 def weight_layer_memory(node: Node, followers: Sequence[Node], layout: LayerLayout, *, batch: int, elem: int,
                         optimizer: str = DEFAULT_OPTIMIZER, momentum: float = 0.0,
                         input_grad: bool = True, kept: Collection[str] | None = None,
                         graph_batch: int | None = None) -> LayerMemory:
     """A conv/linear layer and its followers (batch norm, ReLU, pooling...) under `layout` on one rank;
     `kept`: the graph's kept_activations (the outputs held for backward); the layer's shapes at `batch`
-    (`graph_batch`: the batch the followers' shapes were traced at, `local_numel`)."""
+    (`graph_batch`: the batch the followers' shapes were traced at, `local_numel`). On a CPU device
+    add `with_cpu_unfold`."""
     s, g = layout.sample, layout.channel * layout.filter
     mem = nodes_memory([node, *followers], batch=batch, sample=s, pieces=g, elem=elem, optimizer=optimizer,
                        momentum=momentum, kept=kept, graph_batch=graph_batch)
@@ -454,6 +482,21 @@ def weight_layer_memory(node: Node, followers: Sequence[Node], layout: LayerLayo
         gathered = rows * ceil(cin / g) * layout.filter * elem
     return replace(mem, activations_bytes=mem.activations_bytes + gathered,
                    transient_bytes=conv_transient_bytes(node, layout, batch, elem, input_grad=input_grad))
+
+
+def with_cpu_unfold(mem: LayerMemory, nodes: Sequence[Node], layout: LayerLayout, batch: int, elem: int,
+                    graph_batch: int | None = None) -> LayerMemory:
+    """A group's memory (`weight_layer_memory`, `nodes_memory`) on a CPU device: each unsplit
+    convolution's column buffer (`cpu_unfold_bytes`) is alive in its backward beside its input gradient
+    (a weight conv's input gradient is already its transient; a 1-D/3-D conv, which groups with the
+    nodes around it, adds its own). A channel/filter split's pieces run other kernels: not counted."""
+    if layout.channel * layout.filter > 1 or not nodes:
+        return mem
+    s, head = layout.sample, nodes[0]
+    own = cpu_unfold_bytes(head, batch, s, elem) if head.op in WEIGHT_OPS else 0.0
+    others = [u + local_numel(n.in_shapes[0], batch, s, 1, graph_batch) * elem for n in nodes
+              if not (n is head and head.op in WEIGHT_OPS) and (u := cpu_unfold_bytes(n, batch, s, elem)) > 0]
+    return replace(mem, transient_bytes=max([mem.transient_bytes + own, *others]))
 
 
 def nodes_memory(nodes: Sequence[Node], *, batch: int, sample: int, pieces: int, elem: int,
@@ -554,7 +597,9 @@ def predict_rank_memory(graph: Graph, layout: LayerLayout | str, *, layers: Mapp
 
     The same sum as the planner's per-device memory (hybridpar.search.layers), so `hybridpar plan
     --strategy S` states this figure. framework_bytes: None = this machine's (`framework_bytes_for()`);
-    pass 0 for CUDA, where the measured peak is torch.cuda.max_memory_allocated.
+    pass 0 for CUDA, where the measured peak is torch.cuda.max_memory_allocated. The same switch
+    says whether the ranks compute on CPUs (framework_bytes None or > 0): there ATen's unfolded
+    convolutions add their column buffers (`cpu_unfold_bytes`), on GPUs (0) they do not.
 
     `layout.zero` 2/3 (parameters sharded over the sample ranks, FSDP2) and `recompute="all"` (each
     block's activations recomputed in backward): `sharded_step_memory`'s rule, over the runtime's
@@ -643,22 +688,26 @@ def block_memory(graph: Graph, default: LayerLayout, *, layers: Mapping[str, Lay
             lay = layers.get(head.module or "", default) if head.module else default
             # a conv/linear the runtime leaves whole holds whole (the planner's weight_layer_cost too)
             local = lay if splits_by_layout(head) else LayerLayout(sample=lay.sample)
-            per_layer.append(weight_layer_memory(head, followers, local, batch=batch, elem=elem, optimizer=optimizer,
-                                                 momentum=momentum, input_grad=input_grad, kept=kept,
-                                                 graph_batch=graph.batch))
+            mem = weight_layer_memory(head, followers, local, batch=batch, elem=elem, optimizer=optimizer,
+                                      momentum=momentum, input_grad=input_grad, kept=kept, graph_batch=graph.batch)
             d = (lay.sample, lay.channel * lay.filter)
         else:
             d = next((dist[i] for i in head.inputs if i in dist), (default.sample, default.channel * default.filter))
-            per_layer.append(nodes_memory([head, *followers], batch=batch, sample=d[0], pieces=d[1], elem=elem,
-                                          optimizer=optimizer, momentum=momentum, kept=kept,
-                                          graph_batch=graph.batch))
+            local = LayerLayout(sample=d[0], channel=d[1])
+            mem = nodes_memory([head, *followers], batch=batch, sample=d[0], pieces=d[1], elem=elem,
+                               optimizer=optimizer, momentum=momentum, kept=kept, graph_batch=graph.batch)
+        # framework_bytes 0: a GPU (predict_rank_memory); else CPU ranks, with ATen's unfold buffers
+        per_layer.append(with_cpu_unfold(mem, [head, *followers], local, batch, elem, graph.batch)
+                         if framework_bytes != 0 else mem)
         first = first or d
         for n in (head, *followers):
             dist[n.name] = d
     if prefix:  # on the first layer's distribution, as the planner prices their time
         s0, g0 = first or (default.sample, default.channel * default.filter)
-        per_layer.append(nodes_memory(prefix, batch=batch, sample=s0, pieces=g0, elem=elem, optimizer=optimizer,
-                                      momentum=momentum, kept=kept, graph_batch=graph.batch))
+        mem = nodes_memory(prefix, batch=batch, sample=s0, pieces=g0, elem=elem, optimizer=optimizer,
+                           momentum=momentum, kept=kept, graph_batch=graph.batch)
+        per_layer.append(with_cpu_unfold(mem, prefix, LayerLayout(sample=s0, channel=g0), batch, elem, graph.batch)
+                         if framework_bytes != 0 else mem)
         owners.append("")
     fw = framework_bytes_for() if framework_bytes is None else float(framework_bytes)
     held = fsdp_block_bytes(graph, default.model_copy(update={"zero": 3}), elem)  # what FSDP would hold

@@ -76,7 +76,7 @@ def _linear(ins, out, a, grads, has_w) -> Flops:
 
 def _attention(ins, out, a, grads, has_w) -> Flops:
     if a.get("sdpa"):
-        return _sdpa(ins, grads)
+        return _sdpa(a.get("qkv") or ins, grads)
     # An activation x activation product (attention scores / context): out = A @ B over K; an einsum
     # carries its own count (graph/ops.py: einsum_flops). Each operand's gradient is a product of the
     # same size; a bias (baddbmm) needs none.

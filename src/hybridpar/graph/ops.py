@@ -188,7 +188,12 @@ def classify(op_name: str, mod: nn.Module | None, args: tuple, kwargs: dict,
     if kind == "einsum":
         return "attention", {"flops": einsum_flops(args[0] if args else kwargs.get("equation", ""), in_shapes)}
     if kind == "sdpa":
+        # q, k and v from the call itself: the graph's inputs name each producer once, so a
+        # self-attention called as sdpa(q, q, q) has one input shape, not three
+        qkv = tuple(_node_shape(_arg(args, kwargs, i, key)) for i, key in enumerate(("query", "key", "value")))
         attrs = {"sdpa": True, "k": in_shapes[0][-1] if in_shapes and in_shapes[0] else 1}
+        if all(qkv):
+            attrs["qkv"] = qkv
         p = _arg(args, kwargs, 4, "dropout_p", 0.0)  # decides what autograd keeps (cost.memory.internal_numel)
         return "attention", {**attrs, "dropout": float(p)} if isinstance(p, (int, float)) and p > 0 else attrs
     if kind == "other":
@@ -302,6 +307,12 @@ def einsum_flops(equation, in_shapes: tuple) -> int:
             total += 2 * prod(size[c] for c in pair)
         acc = "".join(c for c in pair if c in later)
     return total
+
+
+def _node_shape(a) -> Shape | None:
+    """The shape of a traced argument (an fx node's tensor_meta, an exported node's val), else None."""
+    meta = getattr(a, "meta", None)
+    return shape_of(meta.get("tensor_meta", meta.get("val"))) if isinstance(meta, dict) else None
 
 
 def _arg(args: tuple, kwargs: dict, i: int, key: str, default=None):

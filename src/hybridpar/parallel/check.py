@@ -4,7 +4,8 @@ group of the layout's world size, in this process, before any rank starts.
 It finds every op the layout cannot serve (raised as a UserError naming the op and the module, so
 `hybridpar train` exits 2 with one line and spawns nothing) and records every collective one step
 issues on rank 0 of the layout: our layers' (as CommLog does at run time) and DTensor's own
-redistributions between them, with the module each ran in, for the planner to price.
+redistributions, between them and inside its ops (a norm's split input gathered), with the module
+each ran in, for the planner to price.
 It needs a process with no process group yet (the launcher, the planner, a test's parent process).
 """
 

@@ -84,6 +84,11 @@ class Plan(_Frozen):
     # Time chunks per recurrent layer of a model-parallel plan (the time-step wavefront, as the placer
     # chose and priced it; 1: whole layers); None: not chosen (whole). Serialised only when set.
     time_chunks: int | None = Field(None, ge=1)
+    # Priced for channels-last (NHWC) memory (`plan --channels-last`, as `train --channels-last` runs):
+    # "measured" every 4-D op from this machine's channels-last records, "partly-measured" some of them
+    # as NCHW, "nchw-priced" all of them as NCHW (no channels-last records: a GPU preset, or not
+    # profiled); None: planned for NCHW. Serialised only when set, as recompute.
+    channels_last: Literal["measured", "partly-measured", "nchw-priced"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -98,7 +103,8 @@ class Plan(_Frozen):
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> Any:
         out = handler(self)
         if isinstance(out, dict):
-            for key in ("recompute", "micro_batches", "recompute_blocks", "schedule", "time_chunks"):
+            for key in ("recompute", "micro_batches", "recompute_blocks", "schedule", "time_chunks",
+                        "channels_last"):
                 if getattr(self, key) is None:
                     out.pop(key, None)
         return out

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from hybridpar.cluster.calibration import OpRecord
-from hybridpar.cost.compute import FREE_OPS, local_shapes
+from hybridpar.cluster.calibration import OpRecord, format_key, format_op
+from hybridpar.cost.compute import FREE_OPS, channels_last_layout, local_shapes
 from hybridpar.graph.types import Graph, Node
 from hybridpar.profile.timing import clock, summarize
 
@@ -45,19 +45,30 @@ class Captured:
 @dataclass(frozen=True)
 class GraphJob:
     key: str
-    op: str
+    op: str  # as recorded: with its format and precision (cluster.calibration.format_op)
     node: str
     fracs: tuple[int, int, int]  # sample, channel, filter degrees
+    memory_format: str = "nchw"
+    precision: str = "fp32"  # bf16: as a bf16 autocast step runs it
 
 
-def graph_jobs(graph: Graph, splits: tuple[int, ...], covered: set[str]) -> list[GraphJob]:
+Formats = tuple[tuple[str, str], ...]  # (memory format, precision) of each set of records
+
+
+def graph_jobs(graph: Graph, splits: tuple[int, ...], covered: set[str],
+               formats: Formats = (("nchw", "fp32"),)) -> list[GraphJob]:
     """One job per distinct (op, local shapes) key of the graph's working nodes at every layout of
     every k in `splits` (and whole), as the runtime runs each node there (cost.coverage.profile_keys:
-    a depthwise conv whole over channels), leaving out keys in `covered` (measured by the hook path)."""
+    a depthwise conv whole over channels), leaving out keys in `covered` (measured by the hook path);
+    again for each (memory format, precision) of `formats`: in "channels_last" only the nodes a
+    channels-last run computes on NHWC memory (cost.compute.channels_last_layout)."""
     from hybridpar.cost.coverage import profile_keys
 
-    return [GraphJob(key, n.op, n.name, lay) for key, (n, lay) in profile_keys(graph, splits).items()
-            if key not in covered]
+    keys = profile_keys(graph, splits)
+    image = channels_last_layout(graph).image if any(mf == "channels_last" for mf, _ in formats) else frozenset()
+    return [GraphJob(format_key(key, mf, p), format_op(n.op, mf, p), n.name, lay, mf, p)
+            for mf, p in formats for key, (n, lay) in keys.items()
+            if format_key(key, mf, p) not in covered and (mf == "nchw" or n.name in image)]
 
 
 @dataclass
@@ -106,8 +117,8 @@ def _detached(tree):
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
-def capture(module: nn.Module, example_inputs: tuple, names: set[str], tracer: str = "torch.fx"
-            ) -> dict[str, Captured]:
+def capture(module: nn.Module, example_inputs: tuple, names: set[str], tracer: str = "torch.fx",
+            precision: str = "fp32") -> dict[str, Captured]:
     """The callable and real arguments of the nodes named `names` in one forward pass of `module`,
     through the tracer the planner's graph came from (`tracer`: torch.fx's symbolic trace, or
     torch.export's graph, whose node names the graph keeps). Empty when it cannot trace the model:
@@ -123,8 +134,10 @@ def capture(module: nn.Module, example_inputs: tuple, names: set[str], tracer: s
             gm = fx.symbolic_trace(module)
     except Exception:  # noqa: BLE001 - an untraceable model: its ops are listed untimed
         return {}
+    from hybridpar.profile.ops import autocast
+
     rec = _Recorder(gm, names)
-    with torch.no_grad():
+    with torch.no_grad(), autocast(precision):
         rec.run(*example_inputs)
     return rec.got
 
@@ -140,20 +153,32 @@ def _cut(t: torch.Tensor, full: tuple[int, ...], local: tuple[int, ...]) -> torc
     return out
 
 
-def _pieces(cap: Captured, node: Node, fracs: tuple[int, int, int]) -> tuple[tuple, dict, dict]:
+def _pieces(cap: Captured, node: Node, fracs: tuple[int, int, int], memory_format: str = "nchw"
+            ) -> tuple[tuple, dict, dict]:
     s, c, f = fracs
     loc = local_shapes(node, 1 / s, 1 / c, 1 / f)
     full = tuple(node.in_shapes[0]) if node.in_shapes else ()
     from torch.utils._pytree import tree_map
 
     def cut(t):
-        return _cut(t, full, loc.x).contiguous() if isinstance(t, torch.Tensor) else t
+        return _formatted(_cut(t, full, loc.x), memory_format) if isinstance(t, torch.Tensor) else t
 
-    args, kwargs = tree_map(cut, (cap.args, cap.kwargs), is_leaf=lambda t: isinstance(t, _Weight))
+    def weight(t):  # a parameter argument: never cut, in the run's format (4-D weights converted)
+        return _Weight(_formatted(t.tensor, memory_format)) if isinstance(t, _Weight) else cut(t)
+
+    args, kwargs = tree_map(weight, (cap.args, cap.kwargs), is_leaf=lambda t: isinstance(t, _Weight))
     # a module's per-channel weights (a norm's) follow a channel cut of its input: dim 0 = channels
-    weights = {k: (v.narrow(0, 0, loc.x[1]) if len(full) > 1 and v.dim() >= 1 and v.shape[0] == full[1]
-                   and loc.x[1] != full[1] else v) for k, v in cap.weights.items()}
+    weights = {k: _formatted(v.narrow(0, 0, loc.x[1]) if len(full) > 1 and v.dim() >= 1 and v.shape[0] == full[1]
+                             and loc.x[1] != full[1] else v, memory_format) for k, v in cap.weights.items()}
     return args, kwargs, weights
+
+
+def _formatted(t: torch.Tensor, memory_format: str) -> torch.Tensor:
+    """`t` contiguous, 4-D tensors channels-last in a channels-last job (as `train --channels-last`
+    converts the model's 4-D weights and inputs, and convolutions keep their outputs so)."""
+    if memory_format == "channels_last" and t.dim() == 4:
+        return t.contiguous(memory_format=torch.channels_last)
+    return t.contiguous()
 
 
 def _run(cap: Captured, args, kwargs, weights) -> torch.Tensor:
@@ -178,8 +203,11 @@ def time_job(cap: Captured, node: Node, job: GraphJob, *, device: str = "cpu", w
              repeats: int = 5) -> OpRecord:
     """Forward, backward-data (the activations' gradients) and backward-weight (the module's
     parameters') of one job; each repeat on fresh copies of the inputs, as a training step runs it.
-    CPU time of this thread on a CPU (profile.timing), synchronised wall time on a GPU."""
-    args, kwargs, weights = _pieces(cap, node, job.fracs)
+    CPU time of this thread on a CPU (profile.timing), synchronised wall time on a GPU. A bf16 job's
+    forward runs under bf16 autocast, its backward outside, as a bf16 step runs them."""
+    from hybridpar.profile.ops import autocast
+
+    args, kwargs, weights = _pieces(cap, node, job.fracs, job.memory_format)
     arg_weights: list[torch.Tensor] = []
 
     def place(t):
@@ -203,7 +231,8 @@ def time_job(cap: Captured, node: Node, job: GraphJob, *, device: str = "cpu", w
         a, kw = _fresh((args, kwargs), held)
         acts = [t for t in _floats((a, kw)) if id(t) not in held]
         t0 = tick()
-        y = _run(cap, a, kw, params)
+        with autocast(job.precision, device):
+            y = _run(cap, a, kw, params)
         t1 = tick()
         if k == 0 and tuple(y.shape) != tuple(loc_y):
             raise ValueError(f"output {tuple(y.shape)} at the local shape, expected {tuple(loc_y)}")
@@ -249,16 +278,20 @@ def _clock(device: str) -> Callable[[], float]:
 
 def profile_graph_ops(module: nn.Module, example_inputs: tuple, graph: Graph, splits: tuple[int, ...],
                       covered: set[str], *, device: str = "cpu", warmup: int = 2, repeats: int = 5,
-                      progress: Callable[[str], None] | None = None) -> tuple[dict[str, OpRecord], dict[str, str]]:
+                      progress: Callable[[str], None] | None = None, formats: Formats = (("nchw", "fp32"),)
+                      ) -> tuple[dict[str, OpRecord], dict[str, str]]:
     """(records by key, untimed key -> reason) for every job of `graph_jobs`."""
-    jobs = graph_jobs(graph, splits, covered)
-    got = capture(module, example_inputs, {j.node for j in jobs}, dict(graph.meta).get("tracer", "torch.fx"))
+    jobs = graph_jobs(graph, splits, covered, formats)
+    tracer = dict(graph.meta).get("tracer", "torch.fx")
+    # the arguments each node got, per precision: under bf16 autocast a layer's output arrives as bf16
+    got = {p: capture(module, example_inputs, {j.node for j in jobs if j.precision == p}, tracer, p)
+           for p in dict.fromkeys(j.precision for j in jobs)}
     records: dict[str, OpRecord] = {}
     untimed: dict[str, str] = {}
     for job in jobs:
         if progress is not None:
             progress(f"{job.op} {job.key.split('|', 2)[1]}")
-        cap = got.get(job.node)
+        cap = got[job.precision].get(job.node)
         if cap is None:
             untimed[job.key] = "not a node of torch.fx's trace of the model"
             continue

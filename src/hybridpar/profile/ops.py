@@ -7,6 +7,8 @@ Batch norm is measured twice: as nn.BatchNorm2d ("batchnorm": local statistics, 
 group) and as the runtime's global-statistics function without its two allreduces
 ("batchnorm_global": what a rank computes when samples are split). The poolings and batch norm were
 2-4x off the roofline on this CPU (max-pool 4x slower), which is why they are measured, not modelled.
+Each can also be timed as `train --channels-last` (NHWC 4-D tensors) and `--precision bf16` (autocast)
+run it, under its own record name (cluster.calibration.format_op: `conv2d#cl`, `conv2d#bf16`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.cluster.calibration import Measurement, OpRecord
+from hybridpar.cluster.calibration import Measurement, OpRecord, format_op
 from hybridpar.cost.compute import local_shapes
 from hybridpar.graph.types import Node
 from hybridpar.profile.timing import clock, measure, summarize
@@ -41,6 +43,13 @@ class OpSpec:
     kernel: tuple[int, int] = (1, 1)  # poolings
     ceil_mode: bool = False
     bias_lstm: bool = True  # lstm: with biases (its weights are named weight_ih/_hh: no "weight" key)
+    # "channels_last": a 4-D op timed on NHWC input, weights and output gradient, recorded under its
+    # own name (cluster.calibration.format_op), as `train --channels-last` runs it
+    memory_format: str = "nchw"
+    # "bf16": timed as a bf16 autocast step runs it (forward under autocast, backward outside), its input
+    # in the dtype it arrives in there (`x_dtype`: the model's fp32 batch, or a bf16 layer's output)
+    precision: str = "fp32"
+    x_dtype: str = "fp32"
 
     def node(self) -> Node:
         op = "batchnorm" if self.op == "batchnorm_global" else self.op
@@ -49,7 +58,17 @@ class OpSpec:
 
     @property
     def key(self) -> str:
-        return local_shapes(self.node()).key(self.op)
+        return local_shapes(self.node()).key(self.record_op)
+
+    @property
+    def record_op(self) -> str:
+        """The op's name in the calibration file (its memory format's and precision's)."""
+        return format_op(self.op, self.memory_format, self.precision)
+
+    @property
+    def image(self) -> bool:
+        """A 4-D op: one that can run in channels-last memory."""
+        return len(self.x) == 4 and self.op != "lstm"
 
     def local(self, sample_frac: float = 1.0, channel_frac: float = 1.0, filter_frac: float = 1.0) -> OpSpec:
         """This op at the local shape of a sample/channel/filter split (same rule as the cost model)."""
@@ -96,9 +115,10 @@ def _specs_of(mod: nn.Module, x: tuple[int, ...], y: tuple[int, ...]) -> list[Op
     return [OpSpec("adaptive_avgpool", x, None, y)]
 
 
-def collect_op_specs(module: nn.Module, example_inputs: tuple) -> list[OpSpec]:
-    """The shapes of the ops `op_time` can look up, seen in one forward pass of `module`
-    (deduplicated, in order)."""
+def collect_op_specs(module: nn.Module, example_inputs: tuple, precision: str = "fp32") -> list[OpSpec]:
+    """The shapes of the ops `op_time` can look up, seen in one forward pass of `module` (deduplicated,
+    in order); `precision` "bf16": the pass runs under bf16 autocast, as a bf16 step does, and each op
+    keeps the dtype its input arrived in."""
     found: dict[tuple, OpSpec] = {}
 
     def hook(mod: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
@@ -106,12 +126,14 @@ def collect_op_specs(module: nn.Module, example_inputs: tuple) -> list[OpSpec]:
             output = output[0]  # (out, (h, c))
         if not isinstance(output, torch.Tensor) or not inputs or not isinstance(inputs[0], torch.Tensor):
             return
+        x_dtype = "bf16" if inputs[0].dtype == torch.bfloat16 else "fp32"
         for spec in _specs_of(mod, tuple(inputs[0].shape), tuple(output.shape)):
+            spec = replace(spec, precision=precision, x_dtype=x_dtype)
             found.setdefault((spec.key, spec.stride, spec.padding, spec.dilation, spec.groups, spec.kernel), spec)
 
     handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, _MODULES)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast(precision):
             module(*example_inputs)
     finally:
         for h in handles:
@@ -144,6 +166,28 @@ def split_variants(specs: list[OpSpec], splits: tuple[int, ...]) -> list[OpSpec]
                     v = s.local(1 / sa, 1 / c, 1 / f)
                     out.setdefault(v.key, v)
     return list(out.values())
+
+
+def channels_last_variants(specs: list[OpSpec]) -> list[OpSpec]:
+    """The 4-D ops of `specs` again, to be timed in channels-last memory."""
+    return [replace(s, memory_format="channels_last") for s in specs if s.image and s.memory_format == "nchw"]
+
+
+def autocast(precision: str, device: str = "cpu"):
+    """The forward's autocast context at `precision` (as `train --precision` runs a step)."""
+    import contextlib
+
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
+
+
+def _formatted(spec: OpSpec, t: torch.Tensor) -> torch.Tensor:
+    """`t` in the spec's memory format where it is 4-D (the channels-last run converts 4-D weights and
+    inputs; a convolution then returns, and its backward receives, channels-last tensors)."""
+    if spec.memory_format == "channels_last" and t.dim() == 4:
+        return t.contiguous(memory_format=torch.channels_last)
+    return t
 
 
 def _forward(spec: OpSpec, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
@@ -182,7 +226,7 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     it. The three are timed in turn within each repeat, so a burst of load from elsewhere (cache
     pressure) hits all three alike."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(spec.x, generator=g).requires_grad_(True)
+    x = _formatted(spec, torch.randn(spec.x, generator=g).to(_TORCH_DTYPES[spec.x_dtype])).requires_grad_(True)
     w = b = None
     if spec.op == "lstm":
         w = nn.LSTM(spec.x[2], spec.y[2], batch_first=True, bias=spec.bias_lstm)  # the module: weights, biases
@@ -191,9 +235,11 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
             w = torch.randn(spec.x[1], generator=g).requires_grad_(True)
             b = torch.randn(spec.x[1], generator=g).requires_grad_(True)
     elif spec.op in ("conv2d", "linear"):
-        w = torch.randn(spec.w, generator=g).requires_grad_(True)
+        w = _formatted(spec, torch.randn(spec.w, generator=g)).requires_grad_(True)
         b = torch.randn(spec.w[0], generator=g).requires_grad_(True) if spec.bias else None
-    dy0 = torch.randn(_forward(spec, x, w, b).shape, generator=g)
+    with autocast(spec.precision):
+        y0 = _forward(spec, x, w, b)
+    dy0 = _formatted(spec, torch.randn(y0.shape, generator=g).to(y0.dtype))
     wrt = tuple(w.parameters()) if spec.op == "lstm" else tuple(t for t in (w, b) if t is not None)
     whole = spec.op in _WHOLE_BACKWARD  # one backward computes dx, dw and db: all of it is backward-data
     n_passes = 2 if whole or not wrt else 3
@@ -201,11 +247,12 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     for k in range(warmup + repeats):
         # fresh input and output gradient each repeat, as each training step has: a conv on the same
         # input tensor again took 0.8-0.95 ms, on a fresh copy 3.2-3.8 ms (oneDNN, this CPU); the
-        # table was ~2x under the runtime's steps before
+        # table was ~2x under the runtime's steps before (clone keeps the memory format)
         xr = x.detach().clone().requires_grad_(True)
         dy = dy0.clone()
         t0 = clock()
-        y = _forward(spec, xr, w, b)
+        with autocast(spec.precision):
+            y = _forward(spec, xr, w, b)
         t1 = clock()
         torch.autograd.grad(y, (xr, *wrt) if whole else xr, dy, retain_graph=not whole and bool(wrt))
         t2 = clock()
@@ -217,7 +264,7 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
             for i, t in enumerate(times):
                 samples[i].append(t)
     fwd, bwd_data, *rest = (summarize(s) for s in samples)
-    return OpRecord(key=spec.key, op=spec.op, fwd=fwd, bwd_data=bwd_data, bwd_weight=rest[0] if rest else None)
+    return OpRecord(key=spec.key, op=spec.record_op, fwd=fwd, bwd_data=bwd_data, bwd_weight=rest[0] if rest else None)
 
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -41,6 +41,17 @@ class ProfileOptions:
     # the runtime's own overhead is a property of the machine and the runtime, not of the model: kept
     # from an existing file (same host, same torch) unless this is set or the file has none
     remeasure_overhead: bool = False
+    # also time the model's 4-D ops in channels-last memory (records under their own names, beside NCHW's)
+    channels_last: bool = False
+    # "bf16": also time every op as a bf16 autocast step runs it (`train --precision bf16`)
+    precision: str = "fp32"
+
+    @property
+    def formats(self) -> tuple[tuple[str, str], ...]:
+        """(memory format, precision) of each set of op records to time: NCHW fp32 always."""
+        mfs = ("nchw", "channels_last") if self.channels_last else ("nchw",)
+        precs = ("fp32", "bf16") if self.precision == "bf16" else ("fp32",)
+        return tuple((mf, p) for p in precs for mf in mfs)
 
     def validate(self) -> None:
         if not self.ranks or any(r < 2 or r > 64 for r in self.ranks):
@@ -56,17 +67,34 @@ class ProfileOptions:
             raise UserError(f"warmup must be >= 0, got {self.warmup}", param="warmup")
         if any(k < 1 for k in self.splits):
             raise UserError(f"splits must be positive integers, got {list(self.splits)}", param="splits")
+        if self.channels_last and not self.model:
+            raise UserError("channels_last times a model's 4-D ops: it needs a model", param="channels_last")
+        if self.precision not in ("fp32", "bf16"):
+            raise UserError(f"precision must be fp32 or bf16 (autocast), got {self.precision!r}", param="precision")
+        if self.precision == "bf16" and not self.model:
+            raise UserError("precision bf16 times a model's ops under autocast: it needs a model", param="precision")
 
 
 def op_specs(opts: ProfileOptions) -> list:
-    """The conv/linear shapes to profile for `opts.model` (UserError for a bad model spec)."""
+    """The shapes of the module kinds `profile.ops` times for `opts.model`, and with `channels_last`
+    the 4-D ones again in that format (UserError for a bad model spec, or `channels_last` on a model
+    with no 4-D op of those kinds)."""
     if not opts.model:
         return []
     from hybridpar.graph.models import load_model
     from hybridpar.profile import ops
 
     loaded = load_model(opts.model, batch=opts.batch, input_shape=opts.input_shape)
-    return ops.split_variants(ops.collect_op_specs(loaded.module, loaded.example_inputs), opts.splits)
+    specs = [s for prec in dict.fromkeys(p for _, p in opts.formats)
+             for s in ops.split_variants(ops.collect_op_specs(loaded.module, loaded.example_inputs, prec),
+                                         opts.splits)]
+    if not opts.channels_last:
+        return specs
+    cl = ops.channels_last_variants(specs)
+    if not cl:
+        raise UserError(f"channels_last: model {opts.model!r} has no 4-D (image) convolution, norm or pooling "
+                        "to time in that format", param="channels_last")
+    return specs + cl
 
 
 def graph_work(opts: ProfileOptions, covered: set[str]):
@@ -83,7 +111,23 @@ def graph_work(opts: ProfileOptions, covered: set[str]):
         graph = trace(loaded.module, loaded.example_inputs, train=True)
     except UserError:
         return None  # a model the planner cannot trace either: its plan fails first, with the reason
-    return loaded.module, loaded.example_inputs, graph, graph_jobs(graph, opts.splits, covered)
+    return loaded.module, loaded.example_inputs, graph, graph_jobs(graph, opts.splits, covered, opts.formats)
+
+
+def model_ops(opts: ProfileOptions, step: Callable[[str], None] | None = None
+              ) -> tuple[dict[str, OpRecord], dict[str, str]]:
+    """Only the op records of `opts.model` (both paths, every format and precision asked for), without the
+    device figures and gloo runs of `run_profile`: (records by key, untimed key -> reason)."""
+    opts.validate()
+    import torch
+
+    specs = op_specs(opts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one rank = one core: measure what one rank gets
+    try:
+        return _model_ops(opts, specs, graph_work(opts, {s.key for s in specs}), step or (lambda _desc: None))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _model_ops(opts: ProfileOptions, specs: list, work, step: Callable[[str], None]
@@ -94,7 +138,7 @@ def _model_ops(opts: ProfileOptions, specs: list, work, step: Callable[[str], No
 
     records: dict[str, OpRecord] = {}
     for s in specs:
-        step(f"{s.op} {'x'.join(map(str, s.x))}")
+        step(f"{s.record_op} {'x'.join(map(str, s.x))}")
         rec = ops.profile_op(s, warmup=opts.warmup, repeats=max(3, opts.repeats // 2))
         records[rec.key] = rec
     if not work:
@@ -103,7 +147,8 @@ def _model_ops(opts: ProfileOptions, specs: list, work, step: Callable[[str], No
 
     module, inputs, graph, _ = work
     got, untimed = profile_graph_ops(module, inputs, graph, opts.splits, set(records), warmup=opts.warmup,
-                                     repeats=max(3, opts.repeats // 2), progress=step)
+                                     repeats=max(3, opts.repeats // 2), progress=step,
+                                     formats=opts.formats)
     return {**records, **got}, untimed
 
 
@@ -156,7 +201,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
         from hybridpar.profile.dist_layers import measure_dist_layers
 
         # the model's layers at full shape (specs holds them at every split's local shape too)
-        whole = op_specs(replace(opts, splits=(1,)))
+        whole = op_specs(replace(opts, splits=(1,), channels_last=False, precision="fp32"))
         records.update(measure_dist_layers(whole, opts.splits, warmup=opts.warmup, repeats=max(3, opts.repeats // 2)))
     fits: dict[int, GlooFit] = {}
     colls: list[CollectiveFit] = []

@@ -301,9 +301,9 @@ def run_config(config: TrainConfig | None = None, *, launcher_world: int | None 
                               tuple(m.loaded.example_inputs))
     # its fallback from the placer's 1f1b (GPipe holds more activations): told at start-up and in --json
     schedule_notes = [f"note: {n}" for n in settled.notes[len(the_plan.notes):]]
-    if cfg.channels_last:  # speed only (same values); the cost model has no per-format rates yet
-        schedule_notes.append("note: --channels-last runs 4-D weights and inputs in NHWC; the plan's step-time "
-                              "figures are NCHW's (the memory format is not priced)")
+    format_note = channels_last_note(the_plan, cfg.channels_last)
+    if format_note:
+        schedule_notes.append(format_note)
     the_plan = settled
     cfg = replace(cfg, parallel=replace(cfg.parallel, plan=the_plan, recompute=recompute, micro_batches=micro))
     with startup.phase("dry run of the layout"):
@@ -450,6 +450,27 @@ def claim_checkpoint_dir(setup: RunSetup) -> None:
 
 
 # -- the pieces ----------------------------------------------------------------------------------
+
+def channels_last_note(plan: Plan, channels_last: bool) -> str | None:
+    """The start-up note on whether the plan priced the run's memory format (Plan.channels_last: set by
+    `plan --channels-last`); None when both are NCHW."""
+    how = plan.channels_last
+    if not channels_last:
+        return None if how is None else ("note: the plan was priced for channels-last memory (plan "
+                                         "--channels-last); this run is NCHW, so its step time may differ")
+    head = "note: --channels-last runs 4-D weights and inputs in NHWC; "
+    if plan.predicted is None:
+        return head + "no plan priced this run (a --strategy is not priced)"
+    if how == "measured":
+        return head + f"the plan priced it from channels-last op times measured on {plan.cluster}"
+    if how == "partly-measured":
+        return head + "the plan priced it, some 4-D ops as NCHW (uncalibrated for the format: its notes list them)"
+    if how == "nchw-priced":
+        return head + (f"the plan priced its 4-D ops as NCHW (no channels-last measurements for {plan.cluster}: "
+                       "its notes say so)")
+    return head + ("the plan's step-time figures are NCHW's (planned without --channels-last; `hybridpar plan "
+                   "--channels-last` prices the format)")
+
 
 def _plan_and_world(cfg: TrainConfig, launcher_world: int | None):
     """(plan, ranks, batch, model, input shape): the caller's, else the plan's; UserError where they

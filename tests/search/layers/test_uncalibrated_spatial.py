@@ -111,5 +111,9 @@ def test_profile_advice_is_per_key_and_never_for_another_dtype(tmp_path, monkeyp
     assert "could not be timed: a made-up reason" in cov.note("ARGS") and "profile ARGS" in cov.note("ARGS")
     every = cal.model_copy(update={"untimed": {local_shapes(n).key("conv2d"): "why" for n in convs}})
     assert "profile ARGS" not in coverage(graph, dev, lambda n: (1.0, 1.0, 1.0), calibration=every).note("ARGS")
+    # fp16: the profile times no fp16 op, so it advises nothing; bf16: `profile --precision bf16` times
+    # them (the plan's ARGS carry the option: tests/profile/test_channels_last_pricing.py)
+    fp16 = coverage(graph, dev, lambda n: (1.0, 1.0, 1.0), dtype="fp16", calibration=cal).note("ARGS")
+    assert fp16.startswith(LABEL) and "fp32" in fp16 and "hybridpar profile" not in fp16
     bf16 = coverage(graph, dev, lambda n: (1.0, 1.0, 1.0), dtype="bf16", calibration=cal).note("ARGS")
-    assert bf16.startswith(LABEL) and "fp32" in bf16 and "hybridpar profile" not in bf16
+    assert bf16.startswith(LABEL) and "none timed under bf16 autocast" in bf16 and "profile ARGS" in bf16

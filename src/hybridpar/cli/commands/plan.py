@@ -52,6 +52,9 @@ def _result_json(res) -> dict:
         "speedup_vs_dp": res.speedup_vs_dp,
         # the note saying which op times are the roofline's, not measured here (localhost), else None
         "uncalibrated_estimate": _uncalibrated(res.plan),
+        # --channels-last: how the plan priced the format (Plan.channels_last) and its note; None: NCHW
+        "channels_last": res.plan.channels_last,
+        "channels_last_note": _format_note(res.plan),
         # the second baseline: FSDP (sample=N,zero=3) with every block recomputed (torchtitan's default)
         "fsdp_recompute": _baseline_json(res.fsdp_baseline),
         "fsdp_recompute_note": res.fsdp_note,
@@ -76,6 +79,12 @@ def _uncalibrated(plan) -> str | None:
     from hybridpar.cost.coverage import LABEL
 
     return next((n for n in plan.notes if n.startswith(LABEL)), None)
+
+
+def _format_note(plan) -> str | None:
+    from hybridpar.search.layers.uncalibrated import CL_NOTE
+
+    return next((n for n in plan.notes if n.startswith(CL_NOTE)), None)
 
 
 def _short(choice: str) -> str:
@@ -165,10 +174,15 @@ def register(app: click.Group) -> None:
                        "cannot serve, and price DTensor's redistributions between layers (default: on for "
                        "file models, whose code between layers may mix channels; off for the zoo); "
                        "--no-dry-run also prices layouts the runtime cannot run (a what-if)")
+    @click.option("--channels-last", is_flag=True, default=False,
+                  help="price 4-D ops in channels-last (NHWC) memory, as `train --channels-last` runs them: from "
+                       "the channels-last op times `hybridpar profile --channels-last` measured on localhost, "
+                       "else as NCHW (the notes say which); a flatten of a 4-D activation as the copy it is")
     @click.option("--out", "out", default=None, type=click.Path(dir_okay=False), help="write the Plan JSON")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def plan_cmd(model, cluster, gpus, batch, memory_limit, strategy, dtype, input_shape, grad_sync,  # noqa: PLR0913
-                 free_sample, time_share, optimizer, momentum, weight_decay, recompute, dry, out, json_) -> None:
+                 free_sample, time_share, optimizer, momentum, weight_decay, recompute, dry, channels_last, out,
+                 json_) -> None:
         """Choose a sample/channel/filter decomposition per layer (or evaluate --strategy)."""
         from hybridpar.api import plan
 
@@ -185,7 +199,7 @@ def register(app: click.Group) -> None:
             res = plan(model, cluster, gpus, batch, memory_limit=limit, strategy=strategy, dtype=dtype,
                        input_shape=shape, grad_sync=grad_sync, free_sample=free_sample, time_share=time_share,
                        dry_run=dry, optimizer=optimizer, momentum=momentum, weight_decay=weight_decay,
-                       recompute=recompute,
+                       recompute=recompute, channels_last=channels_last,
                        progress=None if status is None else (lambda msg: status.update(msg)))
         finally:
             if status is not None:

@@ -27,10 +27,17 @@ def register(app: click.Group) -> None:
     @click.option("--remeasure-overhead", is_flag=True,
                   help="measure the runtime's own overhead again (else kept from the file once measured on "
                        "this host and torch: it does not depend on the model)")
+    @click.option("--channels-last", is_flag=True,
+                  help="also time the model's 4-D ops (convolutions, norms, poolings, elementwise ops on images) "
+                       "with channels-last (NHWC) inputs and weights, forward and backward, as `train "
+                       "--channels-last` runs them; `plan --channels-last` prices from these records")
+    @click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+                  help="bf16: also time every op of the model as a bf16 autocast step runs it (`train --precision "
+                       "bf16`: forward under autocast, backward outside); `plan --dtype bf16` prices from these")
     @click.option("--json", "json_", is_flag=True, help="machine-readable output")
     def profile_cmd(  # noqa: PLR0913 - a click command: one parameter per flag
             out, ranks, model, batch, input_shape, splits, sizes, repeats, warmup, no_merge, remeasure_overhead,
-            json_):
+            channels_last, precision, json_):
         """Measure op times, matmul peak and gloo collectives (per kind and group size) on this machine."""
         from hybridpar.graph.models import parse_shape
         from hybridpar.profile.run import (
@@ -47,7 +54,7 @@ def register(app: click.Group) -> None:
             sizes=parse_int_list(sizes, "--sizes", binary_suffixes=True) if sizes else tuple(sizes_default()),
             model=model or None, batch=batch, input_shape=parse_shape(input_shape),
             splits=parse_int_list(splits, "--splits"), warmup=warmup, repeats=repeats, merge=not no_merge,
-            remeasure_overhead=remeasure_overhead)
+            remeasure_overhead=remeasure_overhead, channels_last=channels_last, precision=precision)
         opts.validate()
         specs = op_specs(opts)  # bad --model fails here, before any progress output
         kept = overhead_to_keep(opts, calibration_path(out)) is not None

@@ -1,6 +1,10 @@
 """DTensor's own collectives (the redistributions its op rules insert between our layers) in the
 CommLog, beside our layers' collectives: a TorchDispatchMode sees every functional collective DTensor
-issues, with its group, and ModuleTracker names the module it ran in.
+issues, with its group, and ModuleTracker names the module it ran in. That includes the ones issued
+inside DTensor's dispatch of an op (its inputs redistributed to what the op's rule needs: a bilinear
+F.interpolate's spatially split input, a LayerNorm's split features, the inputs of an op run
+replicated), which the mode sees by deferring DTensor's ops to DTensor (issue 30; gloo's own count
+in tests/parallel/test_dtensor_log_bytes.py).
 
 Kinds as in hybridpar.cost.collectives (allgather = the gathered result, reduce_scatter = the input,
 allreduce = the buffer); tags start with "dtensor:" so they can be told from our layers' own."""
@@ -10,6 +14,7 @@ from __future__ import annotations
 from math import prod
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _KINDS = {
@@ -46,6 +51,13 @@ class DTensorCommLog(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # DTensor's own op: let DTensor run it. A mode is off the stack while it runs an op, so
+            # the redistributions DTensor makes inside (an op's inputs gathered to what its rule
+            # needs: F.interpolate's spatially split input) would go unseen; NotImplemented has
+            # torch run DTensor's dispatch with this mode on the stack (as FakeTensorMode defers to
+            # other subclasses), and its collectives on the local pieces come back here.
+            return NotImplemented
         kwargs = kwargs or {}
         if func.namespace == "_c10d_functional":
             kind = _KINDS.get(func._schema.name.split("::")[-1])
@@ -64,7 +76,10 @@ class DTensorCommLog(TorchDispatchMode):
             nbytes *= size
         module = ""
         if self.tracker is not None and self.tracker.parents:
-            module = max(self.tracker.parents, key=len)
+            # the innermost: most dots ("Global", always among the parents, ties by length with a
+            # root's child, e.g. "Ups.up", and is the innermost only when alone)
+            named = [p for p in self.tracker.parents if p != "Global"]
+            module = max(named, key=lambda p: p.count(".")) if named else "Global"
         self.records.append({"module": module, "kind": kind, "group_size": size, "bytes": nbytes,
                              **({"priced": True} if self.priced else {})})
         if self.log is not None and size > 1:

@@ -24,12 +24,21 @@ leaves in a forward hook (hybridpar.parallel.styles.concat.install). While it is
   is ours wherever it runs; DTensor's own op table is never touched, so torch's conv on DTensors
   outside a parallelized module is torch's.
 
-What is process-wide, and why: ops with no sharding strategy at all in torch (e.g.
-`avg_pool3d_backward`, which LocalResponseNorm's backward needs) get one through `register_sharding`
-(`serve_replicated`: run on whole inputs, output whole). They are backward ops, run by autograd after
-the forward's scope has closed, and DTensor's sharding cache outlives any scope; a registered rule
-for an op stock DTensor refuses outright changes nothing that works stock. Every such op is listed
-by the dry run (hybridpar.parallel.check) so that the planner can price it.
+What is process-wide, and why: ops with no sharding strategy at all in torch get one. They are
+backward ops, run by autograd after the forward's scope has closed, and DTensor's sharding cache
+outlives any scope; a rule for an op stock DTensor refuses outright changes nothing that works stock.
+- Elementwise backwards (`hardtanh_backward`: ReLU6's, HF MobileNet; `hardswish_backward`: HF LeViT's)
+  get DTensor's own pointwise strategy (`serve_pointwise`, as torch registers its tagged pointwise
+  ops): each output element from the same element of each input, so every split is kept and nothing
+  moves, as the planner assumes for an activation.
+- Average pooling backwards (`avg_pool2d_backward`, `avg_pool3d_backward`: LocalResponseNorm's) keep
+  a split of the dims they do not pool over, samples and channels (`serve_planewise`); a split of a
+  pooled dim (LocalResponseNorm pools over channels) is gathered.
+- Any other op the caller names (`install(extra_ops)`) runs on whole inputs, output whole
+  (`serve_replicated`): DTensor gathers its inputs over every mesh dimension.
+All through `register_sharding` or torch's own registration. The dry run (hybridpar.parallel.check)
+logs every gather DTensor makes as it runs, and what the planner does not price itself is added to
+the plan's bytes from that log (hybridpar.api.plan).
 """
 
 from __future__ import annotations
@@ -52,11 +61,19 @@ from hybridpar.parallel.dtensor.log import watched
 
 aten = torch.ops.aten
 
-# Ops known to lack a DTensor strategy that users' models need; the dry run may add more.
-REPLICATED_OPS = (aten.avg_pool3d_backward.default, aten.avg_pool2d_backward.default,
-                  aten.max_pool2d_with_indices_backward.default,
-                  aten.hardtanh_backward.default,  # ReLU6's backward (HF MobileNet): no strategy in 2.13
-                  aten.hardswish_backward.default)  # Hardswish's (HF LeViT): none either
+# Ops torch 2.13 gives DTensor no strategy for that users' models need (an op DTensor runs stock is
+# never listed: a registered rule replaces torch's).
+# Pooling backwards, by the trailing dims they pool over: each (sample, channel) plane is its own, so
+# the leading dims keep their split (`serve_planewise`).
+# (max_pool2d_with_indices_backward has torch's own strategy, which keeps them split too.)
+POOLING_OPS = {aten.avg_pool2d_backward.default: 2,
+               aten.avg_pool3d_backward.default: 3}  # LocalResponseNorm's: over (channels, 1, 1) of [N, 1, C, H, W]
+# Elementwise backwards (not tagged pointwise in torch, so DTensor has no rule for them).
+# log_sigmoid_backward is not here: its `buffer` argument may be empty (CUDA), not of the input's shape.
+POINTWISE_OPS = (aten.hardtanh_backward.default,  # ReLU6's backward (HF MobileNet)
+                 aten.hardswish_backward.default,  # Hardswish's (HF LeViT)
+                 aten.hardsigmoid_backward.default, aten.hardshrink_backward.default,
+                 aten.softshrink_backward.default)
 
 # The convolutions of torch.nn.functional (nn.ConvNd's forward calls them), input, weight, bias first.
 CONVS = frozenset({F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d})
@@ -197,6 +214,38 @@ def serve_replicated(ops: Iterable[OpOverload]) -> None:
         _installed.add(op)
 
 
+def serve_pointwise(ops: Iterable[OpOverload]) -> None:
+    """Give each elementwise op DTensor's own pointwise strategy (each mesh dim: every tensor split on
+    the same dim, broadcast dims whole, or all whole; uneven splits allowed), as torch registers the
+    ops it tags pointwise (torch.distributed.tensor._ops._pointwise_ops, pinned torch)."""
+    from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
+
+    for op in ops:
+        if op not in _installed:
+            _register_single_dim_pointwise(op)
+            _installed.add(op)
+
+
+def serve_planewise(ops: dict[OpOverload, int]) -> None:
+    """Give each pooling backward (op -> the trailing dims it pools over) a strategy that keeps a split
+    of any leading dim (samples, channels) on every tensor argument (the gradient, the input), else
+    runs it whole."""
+    for op, pooled in ops.items():
+        if op in _installed:
+            continue
+
+        def rule(*args, _pooled=pooled, **kwargs):
+            tensors = [hasattr(a, "shape") and hasattr(a, "ndim") for a in args]
+            whole = ([Replicate()], [Replicate() if t else None for t in tensors])
+            lead = max(0, args[1].ndim - _pooled)  # args[1]: the pooling's input
+            return [whole, *(([Shard(d)], [Shard(d) if t else None for t in tensors]) for d in range(lead))]
+
+        register_sharding(op)(rule)
+        _installed.add(op)
+
+
 def install(extra_ops: Iterable[OpOverload] = ()) -> None:
     """The process-wide part: strategies for the ops torch has none for (see the module's doc)."""
-    serve_replicated((*REPLICATED_OPS, *extra_ops))
+    serve_pointwise(POINTWISE_OPS)
+    serve_planewise(POOLING_OPS)
+    serve_replicated(extra_ops)

@@ -23,14 +23,22 @@ and share links (`concurrent_collective_time`, `concurrent_allreduce_time`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from math import ceil, prod
 
 from hybridpar.cost.collectives import CommOp
-from hybridpar.cost.compute import variant_name
-from hybridpar.cost.memory import DEFAULT_OPTIMIZER, WHOLE_OPS, LayerMemory, nodes_memory, weight_layer_memory
+from hybridpar.cost.compute import ChannelsLast, variant_name
+from hybridpar.cost.memory import (
+    DEFAULT_OPTIMIZER,
+    WHOLE_OPS,
+    LayerMemory,
+    nodes_memory,
+    weight_layer_memory,
+    with_cpu_unfold,
+)
 from hybridpar.graph.types import DTYPE_BYTES, Node
 from hybridpar.layout import piece_sizes
 from hybridpar.plans import LayerLayout
@@ -87,6 +95,9 @@ class CostContext:
         self.dtype = dtype
         self.calibration = calibration
         self.bn_stats = bn_stats
+        # a channels-last run's NHWC nodes and conversion copies (cost.compute.channels_last_layout; the
+        # planner sets it for `channels_last`), None: NCHW
+        self.formats: ChannelsLast | None = None
         self.elem = DTYPE_BYTES[dtype]
         self._coll = collectives
         self._memo: dict[tuple, float] = {}
@@ -132,7 +143,7 @@ class CostContext:
     def op(self, node: Node, s: int, channel_frac: float, filter_frac: float = 1.0, variant: str | None = None):
         """op_time of `node` at a layout's local shape; `variant`: how the runtime runs it there when
         that differs from the plain op (hybridpar.cost.compute.op_time)."""
-        from hybridpar.cost.compute import op_time
+        from hybridpar.cost.compute import format_copy_time, op_time
 
         # memo per node object (kept alive in the value): the followers of a layer cost the same
         # under every (channel, filter) split with one product
@@ -143,9 +154,14 @@ class CostContext:
         # batch norm over several sample groups runs the runtime's global-statistics function
         if node.op == "batchnorm" and s > 1 and self.bn_stats == "global":
             variant = "batchnorm_global"
+        cl = self.formats
         t = op_time(node, self.cluster.device, dtype=self.dtype, sample_frac=1.0 / s,
                     channel_frac=channel_frac, filter_frac=filter_frac, calibration=self.calibration,
-                    variant=variant)
+                    variant=variant, memory_format="channels_last" if cl and node.name in cl.image else "nchw")
+        if cl and node.name in cl.copies:  # a channels-last activation read in NCHW order here: copied
+            c = format_copy_time(node, cl.copies[node.name], self.cluster.device, self.dtype, 1.0 / s,
+                                 channel_frac, filter_frac)
+            t = dataclasses.replace(t, fwd_s=t.fwd_s + c.fwd_s, bwd_data_s=t.bwd_data_s + c.bwd_data_s)
         self._ops[k] = (node, t)
         return t
 
@@ -306,7 +322,7 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     the input is a tensor another layer holds whole and needs a gradient (gathered where a split layer
     slices it: cost.layout_comm.whole_grad_gather). `joined`: a whole conv whose output (or what
     elementwise ops, pooling or a mean make of it) meets a split operand in an elementwise join."""
-    from hybridpar.cost.layout_comm import splits_by_layout, whole_conv_gathers, whole_grad_gather
+    from hybridpar.cost.layout_comm import norm_gathers, splits_by_layout, whole_conv_gathers, whole_grad_gather
 
     s, c, f = layout.sample, layout.channel, layout.filter
     # a conv/linear the runtime does not replace (F.linear, a subclass such as attention's out_proj)
@@ -330,12 +346,15 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     split_in = input_from is not None and all(piece_sizes(ch, c * f)[-1] > 0 for ch in input_from)
     moves = [op for shape in _whole_meets_split(node, followers, split, whole_in, joined)
              for op in whole_grad_gather(shape, layout, dtype_bytes=ctx.elem)]
+    moves += norm_gathers(node, followers, layout, head_split=split, dtype_bytes=ctx.elem)
     for op in whole_conv_gathers(node, layout, input_split=split_in, dtype_bytes=ctx.elem) + moves:
         groups, key = _groups_of(op.group, layout)
         ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
     cf, cb, grad, nbytes = _summarise(ops, ctx)
     mem = weight_layer_memory(node, followers, local, batch=ctx.batch, elem=ctx.elem, optimizer=ctx.optimizer,
                               momentum=ctx.momentum, input_grad=input_grad, kept=ctx.kept)
+    if ctx.cluster.device.kind == "cpu":  # ATen's unfolded convolutions (cost.memory.cpu_unfold_bytes)
+        mem = with_cpu_unfold(mem, [node, *followers], local, ctx.batch, ctx.elem)
     grad_bytes = sum(op.bytes_ for op in ops if op.phase == "grad")
     return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, mem.persistent_bytes, nbytes, grad_bytes,
                      layout_of(s, c * f), mem.transient_bytes, mem,
@@ -365,7 +384,7 @@ def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: Co
     DTensor runs the join whole on each rank of a sample group. `split_inputs`: every input is split
     on channel_filter, so a concatenation along channels is the runtime's all-to-all in the sample
     group (hybridpar.cost.layout_comm.channel_concat; mixed inputs go through DTensor's rules)."""
-    from hybridpar.cost.layout_comm import channel_concat
+    from hybridpar.cost.layout_comm import channel_concat, norm_gathers
 
     run = Distribution(dist.sample, 1) if whole else dist
     t = ctx.op(node, run.sample, piece_frac(channels_of(node.out_shape), run.channel))
@@ -383,8 +402,16 @@ def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: Co
             groups, key = _groups_of(op.group, lay)
             ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
     ops += nodes_collectives(followers, dist, ctx, input_grad)
+    lay = layout_of(dist.sample, dist.channel)
+    # the join itself is split unless its inputs are whole (`whole` can be its last follower's: a norm)
+    moves = norm_gathers(node, followers, lay, head_split=not whole or split_inputs, head_grad=input_grad,
+                         dtype_bytes=ctx.elem)
+    for op in moves:  # a layer or RMS norm's input gathered (DTensor's, listed as moves for api.plan)
+        groups, key = _groups_of(op.group, lay)
+        ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
     cf, cb, _, nbytes = _summarise(ops, ctx)
-    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, 0.0, mem.persistent_bytes, nbytes, memory=mem)
+    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, 0.0, mem.persistent_bytes, nbytes, memory=mem,
+                     dtensor_moves=tuple((op.kind, op.group_size, op.bytes_) for op in moves))
 
 
 def nodes_collectives(nodes: Sequence[Node], dist: Distribution, ctx: CostContext,
@@ -418,8 +445,11 @@ def dist_memory(nodes: Sequence[Node], dist: Distribution, ctx: CostContext) -> 
     its followers, or the nodes before the first layer on the first vertex's (their parameters whole
     but for batch norms' channel pieces, a recurrent layer's activations whole for the rank's samples;
     `node_time`'s rule, hybridpar.cost.memory.nodes_memory)."""
-    return nodes_memory(nodes, batch=ctx.batch, sample=dist.sample, pieces=dist.channel, elem=ctx.elem,
-                        optimizer=ctx.optimizer, momentum=ctx.momentum, kept=ctx.kept)
+    mem = nodes_memory(nodes, batch=ctx.batch, sample=dist.sample, pieces=dist.channel, elem=ctx.elem,
+                       optimizer=ctx.optimizer, momentum=ctx.momentum, kept=ctx.kept)
+    if ctx.cluster.device.kind == "cpu":  # ATen's unfolded 1-D/3-D convolutions (cost.memory.cpu_unfold_bytes)
+        mem = with_cpu_unfold(mem, nodes, LayerLayout(sample=dist.sample, channel=dist.channel), ctx.batch, ctx.elem)
+    return mem
 
 
 def redistribution(tensor_numel: int, src: Distribution, dst: Distribution, ctx: CostContext) -> CommOp | None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from hybridpar.cluster import Cluster, load_cluster
 from hybridpar.cost.collectives import CommOp
+from hybridpar.cost.compute import channels_last_layout
 from hybridpar.cost.layout_comm import BUCKET_BYTES, layout_refusal, splits_by_layout
 from hybridpar.cost.memory import JOIN_OPS, kept_activations
 from hybridpar.errors import InfeasibleError, UserError
@@ -735,6 +736,9 @@ class PlannerConfig:
     # strategies the search never chooses (hybridpar.api.plan: layouts its dry run refused for this model)
     exclude_layouts: tuple[str, ...] = ()
     recompute: str = "auto"  # auto: the planner chooses (with zero=2|3) when memory binds; none | all fix it
+    # 4-D weights and activations in NHWC memory, as `train --channels-last` runs them: priced from
+    # channels-last op records where this machine has them (cost.compute.channels_last_layout, op_time)
+    channels_last: bool = False
 
     @classmethod
     def of(cls, config: PlannerConfig | None = None, options: dict | None = None) -> PlannerConfig:
@@ -768,6 +772,7 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, cfg: PlannerCon
     ctx = CostContext(cl, batch, gpus, dtype, cfg.calibration, optimizer=cfg.optimizer, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay)
     ctx.kept = frozenset(kept_activations(lg.graph))
+    ctx.formats = channels_last_layout(lg.graph) if cfg.channels_last else None
     return _Setup(lg, ctx, capacity, shape, cl.name, name, tuple(cfg.exclude_layouts))
 
 

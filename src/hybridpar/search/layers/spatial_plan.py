@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from math import prod
 
 from hybridpar.cost.collectives import CommOp
+from hybridpar.cost.compute import channels_last_layout
 from hybridpar.cost.layout_comm import layout_refusal, spatial_cf_refusal, splits_by_layout
 from hybridpar.cost.memory import kept_activations
 from hybridpar.cost.spatial import (
@@ -386,6 +387,7 @@ def evaluate_spatial(s, lay: LayerLayout, grad_sync: str, contexts: dict | None 
             ctx0.cluster, local.batch, ctx0.ranks, ctx0.dtype, ctx0.calibration, bn_stats=ctx0.bn_stats,
             optimizer=ctx0.optimizer, momentum=ctx0.momentum, weight_decay=ctx0.weight_decay)
         ctx.kept = frozenset(kept_activations(local))  # node names are the same under every split
+        ctx.formats = None if ctx0.formats is None else channels_last_layout(local)  # halo windows too
     opts = planner._options(lg, ctx, INF, [proxy_layout(lay)], even_only=False, empty_ok=True)
     if lay.g_size > 1:
         opts = [_no_concat_rule(_whole_conv_gather(vo, local, lay, ctx), lay, ctx) for vo in opts]
