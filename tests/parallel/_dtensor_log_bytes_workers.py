@@ -76,36 +76,19 @@ def gloo_bytes(events, group_size: int) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _step(model: nn.Module, x, y, opt, log) -> None:
-    from hybridpar.parallel.dtensor.log import recording
-
-    log.mark_step()
-    with recording(log):
-        F.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-
-
 def logged_and_sent(cases: list[tuple[str, str]]) -> list[list[dict[str, dict[str, int]]]]:
     """Per (factory, strategy): each rank's {"logged", "sent"} bytes per kind in the second training
-    step (the first sets DTensor's caches up)."""
+    step (the first sets DTensor's caches up). Imported here: `plan --model path:factory` loads this
+    file outside its package."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    import hybridpar
+    from ._step_bytes import second_step_bytes
 
-    out = []
-    for factory, strategy in cases:
-        model, x, y = _case(factory)
-        hybridpar.parallelize(model, strategy)
-        log = model.hybridpar.grid.comm_log
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        _step(model, x, y, opt, log)
+    def measure(step, log) -> dict:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            _step(model, x, y, opt, log)
-        mine = {"logged": log.step_bytes_by_kind(),
+            step()
+        return {"logged": log.step_bytes_by_kind(),
                 "sent": gloo_bytes(prof.profiler.kineto_results.events(), dist.get_world_size())}
-        got: list = [None] * dist.get_world_size()
-        dist.all_gather_object(got, mine)
-        out.append(got)
-    return out
+
+    return second_step_bytes(_case, cases, measure)
