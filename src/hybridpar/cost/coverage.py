@@ -184,8 +184,12 @@ class FormatCoverage:
                   f"{' ...' if len(self.copies) > 3 else ''}) priced at the memory bandwidth, "
                   f"{self.copy_s * 1e3:.3g} ms per step") if self.copies else ""
         if not self.as_nchw:
+            # each op timed alone with NHWC tensors; a run also converts formats where autograd hands an
+            # op NCHW gradients, which is not priced: small_cnn's run gained less than its plan
+            # (docs/cluster-cost.md, "Channels-last")
             return f"channels-last: all {total} 4-D op(s) priced from channels-last op times measured on this " \
-                   f"machine{copies}"
+                   f"machine{copies}; an approximation: conversions inside backward are not priced, so the " \
+                   f"gain over NCHW is overstated (docs/cluster-cost.md)"
         kinds = ", ".join(f"{op} x{len(names)}" for op, names in sorted(self.as_nchw.items()))
         if device.kind != "cpu":
             why = f"there are no channels-last measurements for {device.name}; the step time is NCHW's"

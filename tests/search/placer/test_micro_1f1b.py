@@ -83,6 +83,18 @@ def test_only_chains_price_1f1b():
     assert chain_split(prob) == (0, 0, 0, 1, 1)
 
 
+def test_an_input_placed_on_the_last_stage_is_fed_to_the_first():
+    """The placer may put the (free) input task on any device; the data loader feeds the first stage,
+    so 1F1B is priced as if it sat there (it was a ValueError: the replay found the last stage waiting
+    on its own backward before sending the next micro-batch's input)."""
+    prob, assign, act = _chain(2)
+    elsewhere = [1, *assign[1:]]  # the input on device 1, its consumer on device 0
+    assert chain_devices(prob, elsewhere) == (0, 1)
+    for k in (2, 4):
+        assert micro_batch_step_s(prob, elsewhere, k, "1f1b") == micro_batch_step_s(prob, assign, k, "1f1b")
+    assert choose_pipeline(prob, elsewhere, 8, act)[1] == "1f1b"
+
+
 def test_place_schedule_1f1b(tmp_path, capsys):
     from hybridpar.cli.main import main
 

@@ -103,6 +103,11 @@ def micro_batch_step_s(problem: PlacementProblem, assignment: Sequence[int], k: 
         order = chain_devices(problem, assignment)
         if order is None:
             raise ValueError("1f1b prices a chain placement only")
+        # the model's inputs are fed to the first stage by the data loader (chain_devices), wherever the
+        # placer put their (free) tasks: priced there, or an input on the last stage would be sent to
+        # the first and its 1F1B order could not be kept (the last stage's backward before it sends the
+        # next micro-batch's input: a deadlock the replay refused, on the branchy CNN of bench_validation)
+        assignment = [order[0] if not problem.preds[u] else d for u, d in enumerate(assignment)]
         ops, tags = _tagged_ops(problem, assignment, k, compute)
         span = replay(ops, one_f_one_b_order(ops, tags, order, k)).makespan
     else:
