@@ -221,32 +221,21 @@ def _out_shape(shape: tuple[int, ...], channels: int, windows: Sequence[Window])
     return (shape[0], channels, *(w.out_size for w in windows))
 
 
+def _geometry_attr(field: str) -> property:
+    return property(lambda self: getattr(self.geom, field))
+
+
 class _TorchGeometry:
     """torch's attribute names for a sliding window's geometry, read off `geom`: model code reads them
     from the module it calls (Hugging Face MobileNet's and EfficientNet's TF-style padding read
     `conv.stride` and `conv.kernel_size`), and a spatial layer replaces that module."""
 
     geom: Sliding
-
-    @property
-    def kernel_size(self) -> tuple[int, ...]:
-        return self.geom.kernel
-
-    @property
-    def stride(self) -> tuple[int, ...]:
-        return self.geom.stride
-
-    @property
-    def padding(self) -> tuple[int, ...]:
-        return self.geom.padding
-
-    @property
-    def dilation(self) -> tuple[int, ...]:
-        return self.geom.dilation
-
-    @property
-    def groups(self) -> int:
-        return self.geom.groups
+    kernel_size = _geometry_attr("kernel")
+    stride = _geometry_attr("stride")
+    padding = _geometry_attr("padding")
+    dilation = _geometry_attr("dilation")
+    groups = _geometry_attr("groups")
 
 
 class SpatialConv(_TorchGeometry, SpatialLayer):
