@@ -5,7 +5,10 @@ mixed per-block plan, beside data parallelism and channel/filter, on 2 ranks of 
 Each row runs `hybridpar train --json` (one layout at a time) and reads the run's own memory report:
 each rank's steady peak (VmHWM from the second step on: hybridpar.train.metrics) against the plan's
 predicted bytes (hybridpar.cost.memory.predict_rank_memory of the layout, its zero levels and what
-recomputes, plus the data set held whole). Models (benchmarks/_fsdp_bench_models.py): a wide CNN
+recomputes, plus the data set held whole), with the framework constant measured on this machine at the
+start (hybridpar.profile.framework_memory, what `hybridpar profile` records) in place of the plan's
+where they differ (a machine never profiled: the built-in figure; both are printed).
+Models (benchmarks/_fsdp_bench_models.py): a wide CNN
 (weights dominate) and an activation-heavy CNN (activations dominate).
 
     .venv/bin/python benchmarks/bench_memory_fsdp.py [--quick] [--steps 4] [--out FILE.json]
@@ -16,9 +19,10 @@ per-block plan's) within 20% of predicted; at the stated limit (80% of data para
 peak) data parallelism does not fit and the FSDP layout and the channel/filter layout do, measured.
 
 The machine may be shared with other work: the figures are resident memory of our processes only.
-On CPU the resident set also holds what the C allocator keeps of freed buffers (FSDP2 frees and
-allocates each block's gathered parameters and gradient buffers every step, from gloo's threads too);
-plain FSDP2 `fully_shard` by hand shows the same growth of the resident set over live tensors.
+On CPU the resident set also holds what the C allocator keeps of freed buffers: ranks keep freed memory
+(hybridpar.host_allocator), except that ranks sharding weights mmap FSDP's per-step blocks on huge pages
+(a heap that keeps them fragments: plain FSDP2 by hand grows the same way), and `hybridpar train` gives
+back what start-up and the first step freed before it measures the steady peak.
 """
 
 from __future__ import annotations
@@ -45,8 +49,25 @@ GiB = bm.GiB
 MODEL_FILE = "benchmarks/_fsdp_bench_models.py"
 
 
+FRAMEWORK: dict[str, float] = {}  # the plan's framework constant and this machine's (framework_shift)
+
+
+def framework_shift() -> float:
+    """Bytes to add to a plan's predicted peak for the framework constant measured on this machine now
+    (hybridpar.profile.framework_memory, as `hybridpar profile` records it) in place of the one the plan
+    used (the built-in figure on a machine never profiled): 0 where the plan's is this machine's."""
+    if not FRAMEWORK:
+        from hybridpar.cost.memory import framework_bytes_for
+        from hybridpar.profile.framework_memory import measure_framework_bytes
+
+        FRAMEWORK["plan"] = framework_bytes_for()
+        FRAMEWORK["measured"] = float(measure_framework_bytes(2))
+    return FRAMEWORK["measured"] - FRAMEWORK["plan"]
+
+
 def train(model: str, how: list[str], steps: int, extra: list[str] | None = None) -> dict:
-    """One `hybridpar train --json` run on 2 ranks; its memory report and wall time."""
+    """One `hybridpar train --json` run on 2 ranks; its memory report (the prediction with this
+    machine's framework constant: framework_shift) and wall time."""
     _, shape, batch = MODELS[model]
     cmd = [sys.executable, "-m", "hybridpar.cli.main", "train", "--model", f"{MODEL_FILE}:{model}",
            "--input-shape", shape, "--batch", str(batch), "--steps", str(steps), *how, "--nproc", "2",
@@ -59,7 +80,8 @@ def train(model: str, how: list[str], steps: int, extra: list[str] | None = None
     if res.returncode != 0:
         raise RuntimeError(f"train {' '.join(how)} failed ({res.returncode}): {res.stderr[-1500:]}")
     mem = json.loads(res.stdout)["memory"]
-    return {"predicted_bytes": mem["predicted_bytes"], "peaks": [r["peak_bytes"] for r in mem["ranks"]],
+    return {"predicted_bytes": mem["predicted_bytes"] + framework_shift(),
+            "plan_predicted_bytes": mem["predicted_bytes"], "peaks": [r["peak_bytes"] for r in mem["ranks"]],
             "wall_s": time.time() - t0}
 
 
@@ -171,12 +193,15 @@ def main() -> None:
     ap.add_argument("--wait-s", type=float, default=60.0, help="wait this long for free memory first")
     args = ap.parse_args()
     bm._wait_for(2 * 1.5 * GiB, args.wait_s)  # two ranks of the wide CNN's data parallelism, with room
+    framework_shift()
+    print(f"framework constant: {FRAMEWORK['measured'] / 2**20:.0f} MiB measured here now; the plans' "
+          f"{FRAMEWORK['plan'] / 2**20:.0f} MiB (predictions below use the measured one)", flush=True)
     rows = run(args)
     print("\nacceptance (issue 31, memory):")
     for line in acceptance(rows):
         print(f"- {line}")
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+        Path(args.out).write_text(json.dumps({"framework_bytes": FRAMEWORK, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ in backward, which DDP, without SyncBatchNorm on CPU,
 does not do). Only ratios mean anything on a shared machine (the load average is printed beside).
 
     .venv/bin/python benchmarks/bench_train_overhead.py [--quick] [--strategy sample=2 --strategy channel=2]
-        [--model small_cnn] [--batch 32] [--steps 30] [--trials 3]
+        [--model small_cnn] [--input-shape C,H,W] [--batch 32] [--steps 30] [--trials 3]
 """
 
 from __future__ import annotations
@@ -133,8 +133,9 @@ def trial(strategy: str, args) -> dict:
 
     steps = 2 * (args.steps + 2) + 2  # more than a contender runs: no timed step is the run's last (it settles)
     strategy, _, bn = strategy.partition("/")
+    shape = {"input_shape": tuple(int(v) for v in args.input_shape.split(","))} if args.input_shape else {}
     setup = run_config(model=args.model, strategy=strategy, batch=args.batch, steps=steps, lr=args.lr,
-                       bn_stats=bn or "global")
+                       bn_stats=bn or "global", **shape)
     queue = launch.context().Queue()
 
     def drain():  # what `hybridpar train`'s launcher does with the progress queue
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--strategy", action="append", default=[], help="repeatable; STRATEGY/local: --bn-stats local "
                     "(default sample=2/local, sample=2, channel=2)")
     ap.add_argument("--model", default="small_cnn")
+    ap.add_argument("--input-shape", default=None, help="C,H,W for a model file's factory (e.g. "
+                    "benchmarks/_fsdp_bench_models.py:wide_cnn --input-shape 3,8,8 --batch 8)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=30)

@@ -106,3 +106,24 @@ def test_a_deferred_verdict_names_the_step_that_broke_the_state_on_every_rank():
     # step 0 in flight after its own submit; step 1's verdict (bad on rank 1 only) in with step 2's
     assert r["seen"] == [(-1, None), (0, None), (1, bad), (2, bad)], r
     assert r["settled"] == bad
+
+
+def test_a_large_tensor_is_screened_without_a_copy_and_exactly():
+    # A float64 sum casts a float64 copy of the whole tensor first (2x its bytes): on a rank whose heap
+    # keeps freed memory those copies made the resident set jump by hundreds of MiB (wide_cnn, AdamW).
+    # The screen of a large tensor allocates no tensor near its size.
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybridpar.parallel.finite import first_bad, screens
+
+    t = torch.randn(1 << 20)  # 4 MiB: a large tensor (not concatenated with the small ones)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        first_bad(screens([t, torch.randn(7)]))
+    biggest = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+    assert biggest < t.numel() * t.element_size() // 16
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for dtype in (torch.float32, torch.bfloat16):
+            u = t.to(dtype)
+            u[12345] = bad
+            assert first_bad(screens([torch.ones(3), u])) is not None
+    assert first_bad(screens([torch.full((1 << 17,), 3e38)])) is None  # no overflow

@@ -22,10 +22,14 @@ _SUMMED = (torch.float32, torch.float16, torch.bfloat16)
 
 def screens(tensors) -> list[torch.Tensor]:
     """0-d tensors, one per (device, dtype) of the non-empty `tensors`, each NaN/Inf exactly when some
-    entry of that group is; no device sync. CPU float32/float16/bfloat16: a float64 sum, which cannot
-    overflow (|x| <= 3.4e38, fewer than 2**53 entries) and makes NaN of Inf - Inf, small tensors
-    concatenated first (most of a small tensor's check is the op's dispatch): ~2.5x cheaper on CPU than
-    max-|x| (small_cnn's 36 weights, buffers and momenta: 113 us against 261 us, 2026-12-02, loaded).
+    entry of that group is; no device sync. CPU float32/float16/bfloat16: small tensors concatenated
+    and summed in float64, which cannot overflow (|x| <= 3.4e38, fewer than 2**53 entries) and makes
+    NaN of Inf - Inf (most of a small tensor's check is the op's dispatch: ~2.5x cheaper on CPU than
+    max-|x|, small_cnn's 36 weights, buffers and momenta: 113 us against 261 us, 2026-12-02, loaded);
+    a large tensor by its min and max (`_min_max_screen`), not a float64 sum: that sum casts a float64
+    copy of the whole tensor first (a 20 MiB weight: 22 ms and a 40 MiB temporary, against 1 ms for
+    aminmax), and on a rank whose heap keeps freed memory those copies made the resident set jump by
+    up to 466 MiB at random steps (wide_cnn of benchmarks/_fsdp_bench_models.py, 2 ranks, AdamW).
     float64 and GPUs: the max of max-|x| per tensor (one multi-tensor kernel, no overflow)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -36,7 +40,7 @@ def screens(tensors) -> list[torch.Tensor]:
     with torch.no_grad():  # parameters go in as they are: no autograd record
         for (device, dtype), ts in groups.items():
             if device.type == "cpu" and dtype in _SUMMED:
-                parts = [t.sum(dtype=torch.float64) for t in ts if t.numel() >= _SMALL]
+                parts = [_min_max_screen(t) for t in ts if t.numel() >= _SMALL]
                 small = [t.reshape(-1) for t in ts if t.numel() < _SMALL]
                 if small:
                     parts.append(torch.cat(small).sum(dtype=torch.float64))
@@ -44,6 +48,13 @@ def screens(tensors) -> list[torch.Tensor]:
             else:
                 out.append(torch.stack(list(torch._foreach_norm(ts, float("inf")))).max())
     return out
+
+
+def _min_max_screen(t: torch.Tensor) -> torch.Tensor:
+    """0.0 (float64) when every entry of `t` is finite, else NaN: its min and max in one pass (NaN
+    propagates through both, an Inf is one of them), each times 0 (0 * Inf = NaN), so no overflow."""
+    lo, hi = torch.aminmax(t)
+    return (lo * 0 + hi * 0).to(torch.float64)
 
 
 def first_bad(peak_list: list[torch.Tensor]) -> int | None:

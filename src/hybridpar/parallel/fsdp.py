@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridpar.errors import UserError
+from hybridpar.host_allocator import give_back_free_memory, return_large_blocks
 from hybridpar.layout.blocks import block_of, block_zeros, same_but_zero
 from hybridpar.plans import LayerLayout, Plan, parse_strategy
 
@@ -399,6 +400,9 @@ def _shard(module: nn.Module, state: Any, zeros: dict[str, int], mixed_precision
     from hybridpar.parallel.comm.grad_sync import GradSync
 
     zero = max(zeros.values())
+    # FSDP's per-step blocks fragment a heap that keeps freed memory: mmapped from here on, where
+    # glibc was started to back them with huge pages (else nothing changes)
+    return_large_blocks()
     mesh = _sample_mesh(module, state, zero)
     ranks = tuple(sorted(dist.get_process_group_ranks(mesh.get_group())))
     kept = list({id(p): p for p in [*_not_sharded(module, state, ranks), *_replicated(module, zeros)]}.values())
@@ -433,3 +437,4 @@ def _shard(module: nn.Module, state: Any, zeros: dict[str, int], mixed_precision
             m.set_force_sum_reduction_for_comms(True)
     state.grad_sync = ShardedSync(sharded, rest)
     state.sharded = zero
+    give_back_free_memory()  # the whole blocks fully_shard just replaced by shards

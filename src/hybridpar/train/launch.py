@@ -22,7 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridpar.host_allocator import keep_freed_memory  # ranks reuse freed memory: no page faults per step
+from hybridpar.host_allocator import (  # ranks reuse freed memory: no page faults per step
+    huge_page_environment,
+    keep_freed_memory,
+    no_huge_pages,
+)
 from hybridpar.train.faults import ATTEMPT_ENV, set_default_timeout  # lost peer: error, not hang
 
 
@@ -123,7 +127,26 @@ def context():
     ctx = multiprocessing.get_context(START_METHOD)
     if START_METHOD == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
+        _start_fork_server()
     return ctx
+
+
+def _start_fork_server() -> None:
+    """Start the fork server (once per process) with glibc's huge-page tunable in its environment:
+    only a process's start reads it, and the ranks fork from the server. A rank sharding weights with
+    FSDP uses it (hybridpar.host_allocator.return_large_blocks); every other rank switches huge pages
+    off for itself at start (`_entry`)."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("GLIBC_TUNABLES")
+    os.environ["GLIBC_TUNABLES"] = huge_page_environment(dict(os.environ))["GLIBC_TUNABLES"]
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = saved
 
 
 def _entry(rank: int, world: int, port: int, out_path: str, fn, args, env=None) -> None:
@@ -132,6 +155,7 @@ def _entry(rank: int, world: int, port: int, out_path: str, fn, args, env=None) 
         os.environ.clear()
         os.environ.update(env)
     keep_freed_memory()
+    no_huge_pages()  # until this rank shards weights (hybridpar.parallel.fsdp): as without the server's tunable
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -249,6 +249,7 @@ class _RankRun:
 
     def step(self, step: int, x, y) -> bool:
         """One training step; False when the run stops here."""
+        from hybridpar.host_allocator import give_back_free_memory
         from hybridpar.train import faults
         from hybridpar.train.metrics import reset_peak_memory
         from hybridpar.train.optim import autocast, cast_inputs, clip_grad_norm, lr_at, set_lr
@@ -289,7 +290,10 @@ class _RankRun:
                                   engine.comm_log.step_bytes_by_kind(), engine.comm_log.step_seconds_by_kind(),
                                   b_noise, lr, _peak_memory(device) if self.rank == 0 else None, gnorm))
         if step == self.start:
-            reset_peak_memory(device)  # from now on the steady state's peak
+            # what start-up and the first step freed goes back to the OS (a heap that keeps freed memory
+            # would hold it all run: hybridpar.host_allocator); from now on the steady state's peak
+            give_back_free_memory()
+            reset_peak_memory(device)
         if self.tracer is not None:
             self.tracer.after(step)
         # a callback sees the state of the step it is told of: with callbacks every step is settled
