@@ -48,9 +48,10 @@ def _worker(rank: int, phases: Sequence[int], iters: int, start, barriers: dict,
 
     import torch
 
-    from hybridpar.host_allocator import keep_freed_memory
+    from hybridpar.host_allocator import keep_freed_memory, no_huge_pages
 
     keep_freed_memory()  # as the ranks and the op table run
+    no_huge_pages()  # as a rank that does not shard weights (the fork server's tunable asks for them)
     torch.set_num_threads(1)
     run = _iteration()
     for _ in range(3):
