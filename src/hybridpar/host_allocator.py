@@ -74,18 +74,26 @@ def huge_page_environment(env: dict[str, str]) -> dict[str, str]:
     return {**env, "GLIBC_TUNABLES": f"{have}:{HUGE_PAGES_TUNABLE}" if have else HUGE_PAGES_TUNABLE}
 
 
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode: "always", "madvise" or "never" ("never" where unknown)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "never"
+    return next((m for m in ("always", "madvise", "never") if f"[{m}]" in text), "never")
+
+
 def _started_with_huge_pages() -> bool:
     """Whether this process's C library was started with the huge-page tunable (the environment it
-    was exec'd with: a forked rank's is its fork server's) and the kernel lends huge pages on madvise."""
+    was exec'd with: a forked rank's is its fork server's) and the kernel lends huge pages."""
     try:
         with open("/proc/self/environ", "rb") as f:
             started = f.read().split(b"\0")
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read()
     except OSError:
         return False
     tunables = next((v[len(b"GLIBC_TUNABLES="):] for v in started if v.startswith(b"GLIBC_TUNABLES=")), b"")
-    return HUGE_PAGES_TUNABLE.encode() in tunables.split(b":") and "[never]" not in mode
+    return HUGE_PAGES_TUNABLE.encode() in tunables.split(b":") and _thp_mode() != "never"
 
 
 def _prctl_thp_disable(flag: int) -> bool:
@@ -96,9 +104,12 @@ def _prctl_thp_disable(flag: int) -> bool:
 
 
 def no_huge_pages() -> bool:
-    """This process takes no transparent huge pages (Linux prctl; the fork server's tunable then asks
-    for them in vain): a rank that keeps freed memory behaves as without the tunable. True when set."""
-    return sys.platform.startswith("linux") and _prctl_thp_disable(1)
+    """Undo the fork server's tunable for this process: where the kernel lends huge pages only on
+    request ("madvise") and glibc was started asking for them, this process takes none (Linux prctl),
+    so a rank that keeps freed memory behaves as without the tunable. True when switched off; under
+    "always" nothing changes (huge pages were the process's before the tunable too)."""
+    return sys.platform.startswith("linux") and _thp_mode() == "madvise" and _started_with_huge_pages() \
+        and _prctl_thp_disable(1)
 
 
 def return_large_blocks() -> bool:
