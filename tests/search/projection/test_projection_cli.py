@@ -84,21 +84,67 @@ def test_cnn_gets_channel_filter_points_from_the_planner(curve, capsys):
     assert all(p["global_batch"] == 8 // p["mp"] * 32 for p in cf)
 
 
-def test_time_chunks_what_if_is_labelled_and_off_by_default(curve, capsys):
-    """By default DPxMP is priced as the MP runtime executes it (each LSTM whole); --time-chunks prices the
-    placer's time-step wavefront and says it is a what-if. The wavefront can only help the placer."""
+def _mp2(out: dict) -> dict:
+    return next(p for p in out["points"] if p["gpus"] == 2 and p["strategy"] == "DPxMP2")
+
+
+def test_time_chunks_default_is_the_placers_choice_and_runs(curve, capsys):
+    """By default DPxMP is priced as `train` runs the placer's plan: the shorter of whole recurrent layers
+    and the time-step wavefront the MP runtime executes (no what-if label); --time-chunks 1 and
+    --no-time-chunks give whole layers, a bare --time-chunks the placer's K."""
     base = ["project", "--model", "lstm2", "--gpus", "1,2,4", "--placer", "dp", "--convergence", str(curve),
             "--batch-per-gpu", "32", "--json"]
-    assert main(base) == 0
-    whole = json.loads(capsys.readouterr().out)
-    assert main([*base, "--time-chunks"]) == 0
-    chunked = json.loads(capsys.readouterr().out)
-    assert whole["time_chunks"] is False and chunked["time_chunks"] is True
-    assert any("each recurrent layer whole" in n and "what-if" in n for n in whole["notes"])
-    assert not any(n.startswith("WHAT-IF") for n in whole["notes"])
-    assert any(n.startswith("WHAT-IF (--time-chunks)") for n in chunked["notes"])
+    runs = {}
+    for name, extra in (("default", []), ("k1", ["--time-chunks", "1"]), ("whole", ["--no-time-chunks"]),
+                        ("bare", ["--time-chunks"]), ("k4", ["--time-chunks", "4"])):
+        assert main([*base, *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert runs["default"]["time_chunks"] is None and runs["k1"]["time_chunks"] == 1
+    assert runs["whole"]["time_chunks"] == 1 and runs["bare"]["time_chunks"] == 4
+    for out in runs.values():
+        assert not any("what-if" in n.lower() for n in out["notes"])
+    assert any("mp 2: whole recurrent layers" in n for n in runs["whole"]["notes"])
+    assert any("mp 2: 4 time chunks" in n for n in runs["k4"]["notes"])
+    step = {k: _mp2(v)["step_s"] for k, v in runs.items()}
+    assert step["k1"] == step["whole"] and step["bare"] == step["k4"]
+    # lstm2 at mp 2: the wavefront overlaps its two layers, so the placer chooses it
+    assert step["k4"] < step["k1"]
+    assert step["default"] == pytest.approx(step["k4"])
+    assert any("mp 2: 4 time chunks" in n for n in runs["default"]["notes"])
 
-    def mp2(out):
-        return next(p for p in out["points"] if p["gpus"] == 2 and p["strategy"] == "DPxMP2")
 
-    assert mp2(whole)["step_s"] != mp2(chunked)["step_s"]
+def test_time_chunks_contradiction_exits_2(curve, capsys):
+    args = ["--model", "lstm2", "--gpus", "1,2", "--convergence", str(curve), "--no-time-chunks", "--time-chunks", "4"]
+    assert main(["project", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridpar: error:") and "contradicts" in err and "Traceback" not in err
+
+
+def test_time_chunks_option_values():
+    """None stays the placer's choice; 0 and 1 are whole layers; the old booleans keep their meaning."""
+    from hybridpar.errors import UserError
+    from hybridpar.search.placer.unroll import DEFAULT_TIME_CHUNKS
+    from hybridpar.search.projection.costs import time_chunks_option
+
+    assert time_chunks_option(None) is None and time_chunks_option(0) == time_chunks_option(1) == 1
+    assert time_chunks_option(8) == 8 and time_chunks_option(False) == 1
+    assert time_chunks_option(True) == DEFAULT_TIME_CHUNKS
+    with pytest.raises(UserError, match="--time-chunks"):
+        time_chunks_option(-1)
+
+
+@pytest.mark.slow
+def test_dpxmp_step_is_the_plans_pipelined_step():
+    """DPxMP's step is the placer's step as `train` runs its plan, with the micro-batch pipeline the plan
+    asks for (BigLSTM at 2 devices: the 1F1B pipeline is all of its MP speedup), not the unpipelined one."""
+    from hybridpar.search.placer import place_model
+    from hybridpar.search.placer.config import PROJECTION_OPTIMIZER
+    from hybridpar.search.projection.costs import CostModelBackend
+
+    costs = CostModelBackend("biglstm", "dgx1-v100", use_disk_cache=False)
+    res = costs._place(2, 128)
+    out = place_model(costs.graph(128), "dgx1-v100", 2, batch=128, time_limit_s=3.0, **PROJECTION_OPTIMIZER)
+    assert res["micro_batches"] == out.plan.micro_batches > 1
+    assert res["step_s"] == pytest.approx(out.step_time_s) and out.step_time_s < out.result.step_time_s
+    costs.mp_step(2, 128)
+    assert any("mp 2: " in n and f"{res['micro_batches']} micro-batches" in n for n in costs.notes)

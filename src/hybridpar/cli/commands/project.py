@@ -9,6 +9,7 @@ from hybridpar.cli.options import POSITIVE_FLOAT, cluster_option, gpus_list_opti
 from hybridpar.cli.output import console, err_console, print_json, table, time_columns
 from hybridpar.cli.parsing import parse_int_list
 from hybridpar.errors import UserError
+from hybridpar.search.placer.unroll import DEFAULT_TIME_CHUNKS
 
 DEFAULT_GPUS = ",".join(str(2**i) for i in range(13))  # 1 .. 4096
 
@@ -29,9 +30,13 @@ def register(app: click.Group) -> None:
     @click.option("--placer", default="ilp", show_default=True, help="DLPlacer solver: ilp, dp, etf, greedy")
     @click.option("--placer-time-limit", type=POSITIVE_FLOAT, default=3.0, show_default=True,
                   help="seconds per ILP solve")
-    @click.option("--time-chunks/--no-time-chunks", default=False, show_default=True,
-                  help="what-if: price DPxMP with the placer's recurrent time-chunk wavefront (the MP runtime "
-                       "runs each recurrent layer whole, which is the default)")
+    @click.option("--time-chunks", "time_chunks", type=int, is_flag=False, flag_value=DEFAULT_TIME_CHUNKS,
+                  default=None,
+                  help="price DPxMP with each recurrent layer in K time chunks (the time-step wavefront, as "
+                       f"`train --time-chunks K` runs it; bare: {DEFAULT_TIME_CHUNKS}); 1 = whole layers  "
+                       "[default: the placer's choice per MP degree, as `place` and `train` make it]")
+    @click.option("--no-time-chunks", "whole_layers", is_flag=True,
+                  help="the same as --time-chunks 1: each recurrent layer whole on one device")
     @click.option("--cf-max-gpus", type=int, default=32, show_default=True,
                   help="plan channel/filter layouts (CNNs) up to this many GPUs")
     @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16", "bf16"]))
@@ -44,11 +49,15 @@ def register(app: click.Group) -> None:
     def project_cmd(  # noqa: PLR0913 - a click command: one parameter per flag
             model: str, cluster: str, gpus: str, batch_per_gpu: int | None, curve_path: str | None,
             samples_per_epoch: int | None, mp_text: str, placer: str, placer_time_limit: float,
-            time_chunks: bool, cf_max_gpus: int, dtype: str, budget: int | None, batch_options: str,
-            plot: str | None, no_cache: bool, json_: bool) -> None:
+            time_chunks: int | None, whole_layers: bool, cf_max_gpus: int, dtype: str, budget: int | None,
+            batch_options: str, plot: str | None, no_cache: bool, json_: bool) -> None:
         """Project time to target and speedup over one GPU for every strategy and GPU count."""
         from hybridpar.api import ProjectConfig, project
 
+        if whole_layers:
+            if time_chunks not in (None, 1):
+                raise UserError(f"--no-time-chunks contradicts --time-chunks {time_chunks}", param="time_chunks")
+            time_chunks = 1
         cfg = ProjectConfig(mp_degrees=tuple(parse_int_list(mp_text, "--mp")), batch_per_gpu=batch_per_gpu,
                             curve_path=curve_path, samples_per_epoch=samples_per_epoch, placer=placer,
                             placer_time_limit_s=placer_time_limit, time_chunks=time_chunks, cf_max_gpus=cf_max_gpus,

@@ -35,9 +35,10 @@ from hybridpar.graph.types import Graph, Node
 # ops that compute each time step from the same time step of their inputs (last-axis ops, elementwise)
 TIMEWISE_OPS = frozenset({"lstm", "dropout", "add", "mul", "pointwise", "relu", "concat", "linear",
                           "layernorm", "embedding"})
-# K when the wavefront is asked for without a K (`hybridpar project --time-chunks`), and the K the placer
-# weighs against whole layers when none is given (api._choose_time_chunks, `place --time-chunks`'s help)
-WHAT_IF_TIME_CHUNKS = 4
+# The K the placer weighs against whole layers when none is given (api._choose_time_chunks, `place
+# --time-chunks`'s help), and K for a bare `project --time-chunks`; the MP runtime runs it (wavefront.py)
+DEFAULT_TIME_CHUNKS = 4
+WHAT_IF_TIME_CHUNKS = DEFAULT_TIME_CHUNKS  # the old name (no longer a what-if), still imported
 
 
 def _members(node: Node) -> tuple[str, ...]:

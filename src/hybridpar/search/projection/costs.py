@@ -76,23 +76,24 @@ class CostModelBackend:
 
     def __init__(self, model: str, cluster: str, *, dtype: str = "fp32", placer_solver: str = "ilp",
                  placer_time_limit_s: float = 3.0, cf_max_gpus: int = 32, use_disk_cache: bool = True,
-                 time_chunks: bool = False) -> None:
+                 time_chunks: int | bool | None = None) -> None:
         from hybridpar.cluster import load_cluster
         from hybridpar.graph.zoo import ZOO
 
         self.model, self.cluster_name, self.dtype = model, cluster, dtype
         self.placer_solver, self.placer_time_limit_s = placer_solver, placer_time_limit_s
         self.cf_max_gpus = cf_max_gpus
-        # What the MP runtime executes by default: each recurrent layer whole on one device. With
-        # time_chunks the placer also prices its time-chunk wavefront (a what-if the runtime cannot run).
-        self.time_chunks = time_chunks
+        # K recurrent time chunks for DPxMP (None: the placer's choice, as `place`/`train` without
+        # --time-chunks; 1: whole layers); the MP runtime executes either (parallel/pipeline/wavefront.py)
+        self.time_chunks = time_chunks_option(time_chunks)
         base = load_cluster(cluster)
         self.capacity_bytes = float(base.device.memory_bytes)
         self.gpus_per_node = int(base.gpus_per_node)
         entry = ZOO.get(model)
         self.is_cnn = entry is not None and entry.kind == "cnn"
         self._cache = DiskCache(use_disk_cache)
-        self.notes: list[str] = []
+        self._notes: list[str] = []
+        self._schedules: dict[int, dict[str, None]] = {}  # mp -> how DPxMP runs there (ordered set)
 
     # -- helpers ------------------------------------------------------------------------------------
     @cache  # noqa: B019 - one backend per projection; the cache dies with it
@@ -153,21 +154,20 @@ class CostModelBackend:
         groups = [[d * mp + j for d in range(replicas)] for j in range(mp)]
         return concurrent_allreduce_time(bytes_, groups, self.cluster(replicas * mp))
 
+    @property
+    def notes(self) -> list[str]:
+        """What the projection should say about its figures: how DPxMP runs at each MP degree, then the rest."""
+        return ([schedule_note(self._schedules)] if self._schedules else []) + self._notes
+
     def mp_step(self, mp: int, batch: int) -> MPStep:
         res = self._cache.get(self._key("place", mp, batch, self.placer_solver, self.placer_time_limit_s,
-                                        "chunks" if self.time_chunks else "whole"),
+                                        "time_chunks", self.time_chunks, "pipelined"),
                               lambda: self._place(mp, batch))
         if "infeasible" in res:
             raise InfeasibleError(res["infeasible"])
-        if res.get("recurrent"):
-            k = int(res.get("time_chunks", 0))
-            note = (f"WHAT-IF (--time-chunks): DPxMP prices each recurrent layer as {k} time chunks on a "
-                    "time-step wavefront; the MP runtime runs each recurrent layer whole, so these hybrid "
-                    "figures are not a schedule it executes" if k else
-                    "DPxMP as the MP runtime executes it: each recurrent layer whole on one device "
-                    "(--time-chunks prices the placer's time-step wavefront as a what-if)")
-            if note not in self.notes:
-                self.notes.append(note)
+        self._schedules.setdefault(mp, {})[_runs_as(res)] = None
+        # the placer's own labels where it priced what the runtime cannot run (torch.export's graph)
+        self._notes += [n for n in res.get("what_if", ()) if n not in self._notes]
         # The placer's own 1-device step defines the unit: hybrid and DP then share one compute model
         # and the MP speedup is exactly the placer's ratio.
         scale = self.profile(batch).compute_s / res["single_step_s"]
@@ -177,20 +177,24 @@ class CostModelBackend:
     def _place(self, mp: int, batch: int) -> dict:
         from hybridpar.search.placer import place_model
         from hybridpar.search.placer.config import PROJECTION_OPTIMIZER
-        from hybridpar.search.placer.unroll import WHAT_IF_TIME_CHUNKS, has_recurrence
+        from hybridpar.search.placer.unroll import has_recurrence
 
         g = self.graph(batch)
         try:
             out = place_model(g, self.cluster_name, mp, solver=self.placer_solver,
                               time_limit_s=self.placer_time_limit_s, batch=batch, dtype=self.dtype,
-                              time_chunks=WHAT_IF_TIME_CHUNKS if self.time_chunks else 0, **PROJECTION_OPTIMIZER)
+                              time_chunks=self.time_chunks, **PROJECTION_OPTIMIZER)
         except InfeasibleError as err:
             return {"infeasible": f"{mp} devices at batch {batch}: {err}"}
-        res = out.result
-        return {"step_s": res.step_time_s, "single_step_s": out.single_step_s,
-                "recurrent": has_recurrence(g), "time_chunks": int(dict(out.graph.meta).get("time_chunks", 0)),
-                "memory_bytes": [int(x) for x in res.memory_bytes],
+        res, plan = out.result, out.plan
+        # the step and memory as `train` runs the plan: its time chunks and its micro-batch pipeline
+        # (placer.micro; one micro-batch for a model with batch norm)
+        return {"step_s": out.step_time_s, "single_step_s": out.single_step_s,
+                "recurrent": has_recurrence(g), "time_chunks": int(plan.time_chunks or 1),
+                "micro_batches": int(plan.micro_batches or 1), "schedule": plan.schedule or "gpipe",
+                "memory_bytes": [int(x) for x in out.memory_bytes],
                 "solver": f"{res.solver} ({res.status})", "gap": res.gap,
+                "what_if": [n for n in plan.notes if n.startswith("WHAT-IF")],
                 "device_param_bytes": _device_param_bytes(g, res, mp, self.dtype)}
 
     def fsdp_memory(self, gpus: int, batch: int) -> int:
@@ -211,16 +215,16 @@ class CostModelBackend:
         if gpus > self.cf_max_gpus:
             note = (f"channel/filter layouts planned up to {self.cf_max_gpus} GPUs only (planner cost); "
                     "raise --cf-max-gpus")
-            if note not in self.notes:
-                self.notes.append(note)
+            if note not in self._notes:
+                self._notes.append(note)
             return None
         d = self._cache.get(self._key("cf", gpus, groups, batch_global), lambda: self._cf(gpus, groups, batch_global))
         if d is None:
             return None
         if "error" in d:
             note = f"channel/filter planner failed for {self.model}: {d['error']}"
-            if note not in self.notes:
-                self.notes.append(note)
+            if note not in self._notes:
+                self._notes.append(note)
             return None
         return CFStep(d["step_s"], d["exposed_comm_s"], d["memory_bytes"], d["method"])
 
@@ -239,6 +243,35 @@ class CostModelBackend:
         return {"step_s": pred.step_time_s, "exposed_comm_s": pred.exposed_comm_s,
                 "memory_bytes": max(pred.memory_bytes) if pred.memory_bytes else 0,
                 "method": f"{res.method}: {res.plan.strategy or 'per-layer'}"}
+
+
+def time_chunks_option(value: int | bool | None) -> int | None:
+    """`project --time-chunks`'s K: None (the placer's choice), 1 for whole recurrent layers (0 too), K >= 2.
+    The old boolean spelling stays: True is the wavefront at the placer's K, False whole layers."""
+    from hybridpar.search.placer.unroll import DEFAULT_TIME_CHUNKS
+
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return DEFAULT_TIME_CHUNKS if value else 1
+    if value < 0:
+        raise UserError(f"--time-chunks must be >= 1 (1 = whole recurrent layers), got {value}", param="time_chunks")
+    return max(int(value), 1)
+
+
+def _runs_as(res: dict) -> str:
+    """How `train` runs one DPxMP point: its recurrent time chunks (recurrent models) and micro-batches."""
+    k, m = res.get("time_chunks", 1), res.get("micro_batches", 1)
+    chunks = (f"{k} time chunks" if k > 1 else "whole recurrent layers") if res.get("recurrent") else ""
+    pipe = f"{m} micro-batches ({res.get('schedule', 'gpipe')})" if m > 1 else "1 micro-batch"
+    return ", ".join(x for x in (chunks, pipe) if x)
+
+
+def schedule_note(schedules: dict[int, dict[str, None]]) -> str:
+    """The projection's note on DPxMP: priced as the MP runtime executes the placer's plan, per MP degree."""
+    per = "; ".join(f"mp {mp}: {' / '.join(ways)}" for mp, ways in sorted(schedules.items()))
+    return (f"DPxMP priced as `train` runs the placer's plan (recurrent layers whole or as the time-step "
+            f"wavefront, parallel/pipeline/wavefront.py; micro-batch pipeline, placer.micro): {per}")
 
 
 def _device_param_bytes(g: Graph, res: Any, mp: int, dtype: str) -> list[int]:
