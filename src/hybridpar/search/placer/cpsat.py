@@ -18,6 +18,21 @@ from hybridpar.search.placer.schedule import Op, Schedule, build_ops
 
 INTERLEAVE = True  # several workers search in deterministic interleaved batches
 
+# Every solve stops at a deterministic time budget (work, calibrated to about a second of one core), so
+# that a busy machine gives the same answer later rather than a different one. The wall-clock limit of
+# each solve is a safety net against a runaway solve only, and must stay clear of what a busy machine
+# needs: on this 2-core CPU a 3 s budget took up to 16 s of wall time quiet (ratios 3-5x, the clock
+# overshooting in phases it cannot interrupt) and 37 s beside one busy core; a 2x net shared by the
+# whole placement (decomposition's solves, then the whole-problem search) cut GNMT's 4-GPU search
+# short under CI's second test worker and printed another placement (1.61x vs 1.81x, 2026-12-03).
+WALL_MARGIN = 12.0
+WALL_SLACK_S = 30.0
+
+
+def wall_net(det_s: float) -> float:
+    """The wall-clock safety net of one solve with `det_s` deterministic seconds."""
+    return WALL_MARGIN * det_s + WALL_SLACK_S
+
 
 @dataclass
 class _Model:
@@ -45,6 +60,7 @@ class Solved:
     bound: int
     assignment: tuple[int, ...] | None
     starts: dict[str, int]
+    wall_stopped: bool = False  # the wall-clock net, not the deterministic budget, ended an unproven search
 
 
 def _durations(problem: PlacementProblem, q: Callable[[float], int]):
@@ -310,13 +326,15 @@ def run(mdl: _Model, problem: PlacementProblem, *, det_time: float, wall_s: floa
     if workers > 1 and INTERLEAVE:
         prm.interleave_search = True  # several workers, one deterministic answer
     status = solver.solve(mdl.md)
+    wall_stopped = (status != cp_model.OPTIMAL and solver.wall_time >= 0.99 * prm.max_time_in_seconds
+                    and solver.deterministic_time < prm.max_deterministic_time)
     if status == cp_model.MODEL_INVALID:  # a bug in this model, not a property of the problem
         raise RuntimeError(f"DLPlacer ILP model invalid: {mdl.md.validate()}")
     if status == cp_model.INFEASIBLE:
         return Solved("infeasible", None, 0, None, {})
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Solved("unknown", None, max(0, int(solver.best_objective_bound)) if status != cp_model.UNKNOWN
-                      else 0, None, {})
+                      else 0, None, {}, wall_stopped)
     n, m = len(problem.tasks), problem.num_devices
     assignment = tuple(next(d for d in range(m) if solver.value(mdl.x[t][d])) for t in range(n))
     starts: dict[str, int] = {}
@@ -335,4 +353,4 @@ def run(mdl: _Model, problem: PlacementProblem, *, det_time: float, wall_s: floa
         starts[op.name] = int(s)
     bound = math.ceil(solver.best_objective_bound - 1e-9)
     return Solved("optimal" if status == cp_model.OPTIMAL else "feasible", int(solver.objective_value),
-                  bound, assignment, starts)
+                  bound, assignment, starts, wall_stopped)

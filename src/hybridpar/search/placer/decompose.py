@@ -26,11 +26,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hybridpar.search.placer.cpsat import build_model, run
+from hybridpar.search.placer.cpsat import build_model, run, wall_net
 from hybridpar.search.placer.problem import PlacementProblem, Task
 from hybridpar.search.placer.schedule import Op, build_ops, program_schedule, replay
 from hybridpar.toposort import topological_order
@@ -109,6 +108,7 @@ class _Part:
     assignment: tuple[int, ...] | None
     starts: dict[tuple[str, int, int], int]  # (op kind, task position, receiving device or -1) -> start
     fwd_end: int  # when the exit's forward ends (the segment's forward span)
+    wall_stopped: bool = False  # the wall-clock net ended its search (cpsat.run)
 
 
 @dataclass(frozen=True)
@@ -189,12 +189,12 @@ def _relabel(m: int, pairs: dict[int, int]) -> list[int]:
 
 
 def solve_decomposed(problem: PlacementProblem, q: Callable[[float], int], *, budget: float, seed: int = 0,
-                     deadline: float | None = None, max_share: float = 0.5) -> Decomposed | None:
+                     max_share: float = 0.5) -> Decomposed | None:
     """Solve every segment for every pair of boundary devices, join them by dynamic programming.
 
-    `budget`: deterministic seconds for all segment solves together (each gets an equal share);
-    `deadline`: a wall-clock safety (perf_counter time) after which the remaining solves are skipped
-    (their bound is then 0 and they offer no placement). None when the graph does not split, or when
+    `budget`: deterministic seconds for all segment solves together (each gets an equal share and its
+    own wall-clock safety net, cpsat.wall_net: no shared deadline, so a busy machine skips nothing and
+    answers the same, later). None when the graph does not split, or when
     its largest segment holds more than `max_share` of the tasks: solving that one M^2 times costs
     more than solving the whole graph once (GNMT without time chunks: 30 of 34 tasks)."""
     sp = split(problem)
@@ -213,7 +213,7 @@ def solve_decomposed(problem: PlacementProblem, q: Callable[[float], int], *, bu
                 (r_in, r_out), _ = canon(d_in, d_out)
                 jobs.setdefault((sigs[k], r_in, r_out), (k, r_in, r_out))
     share = budget / max(len(jobs), 1)
-    solved = {key: _solve_part(subs[k], q, d_in, d_out, (share, seed, deadline))
+    solved = {key: _solve_part(subs[k], q, d_in, d_out, (share, seed))
               for key, (k, d_in, d_out) in jobs.items()}
 
     def part(k: int, d_in: int | None, d_out: int) -> tuple[_Part, list[int]]:
@@ -225,6 +225,9 @@ def solve_decomposed(problem: PlacementProblem, q: Callable[[float], int], *, bu
     proven = sum(1 for p in solved.values() if p.objective == p.bound and p.objective < INF)
     note = (f"decomposition: {len(sp.segments)} segments at articulation nodes, {len(solved)} segment solves "
             f"({proven} proven optimal)")
+    stopped = sum(1 for p in solved.values() if p.wall_stopped)
+    if stopped:
+        note += f"; the wall-clock safety net cut {stopped} of them short (a very busy machine)"
     lower_int = 0 if lower == INF else int(math.ceil(lower))
     if upper == INF:
         return Decomposed(lower_int, INF, None, {}, proven, len(solved), note)
@@ -259,28 +262,24 @@ class _Canon:
 
 
 def _solve_part(sub: PlacementProblem, q: Callable[[float], int], d_in: int | None, d_out: int,
-                limits: tuple[float, int, float | None]) -> _Part:
+                limits: tuple[float, int]) -> _Part:
     """One segment solved exactly with its entry on `d_in` (None: no entry) and its exit on `d_out`.
-    `limits`: (deterministic seconds, seed, wall-clock deadline or None); past the deadline the part
-    is skipped (bound 0, no placement)."""
-    share, seed, deadline = limits
+    `limits`: (deterministic seconds, seed)."""
+    share, seed = limits
     m = sub.num_devices
     last = len(sub.tasks) - 1
     fixed = {last: d_out} if d_in is None else {0: d_in, last: d_out}
-    if deadline is not None and time.perf_counter() > deadline:
-        return _Part(INF, 0.0, None, {}, 0)
     fdur = [[q(t.fwd_s[d]) for d in range(m)] for t in sub.tasks]
     bdur = [[q(t.bwd_s[d]) for d in range(m)] for t in sub.tasks]
     horizon = sum(max(f) + max(b) for f, b in zip(fdur, bdur)) + 2 * sum(
         max((q(sub.transfer_s(t.out_bytes, a, b)) for a in range(m) for b in range(m) if a != b), default=0)
         for t in sub.tasks)
     mdl = build_model(sub, q, horizon, fixed=fixed, symmetry=False)
-    wall = 10 * share + 1 if deadline is None else max(deadline - time.perf_counter(), 1e-3)
-    sol = run(mdl, sub, det_time=share, wall_s=wall, workers=1, seed=seed)
+    sol = run(mdl, sub, det_time=share, wall_s=wall_net(share), workers=1, seed=seed)
     if sol.status == "infeasible":
         return _Part(INF, INF, None, {}, 0)
     if sol.assignment is None:
-        return _Part(INF, float(sol.bound), None, {}, 0)
+        return _Part(INF, float(sol.bound), None, {}, 0, sol.wall_stopped)
     index = {t.name: i for i, t in enumerate(sub.tasks)}
     starts = {}
     for name, st in sol.starts.items():
@@ -288,7 +287,7 @@ def _solve_part(sub: PlacementProblem, q: Callable[[float], int], d_in: int | No
         task, _, dev = rest.rpartition("@") if "@" in rest else (rest, "", "-1")
         starts[(kind, index[task], int(dev))] = st
     fwd_end = sol.starts[f"fwd:{sub.tasks[last].name}"] + fdur[last][d_out]
-    return _Part(float(sol.objective), float(max(sol.bound, 0)), sol.assignment, starts, fwd_end)
+    return _Part(float(sol.objective), float(max(sol.bound, 0)), sol.assignment, starts, fwd_end, sol.wall_stopped)
 
 
 def _join(nseg: int, m: int, part) -> tuple[float, float, list[int]]:

@@ -45,6 +45,7 @@ from hybridpar.search.placer.cpsat import (  # noqa: F401 - canonical, critical_
     canonical_perm,
     critical_path,
     run,
+    wall_net,
 )
 from hybridpar.search.placer.decompose import solve_decomposed
 from hybridpar.search.placer.problem import PlacementProblem, fmt_bytes
@@ -52,16 +53,13 @@ from hybridpar.search.placer.result import PlacementResult, fits
 from hybridpar.search.placer.schedule import Op, Schedule, build_ops, program_schedule, replay, timed
 from hybridpar.toposort import topological_order
 
-# The time limit is CP-SAT's deterministic time (work, calibrated to about a second of one core), so
-# that a busy machine gives the same answer later rather than a different one. Wall-clock safety net:
-# the whole solve stops after WALL_MARGIN x the limit whatever the deterministic time says.
-WALL_MARGIN = 2.0
-WALL_SLACK_S = 10.0
 # The solve stops once its placement is within this share of the proven lower bound (as a MIP solver's
 # relative gap): the cost model's own error is ~10x larger, and on Inception-V3 (2 devices) the answer
 # found at 1 s of deterministic time was the one still held at 30 s (2 min of wall time here). It is a
 # property of the search state, so the answer stays deterministic; 0 searches to a proof or the limit.
 DEFAULT_GAP = 0.005
+WALL_STOPPED_NOTE = ("the wall-clock safety net stopped the search before its deterministic budget (a very "
+                     "busy machine): a quieter run may find a faster placement")
 MAX_DECOMPOSE_DEVICES = 8  # segment solves per boundary pair grow as M^2
 DECOMPOSE_MAX_SHARE = 0.5  # decompose only when no segment holds more than this share of the tasks
 
@@ -104,11 +102,8 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
         starts.append(_Start(a, ops, timed(problem, ops), hint.solver))
     lower = critical_path(problem, fdur, bdur)
     polish = float(time_limit_s)  # deterministic seconds for the whole-problem search
-    # wall-clock safety net only: model building is not deterministic time, so allow for it generously
-    deadline = t0 + WALL_MARGIN * time_limit_s + WALL_SLACK_S
     if decompose and 1 < m <= MAX_DECOMPOSE_DEVICES:
-        dec = solve_decomposed(problem, q, budget=time_limit_s / 2, seed=seed, deadline=deadline,
-                               max_share=DECOMPOSE_MAX_SHARE)
+        dec = solve_decomposed(problem, q, budget=time_limit_s / 2, seed=seed, max_share=DECOMPOSE_MAX_SHARE)
         if dec is not None:
             polish = time_limit_s / 2
             lower = max(lower, dec.lower)
@@ -133,9 +128,9 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
     mdl.md.add(mdl.span >= lower)
     if best is not None:
         add_hint(mdl, problem, best.assignment, best.ops, best.sched)
-    sol = run(mdl, problem, det_time=polish, wall_s=max(deadline - time.perf_counter(), 0.05 * time_limit_s),
-              workers=workers, seed=seed, gap=gap)
+    sol = run(mdl, problem, det_time=polish, wall_s=wall_net(polish), workers=workers, seed=seed, gap=gap)
     bound = max(sol.bound, lower)
+    notes += _wall_notes(sol)
     if sol.assignment is not None:
         ops = build_ops(problem, sol.assignment, q)
         found = _Start(list(sol.assignment), ops, _replayed(problem, ops, [sol.starts[op.name] for op in ops]), "ilp")
@@ -152,6 +147,11 @@ def solve_ilp(problem: PlacementProblem, *, time_limit_s: float = 30.0, hint: Pl
                               "buffers for cross-device edges are counted")
     raise InfeasibleError(f"{problem.name}: the ILP found no placement within {time_limit_s:g} s "
                           "(raise --time-limit or coarsen more)")
+
+
+def _wall_notes(sol) -> list[str]:
+    """The note of a whole-problem search the wall-clock net ended (none otherwise)."""
+    return [WALL_STOPPED_NOTE] if sol.wall_stopped else []
 
 
 @dataclass
