@@ -19,7 +19,9 @@ from hybridpar.errors import UserError
 from hybridpar.files import atomic_write
 from hybridpar.jsonfile import read_input
 
-CALIBRATION_VERSION = 1
+# 2: a recurrent module other than one LSTM layer is recorded under its own op name ('gru', 'lstm*4':
+# graph.recurrent.record_op); a version-1 file may hold a stack's time under one layer's key
+CALIBRATION_VERSION = 2
 ENV_VAR = "HYBRIDPAR_CALIBRATION"
 
 

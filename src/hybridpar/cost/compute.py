@@ -45,6 +45,7 @@ from hybridpar.cluster.calibration import (
 )
 from hybridpar.cluster.model import Cluster, DeviceSpec
 from hybridpar.cost.spatial import SPATIAL_WHOLE_SHAPES
+from hybridpar.graph.recurrent import layer_nodes, record_op
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 
 EFFICIENCY_FILE = Path(__file__).with_name("efficiency.yaml")
@@ -506,11 +507,29 @@ def _measured(cal: Calibration, node: Node, dev: DeviceSpec, fracs: tuple[float,
               variant: str | None, cpu: Curve | None, memory_format: str = "nchw", precision: str = "fp32"
               ) -> OpTime | None:
     """op_time from the calibration's records of `memory_format` and `precision` (None: none fits)."""
+    if node.op == "lstm" and int(node.attr("layers") or 1) > 1 and record_op(node) == f"lstm*{node.attr('layers')}":
+        # a unidirectional LSTM stack: timed whole by the graph path, else the sum of the one-layer
+        # records the hook path times (profile.ops), as the MP runtime runs it layer by layer
+        whole = _measured_as(cal, node, dev, fracs, variant, cpu, memory_format, precision)
+        parts = [_measured_as(cal, n, dev, fracs, variant, cpu, memory_format, precision) for n in layer_nodes(node)]
+        if any(p is None for p in parts):
+            return whole
+        stack = OpTime(sum(p.fwd_s for p in parts), sum(p.bwd_data_s for p in parts),
+                       sum(p.bwd_weight_s for p in parts),
+                       next((p.source for p in parts if "scaled" in p.source), parts[0].source))
+        # an exact record first: the whole stack's, else its layers' (scaled from another batch: the whole's)
+        return whole if whole is not None and ("scaled" not in whole.source or "scaled" in stack.source) else stack
+    return _measured_as(cal, node, dev, fracs, variant, cpu, memory_format, precision)
+
+
+def _measured_as(cal: Calibration, node: Node, dev: DeviceSpec, fracs: tuple[float, float, float],
+                 variant: str | None, cpu: Curve | None, memory_format: str, precision: str) -> OpTime | None:
+    """`_measured` from the one record of the node's key (graph.recurrent.record_op: its op kind)."""
     loc = local_shapes(node, *fracs)
     var = format_op(variant, memory_format, precision) if variant else None
     hit = _lookup(cal, var, loc) if var else None
     of_variant = hit is not None
-    name = format_op(node.op, memory_format, precision)
+    name = format_op(record_op(node), memory_format, precision)
     hit = hit or _lookup(cal, name, loc)
     if hit is None and node.attr(SPATIAL_WHOLE_SHAPES):
         hit, of_variant = _piece_hit(cal, node, var, fracs, loc, name)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hybridpar.cluster.calibration import BF16_TAG, PRECISIONS, Calibration, format_key, resolve_calibration
 from hybridpar.cluster.model import DeviceSpec
 from hybridpar.cost.compute import FREE_OPS, channels_last_layout, format_copy_time, local_shapes, op_time
+from hybridpar.graph.recurrent import record_op
 from hybridpar.graph.types import Graph, Node
 
 Layout = tuple[int, int, int]  # (sample, channel, filter) degrees
@@ -103,11 +104,11 @@ def coverage(graph: Graph, device: DeviceSpec, fractions: Callable[[Node], tuple
         if t.source == "roofline" and t.total_s > 0:
             roof.setdefault(n.op, []).append(n.name)
             roof_s += t.total_s
-            key = format_key(local_shapes(n, s, c, f).key(n.op), "nchw", dtype)
+            key = format_key(local_shapes(n, s, c, f).key(record_op(n)), "nchw", dtype)
             # per key: an op kind can be untimed at one shape and simply unmeasured at another
             if key in cal.untimed:
                 untimed.setdefault(n.op, cal.untimed[key])
-            elif profiled is not None and local_shapes(n, s, c, f).key(n.op) not in profiled[0]:
+            elif profiled is not None and local_shapes(n, s, c, f).key(record_op(n)) not in profiled[0]:
                 unprofiled.setdefault(n.op, profiled[1])
             else:
                 fixable = True
@@ -151,7 +152,7 @@ def profile_keys(graph: Graph, splits: Collection[int]) -> dict[str, tuple[Node,
         if n.op in FREE_OPS or not n.out_shape:
             continue
         for lay in dict.fromkeys(as_run(n, lay, whole) for lay in layouts):
-            out.setdefault(local_shapes(n, 1 / lay[0], 1 / lay[1], 1 / lay[2]).key(n.op), (n, lay))
+            out.setdefault(local_shapes(n, 1 / lay[0], 1 / lay[1], 1 / lay[2]).key(record_op(n)), (n, lay))
     return out
 
 

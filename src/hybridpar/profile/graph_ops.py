@@ -26,6 +26,7 @@ from torch import fx, nn
 
 from hybridpar.cluster.calibration import OpRecord, format_key, format_op
 from hybridpar.cost.compute import FREE_OPS, channels_last_layout, local_shapes
+from hybridpar.graph.recurrent import record_op
 from hybridpar.graph.types import Graph, Node
 from hybridpar.profile.timing import clock, summarize
 
@@ -66,7 +67,7 @@ def graph_jobs(graph: Graph, splits: tuple[int, ...], covered: set[str],
 
     keys = profile_keys(graph, splits)
     image = channels_last_layout(graph).image if any(mf == "channels_last" for mf, _ in formats) else frozenset()
-    return [GraphJob(format_key(key, mf, p), format_op(n.op, mf, p), n.name, lay, mf, p)
+    return [GraphJob(format_key(key, mf, p), format_op(record_op(n), mf, p), n.name, lay, mf, p)
             for mf, p in formats for key, (n, lay) in keys.items()
             if format_key(key, mf, p) not in covered and (mf == "nchw" or n.name in image)]
 

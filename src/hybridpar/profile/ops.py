@@ -89,11 +89,14 @@ def _pair(v) -> tuple[int, int]:
 
 def _specs_of(mod: nn.Module, x: tuple[int, ...], y: tuple[int, ...]) -> list[OpSpec]:
     if isinstance(mod, nn.LSTM):
-        # one unidirectional batch-first layer without projection: what the MP runtime places whole
-        # (issue 13: the roofline put a small CPU LSTM at 3x its measured time)
-        if mod.num_layers != 1 or mod.bidirectional or not mod.batch_first or mod.proj_size or len(x) != 3:
+        # unidirectional batch-first layers without projection, one layer at a time: the MP runtime places
+        # a stacked module's layers one by one (wavefront.py), and the cost model prices a stack as the
+        # sum of its layers (cost.compute; issue 13: the roofline put a small CPU LSTM at 3x its measured
+        # time; a 4-layer stack left unprofiled was priced at 6.6x its one-process step)
+        if mod.bidirectional or not mod.batch_first or mod.proj_size or len(x) != 3:
             return []
-        return [OpSpec("lstm", x, None, y, bias_lstm=mod.bias)]
+        first = OpSpec("lstm", x, None, y, bias_lstm=mod.bias)
+        return [first] if mod.num_layers == 1 else [first, OpSpec("lstm", y, None, y, bias_lstm=mod.bias)]
     if isinstance(mod, nn.Conv2d):
         if not isinstance(mod.padding, tuple):
             return []  # padding="same"/"valid" strings: shape-equivalent specs not derivable here

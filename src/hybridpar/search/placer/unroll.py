@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hybridpar.graph.recurrent import layer_nodes
 from hybridpar.graph.types import Graph, Node
 
 # ops that compute each time step from the same time step of their inputs (last-axis ops, elementwise)
@@ -167,7 +168,7 @@ def split_layers(fine: Graph) -> Graph:
         if not (_splittable_lstm(n) and int(n.attr("layers") or 1) > 1):
             nodes.append(dataclasses.replace(n, inputs=inputs) if inputs != n.inputs else n)
             continue
-        layers = _layer_nodes(n, inputs)
+        layers = layer_nodes(n, inputs)
         nodes += layers
         last[n.name] = layers[-1].name
     out = Graph(fine.name, tuple(nodes), batch=fine.batch, meta=fine.meta) if last else fine
@@ -178,28 +179,3 @@ def split_layers(fine: Graph) -> Graph:
 _SPLIT: dict[int, tuple[Graph, Graph]] = {}
 
 
-def _layer_nodes(n: Node, inputs: tuple[str, ...]) -> list[Node]:
-    from hybridpar.graph.flops import lstm_flops
-
-    a = dict(n.attrs)
-    layers, hidden, proj, gates = int(a["layers"]), int(a["hidden"]), int(a.get("proj") or 0), int(a.get("gates", 4))
-    x = n.in_shapes[0] if n.in_shapes else n.out_shape
-    batch, steps = (x[0], x[1]) if a.get("batch_first") else (x[1], x[0]) if len(x) >= 3 else (1, x[0])
-    full = lstm_flops(batch=batch, steps=steps, input_size=a["input_size"], hidden=hidden, proj=proj, layers=layers,
-                      gates=gates)
-    input_grad = n.bwd_data_flops >= full.bwd_data  # the first layer's input gradient was counted
-    out: list[Node] = []
-    for layer in range(layers):
-        in_l = int(a["input_size"]) if layer == 0 else proj or hidden
-        f = lstm_flops(batch=batch, steps=steps, input_size=in_l, hidden=hidden, proj=proj, gates=gates,
-                       input_grad=layer > 0 or input_grad)
-        attrs = {**a, "layers": 1, "input_size": in_l, "layer": layer}
-        if a.get("scope"):  # its own scope: not tied to its siblings as one runtime leaf (tie_shared_modules)
-            attrs["scope"] = f"{a['scope']}[{layer}]"
-        params = tuple((p, s) for p, s in n.param_shapes if p.endswith(f"_l{layer}"))
-        in_shapes = n.in_shapes if layer == 0 else (n.out_shape,) + n.in_shapes[1:]
-        out.append(dataclasses.replace(
-            n, name=f"{n.name}[{layer}]", inputs=inputs if layer == 0 else (out[-1].name,), in_shapes=in_shapes,
-            module=f"{n.module}[{layer}]" if n.module else None, param_shapes=params, fwd_flops=f.fwd,
-            bwd_data_flops=f.bwd_data, bwd_weight_flops=f.bwd_weight, attrs=tuple(attrs.items())))
-    return out
