@@ -281,22 +281,3 @@ def test_literal_tuple_initial_state_equals_one_process():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     for a, b in zip((p.grad for p in m.parameters()), grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
-
-
-def test_cells_run_in_wavefront_order():
-    """Each rank runs its nodes in graph order: layer 1's first chunk comes before layer 0's third (the
-    next device starts after one cell per layer, not after the whole of the layers before it), and
-    within one diagonal the deeper layer first; each layer's own chunks stay in time order."""
-    from hybridpar.parallel.pipeline.partition import partition_module
-
-    from .wavefront_models import LSTMLM, tokens
-
-    placement = {"lstm[0]": 0, "lstm[1]": 0, "lstm[2]": 1, "lstm[3]": 1}
-    part = partition_module(LSTMLM(), placement, 2, example_inputs=(tokens(2),), time_chunks=4)
-    order = [n.name for n in part.gm.graph.nodes]
-    cell = {(layer, t): order.index(f"lstm_l{layer}_t{t}") for layer in range(4) for t in range(4)}
-    assert cell[1, 0] < cell[0, 2]
-    assert cell[1, 0] < cell[0, 1]  # diagonal 1: layer 1 chunk 0 before layer 0 chunk 1
-    assert cell[3, 0] < cell[2, 2]
-    for layer in range(4):
-        assert [cell[layer, t] for t in range(4)] == sorted(cell[layer, t] for t in range(4))

@@ -27,7 +27,6 @@ calls and run whole.
 from __future__ import annotations
 
 import functools
-import heapq
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -190,7 +189,7 @@ class _Rewriter:
             new = self.g.node_copy(node, functools.partial(self.whole, dev=dev))
             self.env[node] = new
             self.device[new.name] = dev
-        out = fx.GraphModule(self.gm, _wavefront_order(self.g))
+        out = fx.GraphModule(self.gm, self.g)
         for attr in ("_out_spec", "_in_spec"):
             if hasattr(self.gm, attr):
                 setattr(out, attr, getattr(self.gm, attr))
@@ -281,48 +280,6 @@ class _Rewriter:
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
             return dim in (-1, 2)  # the feature axis of (B, T, F) / (T, B, F): never the time axis
         return False
-
-
-def _wavefront_order(g: fx.Graph) -> fx.Graph:
-    """`g` with its nodes in wavefront order: each rank runs its nodes in graph order (pipeline.executor),
-    and the rewrite emits a module's layers one after another, so a layer's first chunk would leave for
-    the next device only after every chunk of the layers before it. Here cell (l, t) of a chain of
-    recurrent layers runs in diagonal s = l + t (the count of chunk cells on its longest input path), the
-    deepest layer first within one diagonal, so the next device starts after one cell per layer before it.
-    A topological order (Kahn's), which keeps the arithmetic and each layer's order over time: exact."""
-    nodes = list(g.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    wave: dict[fx.Node, int] = {}
-    for n in nodes:
-        wave[n] = max((wave[a] for a in n.all_input_nodes), default=0) + (n.target is rnn_chunk)
-    if not any(wave.values()):
-        return g
-
-    def key(n: fx.Node) -> tuple:
-        if n.op == "placeholder":
-            return (-1, pos[n])  # the inputs in their order (the executor feeds them in graph order)
-        if n.op == "output":
-            return (len(nodes) + 1, 0)
-        # within a diagonal, later-emitted (deeper) cells first; everything before the first cell as it was
-        return (wave[n], -pos[n] if wave[n] else pos[n])
-
-    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [(key(n), pos[n], n) for n in nodes if not waiting[n]]
-    heapq.heapify(ready)
-    out = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    while ready:
-        *_, n = heapq.heappop(ready)
-        env[n] = out.node_copy(n, lambda a: env[a])
-        if env[n].name != n.name:
-            raise AssertionError(f"wavefront order renamed {n.name} to {env[n].name}")
-        for u in n.users:
-            waiting[u] -= 1
-            if not waiting[u]:
-                heapq.heappush(ready, (key(u), pos[u], u))
-    if len(env) != len(nodes):
-        raise AssertionError("wavefront order: the rewritten graph has a cycle")
-    return out
 
 
 def rewrite(gm: fx.GraphModule, device: Mapping[str, int | None], placement: Mapping[str, int],
