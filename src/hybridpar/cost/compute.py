@@ -511,8 +511,10 @@ def _measured(cal: Calibration, node: Node, dev: DeviceSpec, fracs: tuple[float,
         # a unidirectional LSTM stack: timed whole by the graph path, else the sum of the one-layer
         # records the hook path times (profile.ops), as the MP runtime runs it layer by layer
         whole = _measured_as(cal, node, dev, fracs, variant, cpu, memory_format, precision)
-        parts = [_measured_as(cal, n, dev, fracs, variant, cpu, memory_format, precision) for n in layer_nodes(node)]
-        if any(p is None for p in parts):
+        layers = layer_nodes(node)
+        parts = [t for n in layers if (t := _measured_as(cal, n, dev, fracs, variant, cpu, memory_format,
+                                                         precision)) is not None]
+        if len(parts) < len(layers):
             return whole
         stack = OpTime(sum(p.fwd_s for p in parts), sum(p.bwd_data_s for p in parts),
                        sum(p.bwd_weight_s for p in parts),
