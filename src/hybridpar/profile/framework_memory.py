@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 from hybridpar.errors import UserError
-from hybridpar.profile.ranks import free_port, run_local_ranks
+from hybridpar.ports import free_port
+from hybridpar.profile.ranks import run_local_ranks
 
 
 def resident_bytes(pid: int | str = "self") -> int:

@@ -12,7 +12,8 @@ from scipy.optimize import nnls
 
 from hybridpar.cluster.calibration import CollectiveFit, GlooFit, Measurement
 from hybridpar.errors import UserError
-from hybridpar.profile.ranks import free_port, run_local_ranks
+from hybridpar.ports import free_port
+from hybridpar.profile.ranks import run_local_ranks
 from hybridpar.profile.timing import summarize
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)

@@ -6,19 +6,12 @@ per rank with single-threaded kernels, as a training rank on this host does."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
 from hybridpar.errors import UserError
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_local_ranks(module: str, args: Sequence[str], world: int, timeout_s: float, what: str) -> list[str]:

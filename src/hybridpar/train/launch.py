@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from hybridpar.host_allocator import (  # ranks reuse freed memory: no page faul
     keep_freed_memory,
     no_huge_pages,
 )
+from hybridpar.ports import free_port
 from hybridpar.train.faults import ATTEMPT_ENV, set_default_timeout  # lost peer: error, not hang
 
 
@@ -76,12 +76,6 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 STOP_GRACE_S = 10.0  # how long stopped ranks get to exit on SIGTERM before SIGKILL
