@@ -507,9 +507,9 @@ def _measured(cal: Calibration, node: Node, dev: DeviceSpec, fracs: tuple[float,
               variant: str | None, cpu: Curve | None, memory_format: str = "nchw", precision: str = "fp32"
               ) -> OpTime | None:
     """op_time from the calibration's records of `memory_format` and `precision` (None: none fits)."""
-    if node.op == "lstm" and int(node.attr("layers") or 1) > 1 and record_op(node) == f"lstm*{node.attr('layers')}":
-        # a unidirectional LSTM stack: timed whole by the graph path, else the sum of the one-layer
-        # records the hook path times (profile.ops), as the MP runtime runs it layer by layer
+    if record_op(node) == f"lstm*{node.attr('layers')}":
+        # a unidirectional LSTM stack of 2+ layers: timed whole by the graph path, else the sum of the
+        # one-layer records the hook path times (profile.ops), as the MP runtime runs it layer by layer
         whole = _measured_as(cal, node, dev, fracs, variant, cpu, memory_format, precision)
         layers = layer_nodes(node)
         parts = [t for n in layers if (t := _measured_as(cal, n, dev, fracs, variant, cpu, memory_format,
