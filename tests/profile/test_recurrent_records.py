@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hybridpar.cluster.calibration import Calibration, Measurement, OpRecord
-from hybridpar.cost.compute import local_shapes, op_time
+from hybridpar.cost.compute import chunk_time, local_shapes, op_time
 from hybridpar.graph import trace
 from hybridpar.graph.recurrent import record_op
 from hybridpar.profile import ops
@@ -54,7 +54,27 @@ def _cal(records: dict[str, tuple[float, float, float]]) -> Calibration:
 def test_a_stacked_lstm_is_profiled_layer_by_layer():
     module = _Lm(layers=3)
     specs = [s for s in ops.collect_op_specs(module, (torch.randint(0, 40, (4, 6)),)) if s.op == "lstm"]
-    assert [(s.x, s.y) for s in specs] == [((4, 6, 8), (4, 6, 12)), ((4, 6, 12), (4, 6, 12))]
+    # each layer also at its time chunks' steps (6 steps in the default 4 chunks: 2, 2, 1, 1)
+    assert [(s.x, s.y) for s in specs] == [((4, 6, 8), (4, 6, 12)), ((4, 6, 12), (4, 6, 12)),
+                                           ((4, 2, 8), (4, 2, 12)), ((4, 2, 12), (4, 2, 12)),
+                                           ((4, 1, 8), (4, 1, 12)), ((4, 1, 12), (4, 1, 12))]
+
+
+def test_a_time_chunk_is_priced_at_its_own_shape():
+    """The wavefront's chunk t of K runs the layer over its own steps: its record, not 1/K of the layer's
+    (a chunk costs more than that: measured 29 vs 24 ms per layer for bench_mp's LSTM in 4 chunks)."""
+    graph, _ = _graph(_Lm(layers=1))
+    node = _rnn_node(graph)
+    share = _dev().time_share
+    whole_key, chunk_key = "lstm|x=4x6x8|w=-|y=4x6x12", "lstm|x=4x2x8|w=-|y=4x2x12"
+    cal = _cal({whole_key: (6.0, 12.0, 18.0), chunk_key: (3.0, 5.0, 7.0)})
+    t = chunk_time(node, 0, 4, 1, _dev(), calibration=cal)  # 6 steps in 4 chunks: chunk 0 has 2
+    assert (t.source, t.fwd_s, t.bwd_s) == ("measured", pytest.approx(3.0 * share), pytest.approx(12.0 * share))
+    # no record of the chunk's shape: the whole layer's in proportion to its steps, labelled so
+    t = chunk_time(node, 3, 4, 1, _dev(), calibration=cal)  # chunk 3 has 1 step
+    assert (t.source, t.fwd_s) == ("measured-scaled", pytest.approx(1.0 * share))
+    # nothing measured: the roofline of the chunk's shape
+    assert chunk_time(node, 0, 4, 1, _dev(), calibration=_cal({})).source == "roofline"
 
 
 def test_record_names_tell_cells_stacks_and_directions_apart():
@@ -96,4 +116,7 @@ def test_profiling_a_stacked_lstm_model_measures_its_stack():
     assert not any(k.startswith("lstm|") for k in records)
     node = _rnn_node(graph)
     for frac in (1.0, 0.5):
-        assert local_shapes(node, frac).key(record_op(node)) in records
+        rec = records[local_shapes(node, frac).key(record_op(node))]
+        # one backward call (its kernel computes the input and weight gradients together): timed apart,
+        # each pass would be the whole backward, counted twice
+        assert rec.bwd_weight is None and rec.bwd_data.median_s > 0

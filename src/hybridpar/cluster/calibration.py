@@ -21,7 +21,10 @@ from hybridpar.jsonfile import read_input
 
 # 2: a recurrent module other than one LSTM layer is recorded under its own op name ('gru', 'lstm*4':
 # graph.recurrent.record_op); a version-1 file may hold a stack's time under one layer's key
-CALIBRATION_VERSION = 2
+# 3: a recurrent module's backward timed as one call (profile.graph_ops.time_job): its kernel computes the
+# input and weight gradients together, so timing them apart counted it twice (a 4-layer LSTM's backward
+# 103 ms against 52); and each LSTM layer also at its time chunks' steps (cost.compute.chunk_time)
+CALIBRATION_VERSION = 3
 ENV_VAR = "HYBRIDPAR_CALIBRATION"
 
 

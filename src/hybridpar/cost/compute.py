@@ -45,7 +45,7 @@ from hybridpar.cluster.calibration import (
 )
 from hybridpar.cluster.model import Cluster, DeviceSpec
 from hybridpar.cost.spatial import SPATIAL_WHOLE_SHAPES
-from hybridpar.graph.recurrent import layer_nodes, record_op
+from hybridpar.graph.recurrent import chunk_steps, layer_nodes, record_op, time_slice
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 
 EFFICIENCY_FILE = Path(__file__).with_name("efficiency.yaml")
@@ -501,6 +501,26 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
     t = roofline_time(node, dev, dtype=dtype, sample_frac=sample_frac, channel_frac=channel_frac,
                       filter_frac=filter_frac, cpu=cpu)
     return dataclasses.replace(t, as_nchw=image) if image else t
+
+
+def chunk_time(node: Node, t: int, k: int, axis: int, device: DeviceSpec | Cluster, *, dtype: str = "fp32",
+               sample_frac: float = 1.0, calibration: Calibration | str | os.PathLike | None = None) -> OpTime:
+    """op_time of time chunk t of k of `node` (a recurrent layer, or a per-step op the wavefront runs chunk
+    by chunk), split along the time `axis`: the op at the chunk's own shape (graph.recurrent.time_slice),
+    as `hybridpar profile --model` times a layer at its chunks' steps. A chunk is not 1/k of its layer:
+    measured here, a 4-layer LSTM (192 units, 32 steps, batch 32) ran 24 ms per layer whole and 29 ms in
+    4 chunks (a chunk's per-call work and shorter GEMMs). Without a record of the chunk but with one of
+    the whole node: the whole's time in proportion to the chunk's steps ("measured-scaled")."""
+    steps = node.out_shape[axis]
+    own = op_time(time_slice(node, chunk_steps(steps, t, k), axis), device, dtype=dtype, sample_frac=sample_frac,
+                  calibration=calibration)
+    if own.source.startswith("measured") or k < 2:
+        return own
+    whole = op_time(node, device, dtype=dtype, sample_frac=sample_frac, calibration=calibration)
+    if not whole.source.startswith("measured"):
+        return own
+    f = chunk_steps(steps, t, k) / steps
+    return OpTime(whole.fwd_s * f, whole.bwd_data_s * f, whole.bwd_weight_s * f, "measured-scaled")
 
 
 def _measured(cal: Calibration, node: Node, dev: DeviceSpec, fracs: tuple[float, float, float],

@@ -9,6 +9,10 @@ import dataclasses
 from hybridpar.graph.flops import lstm_flops
 from hybridpar.graph.types import Node
 
+# The K time chunks per recurrent layer the placer weighs against whole layers when none is given
+# (search.placer.api._choose_time_chunks); `hybridpar profile --model` times a layer at its chunks' steps
+DEFAULT_TIME_CHUNKS = 4
+
 
 def layer_nodes(n: Node, inputs: tuple[str, ...] | None = None) -> list[Node]:
     """The L one-layer nodes '<node>[<l>]' of a recurrent node of L stacked layers (module
@@ -50,3 +54,31 @@ def record_op(n: Node) -> str:
     layers = int(a.get("layers") or 1)
     stack = f"*{layers}" if layers > 1 else ""
     return str(a.get("cell") or "lstm") + stack + ("-bi" if a.get("bidirectional") else "")
+
+
+def chunk_steps(steps: int, t: int, k: int) -> int:
+    """The time steps of chunk t of k over `steps`: torch.tensor_split's sizes, as the MP runtime splits a
+    sequence (parallel/pipeline/wavefront.py): the first steps % k chunks one step longer."""
+    return steps // k + (1 if t < steps % k else 0)
+
+
+def time_slice(n: Node, steps: int, axis: int) -> Node:
+    """`n` run over `steps` of its sequence: every shape of it (output and inputs) that spans the sequence
+    along the time `axis` cut to `steps` there, its FLOPs in proportion (exact for a recurrent layer and
+    the per-step ops the wavefront runs chunk by chunk). The op a time chunk runs, so that its time is
+    looked up at the chunk's own shape."""
+    whole = n.out_shape[axis]
+    if whole == steps:
+        return n
+
+    def cut(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(shape) <= axis or shape[axis] != whole:
+            return shape
+        return shape[:axis] + (steps,) + shape[axis + 1:]
+
+    def part(flops: int) -> int:
+        return int(flops * steps / whole)
+
+    return dataclasses.replace(n, out_shape=cut(n.out_shape), in_shapes=tuple(cut(s) for s in n.in_shapes),
+                               fwd_flops=part(n.fwd_flops), bwd_data_flops=part(n.bwd_data_flops),
+                               bwd_weight_flops=part(n.bwd_weight_flops))

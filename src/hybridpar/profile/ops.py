@@ -22,6 +22,7 @@ from torch import nn
 
 from hybridpar.cluster.calibration import Measurement, OpRecord, format_op
 from hybridpar.cost.compute import local_shapes
+from hybridpar.graph.recurrent import DEFAULT_TIME_CHUNKS, chunk_steps
 from hybridpar.graph.types import Node
 from hybridpar.profile.timing import clock, measure, summarize
 
@@ -95,8 +96,16 @@ def _specs_of(mod: nn.Module, x: tuple[int, ...], y: tuple[int, ...]) -> list[Op
         # time; a 4-layer stack left unprofiled was priced at 6.6x its one-process step)
         if mod.bidirectional or not mod.batch_first or mod.proj_size or len(x) != 3:
             return []
-        first = OpSpec("lstm", x, None, y, bias_lstm=mod.bias)
-        return [first] if mod.num_layers == 1 else [first, OpSpec("lstm", y, None, y, bias_lstm=mod.bias)]
+        # and each at the steps of its time chunks under the placer's default K (cost.compute.chunk_time)
+        specs = []
+        k = DEFAULT_TIME_CHUNKS
+        for steps in dict.fromkeys([x[1]] + [chunk_steps(x[1], t, k) for t in range(k)]):
+            if steps:
+                xs, ys = (x[0], steps, x[2]), (y[0], steps, y[2])
+                specs.append(OpSpec("lstm", xs, None, ys, bias_lstm=mod.bias))
+                if mod.num_layers > 1:
+                    specs.append(OpSpec("lstm", ys, None, ys, bias_lstm=mod.bias))
+        return specs
     if isinstance(mod, nn.Conv2d):
         if not isinstance(mod.padding, tuple):
             return []  # padding="same"/"valid" strings: shape-equivalent specs not derivable here

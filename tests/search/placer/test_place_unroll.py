@@ -60,7 +60,10 @@ def test_problem_chunks_share_work_memory_and_bytes():
     assert len(split.tasks) == 1 + 2 * 4
     for attr in ("mem_bytes", "grad_bytes"):
         assert sum(getattr(t, attr) for t in split.tasks) == sum(getattr(t, attr) for t in whole.tasks)
-    assert sum(t.fwd_s[0] + t.bwd_s[0] for t in split.tasks) == pytest.approx(whole.serial_time_s())
+    # each chunk is priced at its own shape (cost.compute.chunk_time): on this GPU's roofline, whose
+    # per-kernel time a chunk pays again, a little more than the whole layer, never less
+    chunked, serial = sum(t.fwd_s[0] + t.bwd_s[0] for t in split.tasks), whole.serial_time_s()
+    assert serial < chunked < 1.05 * serial
     assert split.tasks[1].out_bytes == whole.tasks[1].out_bytes // 4
     assert split.tasks[1].grad_bytes == whole.tasks[1].grad_bytes  # gradients complete after chunk 0's backward
 

@@ -1,8 +1,9 @@
 """Build a PlacementProblem from a model Graph and a Cluster (hybridpar.cost supplies every figure).
 
 Per coarse node: forward and backward times are the sums of its fine members' op_time (roofline or
-profiled) plus the optimizer update; memory is what training_memory counts for its members (weights,
-gradients, optimizer state, kept activations); the bytes sent to a consumer on another device are the
+profiled; a time chunk's members at the chunk's own shape: cost.compute.chunk_time) plus the optimizer
+update; memory is what training_memory counts for its members (weights, gradients, optimizer state, kept
+activations); the bytes sent to a consumer on another device are the
 outputs of members that leave the node. Transfers use the cluster's routes (link ids, bandwidth,
 latency) between the MP group's devices.
 """
@@ -16,14 +17,14 @@ from hybridpar.cluster import Cluster
 from hybridpar.cluster.calibration import load_calibration
 from hybridpar.cost import memory as cost_memory
 from hybridpar.cost.collectives import allreduce_time
-from hybridpar.cost.compute import op_time
+from hybridpar.cost.compute import OpTime, chunk_time, op_time
 from hybridpar.cost.memory import kept_activations, optimizer_state_copies
 from hybridpar.cost.update import step_work
 from hybridpar.graph.coarsen import merge_groups
 from hybridpar.graph.params import owner_of
 from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
 from hybridpar.search.placer.problem import PlacementProblem, Task
-from hybridpar.search.placer.unroll import chunk_of, share, tie_name
+from hybridpar.search.placer.unroll import chunk_of, share, tie_name, time_axis
 
 LOSS_BYTES = 4  # the MP runtime allreduces the step's fp32 loss over the group
 
@@ -124,15 +125,24 @@ def task_compute_s(coarse: Graph, fine: Graph, cluster: Cluster, *, dtype: str =
     placer.micro prices a micro-batch with it, since an op at B/K samples is not 1/K of the op at B
     (weights are read and gradients written once per micro-batch; small shapes run below peak)."""
     out = {}
+    axis = time_axis(fine)
     for n in coarse.nodes:
         fwd = bwd = 0.0
         for x in members(n):
-            t = op_time(fine.node(x), cluster, dtype=dtype, sample_frac=sample_frac)
+            t = member_time(fine.node(x), n, axis, cluster, dtype, sample_frac)
             fwd += t.fwd_s
             bwd += t.bwd_s
-        _, k = chunk_of(n)
-        out[n.name] = (fwd / k, bwd / k)
+        out[n.name] = (fwd, bwd)
     return out
+
+
+def member_time(fn: Node, n: Node, axis: int | None, cluster: Cluster, dtype: str, sample_frac: float = 1.0) -> OpTime:
+    """op_time of `fn`, a fine member of coarse node `n`: at its time chunk's shape when `n` is one
+    (unroll: chunk t of K along the time `axis`), whole otherwise."""
+    c, k = chunk_of(n)
+    if k > 1 and axis is not None:
+        return chunk_time(fn, c, k, axis, cluster, dtype=dtype, sample_frac=sample_frac)
+    return op_time(fn, cluster, dtype=dtype, sample_frac=sample_frac)
 
 
 def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids: Sequence[int], *,
@@ -155,19 +165,22 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
     work = step_work(cluster, optimizer, dtype=dtype)
     outputs = set(fine.outputs)
     tasks = []
+    axis = time_axis(fine)
     for n in coarse.nodes:
+        c, k = chunk_of(n)
         fwd = bwd = ovh = 0.0
         mem = out = grad = 0
         for x in members(n):
             fn = fine.node(x)
-            t = op_time(fn, cluster, dtype=dtype)
-            ovh += node_s if fn.op != "input" else 0.0
+            t = member_time(fn, n, axis, cluster, dtype)  # a time chunk's own op time (chunk_time)
+            ovh += node_s if fn.op != "input" else 0.0  # per chunk too: each runs its own graph nodes
             fwd += t.fwd_s
             # the optimizer's work on this node's parameters, on its device after backward (the
-            # schedule counts it in the node's backward); the loss after the output's forward
-            bwd += t.bwd_s + work.update_per_tensor(len(fn.param_shapes), fn.params)
+            # schedule counts it in the node's backward, 1/K of it in each time chunk's); the loss
+            # after the output's forward
+            bwd += t.bwd_s + work.update_per_tensor(len(fn.param_shapes), fn.params) / k
             if fn.name in outputs:
-                fwd += work.loss_s(fn.out_numel)
+                fwd += work.loss_s(fn.out_numel) / k
             mem += fn.params * per_param
             grad += fn.params * b
             mem += _activation_bytes(fn, x in kept, b)
@@ -175,12 +188,11 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
             leaving = [s for s in fine_succ[x] if owner[s] != tie_name(n)]
             if fn.op != "input" and leaving:
                 out += max(_read_numel(fine.node(s), x, fn) for s in leaving) * b
-        # a time chunk t of K: 1/K of the node's work, memory and output; its weight gradients are
-        # complete after chunk 0's backward (the last to run), so they are counted there
-        c, k = chunk_of(n)
+        # a time chunk t of K: its own op times (above), 1/K of the node's memory and output; its weight
+        # gradients are complete after chunk 0's backward (the last to run), so they are counted there
         fwd += ovh
-        tasks.append(Task(n.name, tuple(n.inputs), (fwd / k,) * m, (bwd / k,) * m, share(mem, c, k), share(out, c, k),
-                          node_modules(n), int(grad) if c == 0 else 0, n.attr("tie") or "", ovh / k))
+        tasks.append(Task(n.name, tuple(n.inputs), (fwd,) * m, (bwd,) * m, share(mem, c, k), share(out, c, k),
+                          node_modules(n), int(grad) if c == 0 else 0, n.attr("tie") or "", ovh))
     bw = tuple(tuple(_p2p(cluster, a, c)[1] if a != c else dev.mem_bw_Bps for c in device_ids) for a in device_ids)
     lat = tuple(tuple(_p2p(cluster, a, c)[0] if a != c else 0.0 for c in device_ids) for a in device_ids)
     links = tuple(tuple(cluster.links_between(a, c) if a != c else () for c in device_ids) for a in device_ids)

@@ -284,7 +284,9 @@ def place_model(model, cluster: str | Cluster = DEFAULT_CLUSTER, gpus: int = 2, 
     if label:  # first, as `plan` puts it: the CLI prints the outcome's notes, the report the plan's
         plan = plan.model_copy(update={"notes": [label, *plan.notes]})
         notes = (label, *notes)
-    return PlaceOutcome(result, one_process_step_s(prob), "single" in baselines, baselines, plan, coarse, len(fine),
+    # one process runs recurrent layers whole (chunks cost more than 1/K each: cost.compute.chunk_time)
+    one = build_problem(model, cluster, gpus, replace(cfg, time_chunks=1))[0] if k else prob
+    return PlaceOutcome(result, one_process_step_s(one), "single" in baselines, baselines, plan, coarse, len(fine),
                         notes, compute)
 
 

@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from hybridpar.graph.recurrent import layer_nodes
+from hybridpar.graph.recurrent import DEFAULT_TIME_CHUNKS, layer_nodes
 from hybridpar.graph.types import Graph, Node
 
 # ops that compute each time step from the same time step of their inputs (last-axis ops, elementwise)
 TIMEWISE_OPS = frozenset({"lstm", "dropout", "add", "mul", "pointwise", "relu", "concat", "linear",
                           "layernorm", "embedding"})
-# The K the placer weighs against whole layers when none is given (api._choose_time_chunks, `place
-# --time-chunks`'s help), and K for a bare `project --time-chunks`; the MP runtime runs it (wavefront.py)
-DEFAULT_TIME_CHUNKS = 4
+# DEFAULT_TIME_CHUNKS (graph.recurrent): the K the placer weighs against whole layers when none is given
+# (api._choose_time_chunks, `place --time-chunks`'s help), and K for a bare `project --time-chunks`
 WHAT_IF_TIME_CHUNKS = DEFAULT_TIME_CHUNKS  # the old name (no longer a what-if), still imported
 
 
@@ -56,6 +55,15 @@ def sequence_shape(fine: Graph) -> tuple[int, int] | None:
     for n in fine.nodes:
         if _splittable_lstm(n) and len(n.out_shape) >= 3:
             return n.out_shape[0], n.out_shape[1]
+    return None
+
+
+def time_axis(fine: Graph) -> int | None:
+    """The time axis of the first unidirectional LSTM's output (1 batch-first, else 0): the axis the
+    wavefront splits every chunked node along (`_timewise`: their leading dims are that LSTM's)."""
+    for n in fine.nodes:
+        if _splittable_lstm(n) and len(n.out_shape) >= 3:
+            return 1 if n.attr("batch_first") else 0
     return None
 
 
