@@ -3,8 +3,9 @@
 A graph node for an LSTM layer runs the whole sequence, so two stacked layers on two devices could
 only run one after the other. Here every coarse node that works step by step along the sequence
 (LSTM layers and the time-wise ops around them: dropout, residual add, concat, linear projections,
-embedding; attention runs whole) is split into K time chunks, each with 1/K of the node's time,
-memory and output bytes. Edges:
+embedding; attention runs whole) is split into K time chunks, each with its own time (the node's ops at
+the chunk's steps: cost.compute.chunk_time, as adapter prices them) and 1/K of the node's memory and
+output bytes. Edges:
   - chunk t -> chunk t+1 of a node holding a recurrent layer (the recurrence: h and c stay on its device);
   - chunk t of u -> chunk t of v when v reads u step for step (the activation, 1/K of the bytes);
   - every chunk of u -> each chunk of v otherwise (v needs u's whole sequence, e.g. attention keys).
@@ -19,11 +20,11 @@ per layer ('<node>[<l>]', module '<module>[<l>]', the runtime's per-layer placem
 `split_layers`), and a node is split when it holds a recurrent layer or reads a split node step for
 step (the runtime chunks what follows a recurrent layer, not what precedes it; attention runs whole).
 
-Approximations: chunks split a node's time evenly (exact for LSTM FLOPs when K divides the sequence;
-a remainder step is spread); bidirectional LSTMs are not split (nor by the runtime); a softmax is not
-split (its axis is not recorded); a coarse node mixing ops the runtime chunks and ops it does not
-is split whole; the optimizer update is split evenly across the chunks' backward, and the weight
-gradients count as ready after the last backward chunk.
+Approximations: a chunk without a profiled record of its shape takes its steps' share of the whole
+node's measured time (labelled measured-scaled); bidirectional LSTMs are not split (nor by the
+runtime); a softmax is not split (its axis is not recorded); a coarse node mixing ops the runtime
+chunks and ops it does not is split whole; the optimizer update is split evenly across the chunks'
+backward, and the weight gradients count as ready after the last backward chunk.
 """
 
 from __future__ import annotations
