@@ -43,6 +43,12 @@ def chain(width: int, depth: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
+def chain_model():
+    """The --1f1b chain as a model factory, for `hybridpar profile --model
+    benchmarks/bench_micro_batches.py:chain_model --batch 512 --splits 2` (the calibration its run reads)."""
+    return chain(1024, 8), (torch.randn(2, 1024),)
+
+
 def measure(args) -> dict:
     import hybridpar
     from hybridpar.plans import Plan

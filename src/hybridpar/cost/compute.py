@@ -512,14 +512,14 @@ def chunk_time(node: Node, t: int, k: int, axis: int, device: DeviceSpec | Clust
     4 chunks (a chunk's per-call work and shorter GEMMs). Without a record of the chunk but with one of
     the whole node: the whole's time in proportion to the chunk's steps ("measured-scaled")."""
     steps = node.out_shape[axis]
-    own = op_time(time_slice(node, chunk_steps(steps, t, k), axis), device, dtype=dtype, sample_frac=sample_frac,
-                  calibration=calibration)
-    if own.source.startswith("measured") or k < 2:
+    mine = chunk_steps(steps, t, k)
+    own = op_time(time_slice(node, mine, axis), device, dtype=dtype, sample_frac=sample_frac, calibration=calibration)
+    if own.source.startswith("measured"):
         return own
     whole = op_time(node, device, dtype=dtype, sample_frac=sample_frac, calibration=calibration)
     if not whole.source.startswith("measured"):
         return own
-    f = chunk_steps(steps, t, k) / steps
+    f = mine / steps
     return OpTime(whole.fwd_s * f, whole.bwd_data_s * f, whole.bwd_weight_s * f, "measured-scaled")
 
 

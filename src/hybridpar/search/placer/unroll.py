@@ -50,22 +50,24 @@ def _splittable_lstm(node: Node) -> bool:
     return node.op == "lstm" and not node.attr("bidirectional")
 
 
+def _first_sequence(fine: Graph) -> Node | None:
+    """The first unidirectional LSTM with a batched sequence output: the wavefront's reference, whose
+    leading dims every chunked node shares (`_timewise`)."""
+    return next((n for n in fine.nodes if _splittable_lstm(n) and len(n.out_shape) >= 3), None)
+
+
 def sequence_shape(fine: Graph) -> tuple[int, int] | None:
     """The leading (batch, steps) of the first unidirectional LSTM ((steps, batch) when sequence-first),
     or None when there is none."""
-    for n in fine.nodes:
-        if _splittable_lstm(n) and len(n.out_shape) >= 3:
-            return n.out_shape[0], n.out_shape[1]
-    return None
+    n = _first_sequence(fine)
+    return None if n is None else (n.out_shape[0], n.out_shape[1])
 
 
 def time_axis(fine: Graph) -> int | None:
-    """The time axis of the first unidirectional LSTM's output (1 batch-first, else 0): the axis the
-    wavefront splits every chunked node along (`_timewise`: their leading dims are that LSTM's)."""
-    for n in fine.nodes:
-        if _splittable_lstm(n) and len(n.out_shape) >= 3:
-            return 1 if n.attr("batch_first") else 0
-    return None
+    """The time axis the wavefront splits every chunked node along: the first unidirectional LSTM's
+    (1 batch-first, else 0); None when there is none."""
+    n = _first_sequence(fine)
+    return None if n is None else (1 if n.attr("batch_first") else 0)
 
 
 def has_recurrence(fine: Graph) -> bool:
