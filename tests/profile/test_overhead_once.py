@@ -42,7 +42,8 @@ def measured(monkeypatch) -> list[dict]:
     monkeypatch.setattr(framework_memory, "measure_framework_bytes", lambda world: 300 << 20)
     monkeypatch.setattr(executor, "mp_node_overhead_s", lambda: 1e-5)
     fit = {"call_s": 1e-4, "per_tensor_s": 1e-6, "per_element_s": 1e-9}
-    monkeypatch.setattr(update, "measure_update", lambda **_kw: {"update": {"sgd": fit}, "loss": fit})
+    monkeypatch.setattr(update, "measure_update", lambda **_kw: {"update": {"sgd": fit}, "guard": {"sgd": fit},
+                                                                 "loss": fit})
     monkeypatch.setattr(rank_skew, "measure_rank_skew", lambda ranks: {2: 1.1})
     return calls
 

@@ -1,7 +1,7 @@
-"""The optimizer step (+ zero_grad) and the loss are priced (hybridpar.cost.update): measured fits from
-the calibration on localhost, a labelled roofline elsewhere; the per-layer planner adds them after the
-step's last collective, the placer to each device (per tensor in the task's backward, the call once
-per device after its schedule)."""
+"""The optimizer step (+ zero_grad, + the train loop's finiteness check) and the loss are priced
+(hybridpar.cost.update): measured fits from the calibration on localhost, a labelled roofline
+elsewhere; the per-layer planner adds them after the step's last collective, the placer to each device
+(per tensor in the task's backward, the call once per device after its schedule)."""
 
 from __future__ import annotations
 
@@ -21,16 +21,28 @@ CALL, PER_TENSOR, PER_ELEM = 200e-6, 10e-6, 1e-9
 LOSS_CALL, LOSS_PER_ELEM = 50e-6, 2e-9
 
 
-def _cal(update: dict[str, StepFit] | None = None, loss: StepFit | None = None) -> Calibration:
-    return Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10, update=update or {}, loss=loss)
+def _cal(update: dict[str, StepFit] | None = None, loss: StepFit | None = None,
+         guard: dict[str, StepFit] | None = None) -> Calibration:
+    return Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10, update=update or {}, loss=loss,
+                       guard=update if guard is None else guard)
+
+
+def _halves(fit: StepFit, part: float) -> StepFit:
+    return StepFit(call_s=fit.call_s * part, per_tensor_s=fit.per_tensor_s * part,
+                   per_element_s=fit.per_element_s * part)
+
+
+# the totals the tests price: a quarter of each from the optimizer step, three quarters from the guard
+TOTALS = {"sgd": StepFit(call_s=CALL, per_tensor_s=PER_TENSOR, per_element_s=PER_ELEM),
+          "momentum": StepFit(call_s=2 * CALL, per_tensor_s=2 * PER_TENSOR, per_element_s=0.0)}
 
 
 @pytest.fixture
 def fitted(tmp_path, monkeypatch):
     path = tmp_path / "cal.json"
-    save_calibration(_cal({"sgd": StepFit(call_s=CALL, per_tensor_s=PER_TENSOR, per_element_s=PER_ELEM),
-                           "momentum": StepFit(call_s=2 * CALL, per_tensor_s=2 * PER_TENSOR, per_element_s=0.0)},
-                          StepFit(call_s=LOSS_CALL, per_element_s=LOSS_PER_ELEM)), path)
+    save_calibration(_cal({k: _halves(f, 0.25) for k, f in TOTALS.items()},
+                          StepFit(call_s=LOSS_CALL, per_element_s=LOSS_PER_ELEM),
+                          {k: _halves(f, 0.75) for k, f in TOTALS.items()}), path)
     monkeypatch.setenv("HYBRIDPAR_CALIBRATION", str(path))
     return path
 
@@ -63,6 +75,28 @@ def test_measure_update_on_this_machine():
     # torch's CPU optimizers loop over tensors in Python: a tensor more costs time, as do its elements
     sgd = got["update"]["sgd"]
     assert sgd["per_tensor_s"] > 0 and sgd["call_s"] + 48 * sgd["per_tensor_s"] > 0
+    # the guard screens every gradient, weight and optimizer slot: its elements cost time, more with
+    # AdamW's two moments to screen than with plain SGD's none
+    assert set(got["guard"]) == {"sgd", "momentum", "adamw"}
+    g = {k: f["per_tensor_s"] * 8 + f["per_element_s"] * 8 * 262144 for k, f in got["guard"].items()}
+    assert 0 < g["sgd"] < g["adamw"]
+
+
+def test_the_guard_is_priced_with_the_update_and_a_file_without_it_is_not_used(tmp_path, monkeypatch):
+    cl = load_cluster("localhost", gpus=2)
+    k = cl.device.time_share
+    update = {"sgd": StepFit(call_s=CALL, per_tensor_s=PER_TENSOR, per_element_s=PER_ELEM)}
+    guard = {"sgd": StepFit(call_s=3 * CALL, per_tensor_s=0.0, per_element_s=5 * PER_ELEM)}
+    loss = StepFit(call_s=LOSS_CALL, per_element_s=LOSS_PER_ELEM)
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv("HYBRIDPAR_CALIBRATION", str(path))
+    save_calibration(_cal(update, loss, guard), path)
+    w = step_work(cl, "sgd")
+    assert w.source == "measured"
+    assert w.update_s(TENSORS, PARAMS) == pytest.approx(
+        (4 * CALL + PER_TENSOR * TENSORS + 6 * PER_ELEM * PARAMS) * k)
+    save_calibration(_cal(update, loss, {}), path)  # fitted without the guard: not priced as if it were free
+    assert step_work(cl, "sgd").source == "roofline"
 
 
 def test_step_work_measured_scaled_by_time_share_or_roofline(fitted):
@@ -123,7 +157,8 @@ def test_cli_place_takes_the_optimizer(fitted, capsys):
     rc = main(["place", "--model", "lstm2", "--devices", "2", "--solver", "single", "--optimizer", "sgd", "--json"])
     assert rc in (0, None)
     notes = json.loads(capsys.readouterr().out)["cost_notes"]
-    assert any(n.startswith("optimizer step (sgd) + zero_grad: 200 us per device") and "(measured)" in n for n in notes)
+    head = "optimizer step (sgd) + zero_grad + train's NaN/Inf check: 200 us per device"
+    assert any(n.startswith(head) and "(measured)" in n for n in notes)
     assert main(["place", "--model", "lstm2", "--devices", "2", "--optimizer", "rmsprop"]) == 2
     assert "'--optimizer': 'rmsprop' is not one of" in capsys.readouterr().err
 

@@ -24,7 +24,9 @@ from hybridpar.jsonfile import read_input
 # 3: a recurrent module's backward timed as one call (profile.graph_ops.time_job): its kernel computes the
 # input and weight gradients together, so timing them apart counted it twice (a 4-layer LSTM's backward
 # 103 ms against 52); and each LSTM layer also at its time chunks' steps (cost.compute.chunk_time)
-CALIBRATION_VERSION = 3
+# 4: the train loop's finiteness check (hybridpar.train.guard) fitted beside the optimizer step (`guard`);
+# a version-3 file would price every step without it
+CALIBRATION_VERSION = 4
 ENV_VAR = "HYBRIDPAR_CALIBRATION"
 
 
@@ -143,6 +145,8 @@ class Calibration(_Model):
     # tensors a rank holds, and the loss (cross-entropy forward + backward) over its output's elements;
     # empty/None in files written before them: priced by the roofline then (hybridpar.cost.update)
     update: dict[str, StepFit] = {}
+    # the train loop's NaN/Inf check around that update (hybridpar.train.guard), per optimizer kind
+    guard: dict[str, StepFit] = {}
     loss: StepFit | None = None
     # P -> how much longer a synchronous step of P ranks computes than one process alone (the slowest
     # rank's CPU time per lockstep iteration over one process's; hybridpar.profile.rank_skew); empty in

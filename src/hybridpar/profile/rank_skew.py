@@ -15,6 +15,12 @@ time. Alone: one worker runs the same iterations while the others wait. The phas
 
   rank_skew[P] = mean over iterations (max over ranks of CPU time) / mean over iterations (CPU time alone)
 
+per cycle; the median over cycles is one launch's. A process's speed on this VM is drawn anew at its
+start (benchmarks/probe_corun.py), so one set of workers is one draw of who is slowest: the figure is the
+median over `launches` fresh sets of workers, as a run's figure is its median over fresh worlds. With one
+launch, three profiles of the same minute said 1.17, 1.68 and 1.06 (2026-12-04, quiet); six launches in a
+row 1.00-1.14.
+
 `hybridpar.cluster.localhost` stretches compute at P ranks by it (on top of ranks/cores).
 """
 
@@ -69,11 +75,18 @@ def _worker(rank: int, phases: Sequence[int], iters: int, start, barriers: dict,
         q.put((k, rank, cpu))
 
 
-def measure_rank_skew(ranks: Sequence[int], *, cycles: int = 3, iters: int = 15, timeout_s: float = 300.0) -> dict:
-    """{P: rank_skew} for each P > 1 in `ranks` (see the module docstring)."""
+def measure_rank_skew(ranks: Sequence[int], *, cycles: int = 3, iters: int = 15, launches: int = 5,
+                      timeout_s: float = 300.0) -> dict:
+    """{P: rank_skew} for each P > 1 in `ranks` (see the module docstring): the median of `launches`
+    fresh sets of workers."""
     ps = sorted({p for p in ranks if p > 1})
     if not ps:
         return {}
+    runs = [_one_launch(ps, cycles, iters, timeout_s) for _ in range(launches)]
+    return {p: statistics.median(r[p] for r in runs) for p in ps}
+
+
+def _one_launch(ps: list[int], cycles: int, iters: int, timeout_s: float) -> dict[int, float]:
     ctx = context()  # the ranks' fork server: torch imported once, not per worker
     width = max(ps)
     phases = [p for _ in range(cycles) for p in (1, *ps)]

@@ -221,7 +221,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     from hybridpar.profile.executor import mp_node_overhead_s
 
     node_overhead = mp_node_overhead_s()
-    step("optimizer step and loss", total)
+    step("optimizer step, finiteness check and loss", total)
     from hybridpar.profile.update import measure_update
 
     per_step = measure_update(warmup=opts.warmup, repeats=max(5, opts.repeats))
@@ -249,6 +249,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       collectives=colls, ops=records, framework_bytes=framework,
                       mp_node_overhead_s=node_overhead, runtime_overhead=overhead,
                       update={k: StepFit(**v) for k, v in per_step["update"].items()},
+                      guard={k: StepFit(**v) for k, v in per_step["guard"].items()},
                       loss=StepFit(**per_step["loss"]), rank_skew=skew, untimed=untimed)
     return cal, save_calibration(cal, path)
 

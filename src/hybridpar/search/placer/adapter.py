@@ -206,7 +206,8 @@ def problem_from_graph(coarse: Graph, fine: Graph, cluster: Cluster, device_ids:
     if post is not None:
         notes += (f"MP runtime: posting a transfer keeps the sender busy {post.intercept_s * 1e6:.0f} us "
                   f"+ {post.slope_s_per_byte * 1e9:.3g} ns/B (measured by `hybridpar profile`)",)
-    notes += (f"optimizer step ({optimizer}) + zero_grad: {work.update_call_s * 1e6:.0f} us per device "
+    notes += (f"optimizer step ({optimizer}) + zero_grad + train's NaN/Inf check: "
+              f"{work.update_call_s * 1e6:.0f} us per device "
               f"+ {work.update_per_tensor_s * 1e6:.1f} us per tensor + {work.update_per_element_s * 1e9:.2g} ns "
               f"per parameter; loss {work.loss_call_s * 1e6:.0f} us + {work.loss_per_element_s * 1e9:.2g} ns "
               f"per output element ({work.source})",)
