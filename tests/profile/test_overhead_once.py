@@ -69,7 +69,8 @@ def test_a_second_profile_keeps_the_overhead_and_the_flag_measures_it_again(tmp_
 
 def _file_with_overhead(path, **fields) -> RuntimeOverhead:
     o = RuntimeOverhead(sample_node_fwd_s=1e-6, sample_node_bwd_s=2e-6, dtensor_node_fwd_s=3e-6,
-                        dtensor_node_bwd_s=4e-6, layer_fwd_s=5e-5, layer_bwd_s=6e-5)
+                        dtensor_node_bwd_s=4e-6, layer_fwd_s=5e-5, layer_bwd_s=6e-5,
+                        spatial_op_fwd_s=7e-5, spatial_op_bwd_s=8e-5)
     cal = Calibration(**{"cpu_count": 2, "peak_flops_fp32": 1e10, "mem_bw_Bps": 1e9, "hostname": platform.node(),
                          "torch_version": torch.__version__, "runtime_overhead": o, **fields})
     save_calibration(cal, path)

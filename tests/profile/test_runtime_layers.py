@@ -35,10 +35,15 @@ def test_split_layers_are_timed_as_the_runtime_runs_them():
 @pytest.mark.timeout(120)
 def test_runtime_overhead_is_measured_per_node_and_per_split_layer():
     got = runtime_overhead(repeats=3, rounds=1)
-    assert got["nodes"] == {"A": 27, "B": 59}  # 8 x (conv, bn, relu [+ 4 relu]), pool, flatten, linear
-    for key in ("sample_node_s", "dtensor_node_s", "layer_s"):
+    # 8 x (conv, bn, relu [+ 4 relu]), pool, flatten, linear; "S": 8 x (3x3 conv, relu), the same head
+    assert got["nodes"] == {"A": 27, "B": 59, "S": 19}
+    for key in ("sample_node_s", "dtensor_node_s", "layer_s", "spatial_op_s"):
         assert len(got[key]) == 2 and min(got[key]) >= 0
     # a split layer's wrapper, autograd Function and collective bookkeeping: at least 50 us per step on
     # any CPU this runs on (measured 0.5-1 ms here); the collectives' own calls were counted
     assert sum(got["layer_s"]) > 50e-6
     assert got["collectives_per_step"]["channel=2A"] > 8
+    # a convolution exchanging a halo (height=2): _HaloOp's sends and receives, interior and boundary
+    # convolutions, the window re-assembled in backward: at least 50 us (measured ~0.9 ms here)
+    assert sum(got["spatial_op_s"]) > 50e-6
+    assert got["collectives_per_step"]["height=2S"] >= 16  # a halo each way per convolution

@@ -92,7 +92,8 @@ class RuntimeOverhead(_Model):
     """CPU seconds per training step that the channel/filter/sample runtime adds over eager PyTorch at
     the same local shapes (hybridpar.profile.runtime_overhead), forward and backward: per graph node
     of a sample-only layout (plain tensors), per node of a layout with a channel/filter split (DTensor's
-    dispatch or our layer wrapper), and per conv/linear split over channel/filter beyond that."""
+    dispatch or our layer wrapper), per conv/linear split over channel/filter beyond that, and per
+    convolution or pooling that exchanges a halo under a spatial split (the spatial runtime's _HaloOp)."""
 
     sample_node_fwd_s: float = Field(ge=0)
     sample_node_bwd_s: float = Field(ge=0)
@@ -100,6 +101,8 @@ class RuntimeOverhead(_Model):
     dtensor_node_bwd_s: float = Field(ge=0)
     layer_fwd_s: float = Field(ge=0)
     layer_bwd_s: float = Field(ge=0)
+    spatial_op_fwd_s: float = Field(ge=0)
+    spatial_op_bwd_s: float = Field(ge=0)
 
 
 class StepFit(_Model):

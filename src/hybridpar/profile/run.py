@@ -235,7 +235,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
 
         rt = runtime_overhead()
         overhead = RuntimeOverhead(**{f"{k[:-2]}_{part}_s": rt[k][i]
-                                      for k in ("sample_node_s", "dtensor_node_s", "layer_s")
+                                      for k in ("sample_node_s", "dtensor_node_s", "layer_s", "spatial_op_s")
                                       for i, part in enumerate(("fwd", "bwd"))})
     old = _previous(path) if opts.merge else None
     if old is not None:

@@ -13,7 +13,8 @@ from hybridpar.graph.tracing import trace
 from hybridpar.search.layers.planner import plan_model
 
 OVERHEAD = RuntimeOverhead(sample_node_fwd_s=1e-5, sample_node_bwd_s=2e-5, dtensor_node_fwd_s=1e-4,
-                           dtensor_node_bwd_s=2e-4, layer_fwd_s=1e-3, layer_bwd_s=3e-3)
+                           dtensor_node_bwd_s=2e-4, layer_fwd_s=1e-3, layer_bwd_s=3e-3,
+                           spatial_op_fwd_s=2e-3, spatial_op_bwd_s=5e-3)
 
 
 def _m(s: float) -> Measurement:
@@ -48,6 +49,25 @@ def test_every_node_and_split_layer_pays_the_measured_overhead(tmp_path, monkeyp
         want = nodes * (o.dtensor_node_fwd_s + o.dtensor_node_bwd_s) + 5 * (o.layer_fwd_s + o.layer_bwd_s)
     got = priced.prediction.compute_s - bare.prediction.compute_s
     assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_every_convolution_exchanging_a_halo_pays_the_spatial_runtime(tmp_path, monkeypatch):
+    """height=2 on small_cnn (32x32 images, two 3x3 convolutions before its pools... every conv and
+    pool whose window crosses the rows' cut): the spatial runtime's measured work per exchanging op
+    (forward and backward) on top of the per-node overhead."""
+    from hybridpar.cost.spatial import SLIDING, halo_cost
+    from hybridpar.layout.layer import LayerLayout
+
+    no_spatial = OVERHEAD.model_copy(update={"spatial_op_fwd_s": 0.0, "spatial_op_bwd_s": 0.0})
+    bare = _plan(_cal(tmp_path, "bare", runtime_overhead=no_spatial), monkeypatch, "height=2")
+    priced = _plan(_cal(tmp_path, "priced", runtime_overhead=OVERHEAD), monkeypatch, "height=2")
+    from hybridpar.cluster import load_cluster
+
+    cl, lay = load_cluster("localhost", gpus=2), LayerLayout(height=2)
+    exchanging = sum(1 for n in _graph().nodes if n.op in SLIDING and halo_cost(n, lay, cl, 4)[2] > 0)
+    assert exchanging >= 2
+    want = exchanging * (OVERHEAD.spatial_op_fwd_s + OVERHEAD.spatial_op_bwd_s) * cl.device.time_share
+    assert priced.prediction.compute_s - bare.prediction.compute_s == pytest.approx(want, rel=1e-6)
 
 
 def test_a_record_of_the_runtime_layer_replaces_the_op_and_its_overhead(tmp_path, monkeypatch):

@@ -134,6 +134,15 @@ class CostContext:
         return ((nodes * nf + split_layers * o.layer_fwd_s) * share,
                 (nodes * nb + split_layers * o.layer_bwd_s) * share)
 
+    def spatial_op_overhead(self) -> tuple[float, float]:
+        """Forward and backward seconds the spatial runtime adds to one convolution or pooling that
+        exchanges a halo (hybridpar.profile.runtime_overhead's spatial_op)."""
+        o = self.overhead
+        if o is None:
+            return 0.0, 0.0
+        share = self.cluster.device.time_share
+        return o.spatial_op_fwd_s * share, o.spatial_op_bwd_s * share
+
     def _time(self, kind: str, bytes_: int, key, groups) -> float:
         k = (kind, bytes_, key)
         if k not in self._memo:

@@ -182,21 +182,25 @@ def _spatial_layouts(graph, gpus: int, batch: int, nd: int, largest: tuple[int, 
 
 def _with_halo(vo, nodes: Sequence[str], originals: dict, lay: LayerLayout, ctx: CostContext, inputs: set[str]):
     """`vo` with the halo exchanges of its `nodes` (original, global-shape nodes by name) added to its
-    cost's forward and backward communication and bytes (kind "halo")."""
+    cost's forward and backward communication and bytes (kind "halo"), and the spatial runtime's own
+    work per exchanging op (`CostContext.spatial_op_overhead`) to its compute."""
     fwd = bwd = 0.0
-    nbytes = 0
+    nbytes = exchanging = 0
     for name in nodes:
         n = originals.get(name)
         if n is None or n.op not in SLIDING:
             continue
         f, b, fb, bb = halo_cost(n, lay, ctx.cluster, ctx.elem)
+        exchanging += fb > 0
         if n.inputs and n.inputs[0] in inputs:  # the model's input needs no gradient: no backward halo
             b, bb = 0.0, 0
         fwd, bwd, nbytes = fwd + f, bwd + b, nbytes + fb + bb
     if not nbytes:
         return vo, 0.0
+    of, ob = ctx.spatial_op_overhead()
     c = vo.costs[0]
     c = dataclasses.replace(c, comm_fwd_s=c.comm_fwd_s + fwd, comm_bwd_s=c.comm_bwd_s + bwd,
+                            fwd_s=c.fwd_s + exchanging * of, bwd_s=c.bwd_s + exchanging * ob,
                             comm_bytes={**c.comm_bytes, "halo": c.comm_bytes.get("halo", 0) + nbytes})
     return dataclasses.replace(vo, costs=(c, *vo.costs[1:])), fwd + bwd
 
