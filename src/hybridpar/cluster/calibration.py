@@ -25,7 +25,9 @@ from hybridpar.jsonfile import read_input
 # input and weight gradients together, so timing them apart counted it twice (a 4-layer LSTM's backward
 # 103 ms against 52); and each LSTM layer also at its time chunks' steps (cost.compute.chunk_time)
 # 4: the train loop's finiteness check (hybridpar.train.guard) fitted beside the optimizer step (`guard`);
-# a version-3 file would price every step without it
+# a version-3 file would price every step without it; the spatial runtime's work per halo-exchanging op
+# (RuntimeOverhead.spatial_op_*); and every op's backward timed without the autograd engine's start-up per
+# timed call (profile.timing.timed_grad: ~23 us a call here, which a step pays once, not per op)
 CALIBRATION_VERSION = 4
 ENV_VAR = "HYBRIDPAR_CALIBRATION"
 

@@ -28,7 +28,7 @@ from hybridpar.cluster.calibration import OpRecord, format_key, format_op
 from hybridpar.cost.compute import FREE_OPS, channels_last_layout, local_shapes
 from hybridpar.graph.recurrent import record_op
 from hybridpar.graph.types import Graph, Node
-from hybridpar.profile.timing import clock, summarize
+from hybridpar.profile.timing import clock, summarize, timed_grad
 
 _SKIP = FREE_OPS  # graph plumbing and views: no work of their own, nothing to time
 
@@ -227,6 +227,7 @@ def time_job(cap: Captured, node: Node, job: GraphJob, *, device: str = "cpu", w
     held = {id(w) for w in arg_weights}
     loc_y = local_shapes(node, *(1 / d for d in job.fracs)).y
     tick = _clock(device)
+    grad = _grad_timer(device)
     samples: list[list[float]] = [[], [], []]
     # a recurrent module's backward (LSTM/GRU/RNN) computes the input and weight gradients in one kernel
     # whichever autograd asks for: timed apart, each would be the whole backward (as the hook path, one)
@@ -242,19 +243,13 @@ def time_job(cap: Captured, node: Node, job: GraphJob, *, device: str = "cpu", w
             raise ValueError(f"output {tuple(y.shape)} at the local shape, expected {tuple(loc_y)}")
         times = [t1 - t0, 0.0, 0.0]
         if y.requires_grad and fused:  # one backward kernel for both: timed once, filed as backward-data
-            t2 = tick()
-            torch.autograd.grad(y, acts + wrt_w, torch.randn_like(y), allow_unused=True)
-            times[1] = tick() - t2
+            times[1] = grad(y, acts + wrt_w, torch.randn_like(y), allow_unused=True)
         elif y.requires_grad:
             dy = torch.randn_like(y)
             if acts:
-                t2 = tick()
-                torch.autograd.grad(y, acts, dy, retain_graph=bool(wrt_w), allow_unused=True)
-                times[1] = tick() - t2
+                times[1] = grad(y, acts, dy, retain_graph=bool(wrt_w), allow_unused=True)
             if wrt_w:
-                t3 = tick()
-                torch.autograd.grad(y, wrt_w, dy, allow_unused=True)
-                times[2] = tick() - t3
+                times[2] = grad(y, wrt_w, dy, allow_unused=True)
         if k >= warmup:
             for i, t in enumerate(times):
                 samples[i].append(t)
@@ -273,6 +268,20 @@ def _fresh(tree, held: set[int]):
         return t
 
     return tree_map(fresh, tree)
+
+
+def _grad_timer(device: str) -> Callable[..., float]:
+    """A backward call's time: on a CPU its work without the engine start-up a step's one backward pays
+    once (profile.timing.timed_grad); on a GPU the synchronised wall time of the call."""
+    if not device.startswith("cuda"):
+        return timed_grad
+    tick = _clock(device)
+
+    def timed(*args, **kwargs) -> float:
+        t0 = tick()
+        torch.autograd.grad(*args, **kwargs)
+        return tick() - t0
+    return timed
 
 
 def _clock(device: str) -> Callable[[], float]:
