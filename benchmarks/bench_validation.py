@@ -595,7 +595,8 @@ def markdown(summary: dict, args) -> str:
     rows = ["| model | ranks | batch | family | layout | predicted | measured | error |",
             "|---|---:|---:|---|---|---:|---:|---:|"]
     for r in summary["rows"]:
-        rows.append(f"| {_short(r['model'])} | {r['ranks']} | {r['batch']} | {r['family']} | {r['layout']} | "
+        layout = r["layout"].replace("|", "\\|")  # "plan: channel=2 | filter=2" inside a table cell
+        rows.append(f"| {_short(r['model'])} | {r['ranks']} | {r['batch']} | {r['family']} | {layout} | "
                     f"{r['predicted_s'] * 1e3:.1f} ms | {r['measured_s'] * 1e3:.1f} ms | "
                     f"{r['rel_error'] * 100:+.1f}% |")
 
