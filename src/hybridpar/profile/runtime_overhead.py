@@ -83,38 +83,13 @@ def _interleaved(fns: dict, warmup: int, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
-    """In this process (which must not hold a process group): the overheads, forward and backward, in
-    seconds of CPU time per training step: `sample_node` per graph node of a sample-only layout (no
-    DTensor: plain tensors and the gradient hooks), `dtensor_node` per node of a layout with a
-    channel/filter split (DTensor's dispatch or our wrapper), `layer` per conv/linear split over
-    channel/filter beyond its node's (the autograd Function, the collectives' bookkeeping),
-    `spatial_op` per convolution or pooling exchanging a halo under a spatial split."""
+def _layout_runs(builders: dict, x, y, runs: dict) -> tuple[dict[str, int], dict[str, int]]:
+    """Each chain under each layout through `hybridpar train`'s engine on the fake world, into `runs`
+    as (forward, step) functions; (collective calls per step, split layers per layout)."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hybridpar.graph.tracing import trace
-    from hybridpar.parallel.comm.collectives import all_gather_dim, all_reduce_, reduce_scatter_dim
-    from hybridpar.parallel.comm.log import CommLog
-    from hybridpar.parallel.mesh import Group
     from hybridpar.train.engine import ChannelFilterEngine, task_loss
 
-    torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    torch.manual_seed(0)
-    x = torch.randn(BATCH, CHANNELS, HW, HW)
-    y = torch.randint(0, 4, (BATCH,))
-    builders = {"A": _chain, "B": lambda: _chain(EXTRA), "S": _conv_chain}
-    nodes = {c: sum(n.op != "input" for n in trace(b(), (x,)).nodes) for c, b in builders.items()}
-
-    def eager(c: str, inp: torch.Tensor):
-        m = builders[c]()
-        return (lambda: F.cross_entropy(m(inp), y)), (lambda: F.cross_entropy(m(inp), y).backward())
-
-    # eager "S": the rank's piece of rows under height=2 (its convolutions padded as the whole's)
-    runs = {"eagerA": eager("A", x), "eagerB": eager("B", x), "eagerS": eager("S", x[:, :, : HW // 2].contiguous())}
     counts, splits = {}, {}
     for layout, chains in (("sample=2", ("A",)), ("channel=2", ("A", "B")), ("filter=2", ("A", "B")),
                            ("height=2", ("S",))):
@@ -134,6 +109,41 @@ def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
                 task_loss(eng.forward(xl), yl)
 
             runs[f"{layout}{c}"] = (fwd, lambda eng=eng, xl=xl, yl=yl: eng.train_step(xl, yl))
+    return counts, splits
+
+
+def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
+    """In this process (which must not hold a process group): the overheads, forward and backward, in
+    seconds of CPU time per training step: `sample_node` per graph node of a sample-only layout (no
+    DTensor: plain tensors and the gradient hooks), `dtensor_node` per node of a layout with a
+    channel/filter split (DTensor's dispatch or our wrapper), `layer` per conv/linear split over
+    channel/filter beyond its node's (the autograd Function, the collectives' bookkeeping),
+    `spatial_op` per convolution or pooling exchanging a halo under a spatial split."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybridpar.graph.tracing import trace
+    from hybridpar.parallel.comm.collectives import all_gather_dim, all_reduce_, reduce_scatter_dim
+    from hybridpar.parallel.comm.log import CommLog
+    from hybridpar.parallel.mesh import Group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, CHANNELS, HW, HW)
+    y = torch.randint(0, 4, (BATCH,))
+    builders = {"A": _chain, "B": lambda: _chain(EXTRA), "S": _conv_chain}
+    nodes = {c: sum(n.op != "input" for n in trace(b(), (x,)).nodes) for c, b in builders.items()}
+
+    def eager(c: str, inp: torch.Tensor):
+        m = builders[c]()
+        return (lambda: F.cross_entropy(m(inp), y)), (lambda: F.cross_entropy(m(inp), y).backward())
+
+    # eager "S": the rank's piece of rows under height=2 (its convolutions padded as the whole's)
+    runs = {"eagerA": eager("A", x), "eagerB": eager("B", x), "eagerS": eager("S", x[:, :, : HW // 2].contiguous())}
+    counts, splits = _layout_runs(builders, x, y, runs)
 
     # the Python of one collective call on the fake world (the gloo fits hold it already)
     group = Group((0, 1), dist.group.WORLD, 0)
