@@ -11,7 +11,7 @@ from torch import nn
 
 from hybridpar.graph import trace
 from hybridpar.profile.graph_ops import profile_graph_ops
-from hybridpar.profile.timing import clock, grad_call_s
+from hybridpar.profile.timing import clock, grad_call_s, timed_grad
 
 
 def _chain():
@@ -38,20 +38,41 @@ def test_the_engine_start_up_is_measured():
     assert 1e-7 < grad_call_s() < 1e-3
 
 
+def test_a_timed_backward_is_its_work_without_the_start_up():
+    torch.set_num_threads(1)
+    x, w = torch.randn(4, requires_grad=True), torch.randn(4)
+    raw, timed = [], []
+    for _ in range(60):
+        y = x * w
+        t0 = clock()
+        torch.autograd.grad(y, (x,), torch.ones_like(y))
+        raw.append(clock() - t0)
+        y = x * w
+        timed.append(timed_grad(y, (x,), torch.ones_like(y)))
+    # a tiny product's backward inside a step costs a few us; its own call ~20 us more
+    assert statistics.median(timed) < 0.5 * statistics.median(raw)
+
+
 @pytest.mark.timeout(120)
 def test_a_tiny_chains_backward_records_sum_to_about_its_real_backward():
     torch.set_num_threads(1)
     module, inputs = _chain()
     graph = trace(module, inputs, train=True)
-    records, untimed = profile_graph_ops(module, inputs, graph, (1,), set(), warmup=2, repeats=7)
-    assert not untimed
-    by_node = {n.name: n for n in graph.nodes}
-    table = 0.0
-    for n in by_node.values():
-        key = next((k for k in records if k.startswith(n.op + "|") and n.op != "input"), None)
-        if key is not None and n.op != "input":
-            r = records[key]
-            table += r.bwd_data.median_s + (r.bwd_weight.median_s if r.bwd_weight else 0.0)
+
+    def table_s() -> float:
+        records, untimed = profile_graph_ops(module, inputs, graph, (1,), set(), warmup=2, repeats=7)
+        assert not untimed
+        total = 0.0
+        for n in graph.nodes:
+            key = next((k for k in records if k.startswith(n.op + "|") and n.op != "input"), None)
+            if key is not None and n.op != "input":
+                r = records[key]
+                total += r.bwd_data.median_s + (r.bwd_weight.median_s if r.bwd_weight else 0.0)
+        return total
+
+    # the least disturbed of three profiles: one record's median stands for 24 layers, and another job's
+    # work only ever adds time (one profile alone summed to 0.9-2.3 ms here, the start-up taken off)
+    table = min(table_s() for _ in range(3))
     real = _whole_backward_s(module, inputs)
     calls = 2 * 24 + 24  # a linear's data and weight gradients apart, a tanh's one
     # each call's start-up (~23 us here) would add calls x grad_call_s on top of the real backward

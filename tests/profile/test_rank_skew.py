@@ -22,6 +22,15 @@ def test_measure_rank_skew_on_this_machine():
     assert set(got) == {2} and 1.0 <= got[2] < 10.0  # never below one process alone
 
 
+def test_the_skew_is_the_median_over_fresh_launches(monkeypatch):
+    """One set of workers is one draw of which process is slow: the figure is the median of launches."""
+    from hybridpar.profile import rank_skew
+
+    draws = iter([{2: 1.05}, {2: 1.68}, {2: 1.10}, {2: 1.00}, {2: 1.17}])
+    monkeypatch.setattr(rank_skew, "_one_launch", lambda ps, cycles, iters, timeout_s: next(draws))
+    assert measure_rank_skew([1, 2]) == {2: 1.10}
+
+
 def test_skew_at_the_nearest_measured_rank_count():
     cal = Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10, rank_skew={2: 1.2, 4: 1.5})
     assert (cal.skew(1), cal.skew(2), cal.skew(3), cal.skew(4), cal.skew(8)) == (1.0, 1.2, 1.2, 1.5, 1.5)

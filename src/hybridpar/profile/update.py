@@ -9,7 +9,7 @@ measured on this VM, 0.33 ms of lstm2's 4.75 ms step at batch 32 and 0.61 of sma
 
 `hybridpar train` also checks every step's gradients and, after the update, every weight, buffer and
 optimizer slot for NaN/Inf (hybridpar.train.guard): two passes over what the update touches, which cost
-more than the update itself with SGD (a small BEiT's 24 tensors of 595k elements: 1.24 ms of guard
+more than the update itself with SGD (a small BEiT's 24 tensors of 595k elements: 0.6-1.2 ms of guard
 against 0.43 ms of update, one thread, 2026-12-04), unpriced before.
 
 All are fitted as CPU time of this thread (time.thread_time, as the op table):
@@ -90,7 +90,6 @@ def measure_update(warmup: int = 3, repeats: int = 15) -> dict:
             grads = [torch.randn(size) * 1e-3 for _ in range(count)]
             opt = _optimizer(kind, params)
             guard = _guard(params, opt)
-            held: dict = {}
 
             def step(params=params, grads=grads, opt=opt) -> float:
                 for p, g in zip(params, grads):  # what backward leaves (untimed)
@@ -100,17 +99,17 @@ def measure_update(warmup: int = 3, repeats: int = 15) -> dict:
                 opt.zero_grad()
                 return clock() - t0
 
-            def check(params=params, grads=grads, opt=opt, guard=guard, held=held) -> float:
+            def check(params=params, grads=grads, opt=opt, guard=guard) -> float:
                 for p, g in zip(params, grads):  # untimed: backward's gradients, then the update
                     p.grad = g
                 t0 = clock()
                 pending = guard.before_update(1.0)
-                held["t"] = clock() - t0
+                before = clock() - t0
                 opt.step()
                 opt.zero_grad()
                 t0 = clock()
                 guard.submit(pending, 0, 1.0)
-                return held["t"] + clock() - t0
+                return before + clock() - t0
 
             fns += [step, check]
         times = _median_interleaved(fns, warmup, repeats)
