@@ -90,3 +90,43 @@ def test_a_calibration_with_a_skew_below_one_is_refused(tmp_path):
     path.write_text(json.dumps({**data, "rank_skew": {"2": 0.5}}))  # would make 2 ranks compute faster
     with pytest.raises(UserError, match="rank_skew"):
         load_calibration(path)
+
+
+
+def test_a_profile_takes_the_skew_at_several_points_and_keeps_the_median(monkeypatch, tmp_path):
+    """The machine's speed drifts over tens of seconds: the launches are spread over the profile (after
+    its device figures, op table and collectives, and at the end), not taken in a row; one moment's high
+    draws do not make the figure."""
+    from hybridpar.profile import executor, framework_memory, rank_skew, run, runtime_overhead, update
+    from hybridpar.profile.gloo import Measurement
+
+    stage, moments = ["start"], []
+    draws = iter([1.25, 1.22, 1.05, 1.06, 1.07, 1.04, 1.08, 1.05])  # a skewed first moment
+
+    def launch(ps, cycles, iters, timeout_s):
+        moments.append(stage[-1])
+        return {2: next(draws)}
+
+    def collectives(world, sizes, kinds, groups, **_kw):
+        stage.append("collectives")
+        times = [Measurement(median_s=1e-4 + n * 1e-9, p10_s=1e-4, p90_s=2e-4, repeats=1) for n in sizes]
+        return {(k, g): times for k in kinds for g in groups}
+
+    model_ops = run._model_ops
+    monkeypatch.setattr(rank_skew, "_one_launch", launch)
+    monkeypatch.setattr(run, "device_figures",
+                        lambda **_kw: stage.append("device") or {"peak_flops_fp32": 1e10, "mem_bw_Bps": 1e9})
+    monkeypatch.setattr(run, "_model_ops", lambda *a, **k: stage.append("ops") or model_ops(*a, **k))
+    monkeypatch.setattr(run, "measure_collectives", collectives)
+    monkeypatch.setattr(framework_memory, "measure_framework_bytes", lambda world: 300 << 20)
+    monkeypatch.setattr(executor, "mp_node_overhead_s", lambda: 1e-5)
+    fit = {"call_s": 1e-4, "per_tensor_s": 1e-6, "per_element_s": 1e-9}
+    monkeypatch.setattr(update, "measure_update",
+                        lambda **_kw: stage.append("update") or {"update": {"sgd": fit}, "guard": {"sgd": fit},
+                                                                 "loss": fit})
+    monkeypatch.setattr(runtime_overhead, "runtime_overhead", lambda: {
+        k: (1e-5, 1e-5) for k in ("sample_node_s", "dtensor_node_s", "layer_s", "spatial_op_s")})
+    opts = run.ProfileOptions(ranks=(2,), sizes=(4096, 65536), model=None, splits=(1,), warmup=0, repeats=1)
+    cal, _ = run.run_profile(opts, out=tmp_path / "cal.json")
+    assert moments == ["device"] * 2 + ["ops"] * 2 + ["collectives"] * 2 + ["update"] * 2
+    assert cal.rank_skew == {2: pytest.approx(1.065)}  # not the first moment's 1.25 / 1.22

@@ -19,7 +19,11 @@ per cycle; the median over cycles is one launch's. A process's speed on this VM 
 start (benchmarks/probe_corun.py), so one set of workers is one draw of who is slowest: the figure is the
 median over `launches` fresh sets of workers, as a run's figure is its median over fresh worlds. With one
 launch, three profiles of the same minute said 1.17, 1.68 and 1.06 (2026-12-04, quiet); six launches in a
-row 1.00-1.14.
+row 1.00-1.14. The machine's speed also drifts over tens of seconds, and five launches in a row (~2 s) are
+one moment of it: three validation profiles of one morning said 1.08, 1.06 and 1.22 (the 1.22 put every
+prediction of its run ~14% over, its two worst rows +48% and +40%), while ten launches right after gave
+1.00-1.14. So `hybridpar profile` takes its launches at several points of its run (SkewSampler), spread
+over the same minutes as the op table it stretches, and keeps the median of all.
 
 `hybridpar.cluster.localhost` stretches compute at P ranks by it (on top of ranks/cores).
 """
@@ -75,15 +79,32 @@ def _worker(rank: int, phases: Sequence[int], iters: int, start, barriers: dict,
         q.put((k, rank, cpu))
 
 
+class SkewSampler:
+    """Launches of the lockstep measurement taken at several points of a profile (`sample`); the
+    figure (`result`) is the median over all of them, per rank count."""
+
+    def __init__(self, ranks: Sequence[int], *, cycles: int = 3, iters: int = 15, timeout_s: float = 300.0):
+        self.ps = sorted({p for p in ranks if p > 1})
+        self.cycles, self.iters, self.timeout_s = cycles, iters, timeout_s
+        self.runs: list[dict[int, float]] = []
+
+    def sample(self, launches: int) -> None:
+        if self.ps:
+            self.runs += [_one_launch(self.ps, self.cycles, self.iters, self.timeout_s) for _ in range(launches)]
+
+    def result(self) -> dict[int, float]:
+        if not self.runs:
+            return {}
+        return {p: statistics.median(r[p] for r in self.runs) for p in self.ps}
+
+
 def measure_rank_skew(ranks: Sequence[int], *, cycles: int = 3, iters: int = 15, launches: int = 5,
                       timeout_s: float = 300.0) -> dict:
     """{P: rank_skew} for each P > 1 in `ranks` (see the module docstring): the median of `launches`
-    fresh sets of workers."""
-    ps = sorted({p for p in ranks if p > 1})
-    if not ps:
-        return {}
-    runs = [_one_launch(ps, cycles, iters, timeout_s) for _ in range(launches)]
-    return {p: statistics.median(r[p] for r in runs) for p in ps}
+    fresh sets of workers, taken in a row."""
+    sampler = SkewSampler(ranks, cycles=cycles, iters=iters, timeout_s=timeout_s)
+    sampler.sample(launches)
+    return sampler.result()
 
 
 def _one_launch(ps: list[int], cycles: int, iters: int, timeout_s: float) -> dict[int, float]:

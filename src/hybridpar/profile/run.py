@@ -25,6 +25,8 @@ from hybridpar.profile.gloo import DEFAULT_SIZES, fit_alpha_beta, fit_collective
 from hybridpar.profile.gloo_worker import KINDS
 
 Progress = Callable[[str, int], None]  # (description of the step starting, total steps)
+# fresh sets of lockstep workers at each of four points of a profile (profile.rank_skew.SkewSampler)
+SKEW_LAUNCHES_PER_POINT = 2
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,15 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     total = 5 + len(specs) + n_graph + len(opts.ranks) + int(dist_layers) + int(overhead is None)
     step = progress or (lambda desc, total: None)
 
+    from hybridpar.profile.rank_skew import SkewSampler
+
+    # the rank skew's launches spread over the profile, at the moments the figures it stretches are timed
+    skew = SkewSampler(opts.ranks)
     step("matmul peaks and copy bandwidth", total)
     device = device_figures(warmup=opts.warmup, repeats=opts.repeats)
+    skew.sample(SKEW_LAUNCHES_PER_POINT)
     records, untimed = _model_ops(opts, specs, work, lambda desc: step(desc, total))
+    skew.sample(SKEW_LAUNCHES_PER_POINT)
     if dist_layers:
         step("channel/filter layers as the runtime runs them", total)
         from hybridpar.profile.dist_layers import measure_dist_layers
@@ -212,6 +220,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                                        timeout_s=600.0)
         fits[p] = fit_alpha_beta(p, opts.sizes, measured[("allreduce", p)])
         colls += [fit_collective(kind, p, g, opts.sizes, times) for (kind, g), times in measured.items()]
+    skew.sample(SKEW_LAUNCHES_PER_POINT)
 
     step("framework memory", total)
     from hybridpar.profile.framework_memory import measure_framework_bytes
@@ -226,9 +235,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
 
     per_step = measure_update(warmup=opts.warmup, repeats=max(5, opts.repeats))
     step("ranks in lockstep against one process", total)
-    from hybridpar.profile.rank_skew import measure_rank_skew
-
-    skew = measure_rank_skew(opts.ranks)
+    skew.sample(SKEW_LAUNCHES_PER_POINT)
     if overhead is None:
         step("channel/filter runtime overhead", total)
         from hybridpar.profile.runtime_overhead import runtime_overhead
@@ -250,7 +257,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       mp_node_overhead_s=node_overhead, runtime_overhead=overhead,
                       update={k: StepFit(**v) for k, v in per_step["update"].items()},
                       guard={k: StepFit(**v) for k, v in per_step["guard"].items()},
-                      loss=StepFit(**per_step["loss"]), rank_skew=skew, untimed=untimed)
+                      loss=StepFit(**per_step["loss"]), rank_skew=skew.result(), untimed=untimed)
     return cal, save_calibration(cal, path)
 
 
