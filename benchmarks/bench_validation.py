@@ -159,19 +159,20 @@ def run(args: list[str], timeout_s: float = 600) -> dict:
 
 def profile_round(k: int, models: set[str], batch_of: dict[str, int], target: Path, ranks: str = "2,4",
                   splits_of: dict[str, str] | None = None) -> tuple[dict, list[list[dict]]]:
-    """One `hybridpar profile` round (once per model) into its own file: (the calibration, the collective
-    fits of each call)."""
+    """One `hybridpar profile` round (once per model) into its own file: (the calibration, what each call
+    measured afresh: its collective fits and rank skew)."""
     path = target.with_name(f"{target.stem}.round{k}.json")
     coll_runs = []
     for m in sorted(models):
         splits = (splits_of or {}).get(m, "1,2,4")
         run(["profile", "--out", str(path), "--model", m, "--batch", str(batch_of[m]), "--splits", splits,
              "--ranks", ranks, "--repeats", "7", "--json"], timeout_s=900)
-        coll_runs.append(json.loads(path.read_text()).get("collectives", []))
+        cal = json.loads(path.read_text())
+        coll_runs.append({"collectives": cal.get("collectives", []), "rank_skew": cal.get("rank_skew", {})})
     return json.loads(path.read_text()), coll_runs
 
 
-def merge_rounds(files: list[dict], coll_runs: list[list[dict]], target: Path, keep: str = "median") -> None:
+def merge_rounds(files: list[dict], coll_runs: list[dict], target: Path, keep: str = "median") -> None:
     """The calibration of several profile rounds, written to `target`:
     - per op, keep the round at the median of the op's total time (`keep="median"`, the default), or
       the fastest (`keep="fastest"`). Why the median: this VM's speed drifts over tens of seconds
@@ -183,7 +184,10 @@ def merge_rounds(files: list[dict], coll_runs: list[list[dict]], target: Path, k
       call re-measures them). Why not the faster: a collective's in-step cost includes waiting for
       the later rank, which is part of what a step pays, and it varied +-30% from one launch to the
       next; the fastest of four measurements under-predicted every layout (median error 18% in one
-      validation run, against 11-13% with the mean)."""
+      validation run, against 11-13% with the mean).
+    - per rank count, the rank skew at the median of every call's (each call re-measures it, as the
+      collectives): one call's said 1.22 against 1.06-1.08 in the profiles before it, and put every
+      prediction of that run ~14% high (2026-12-04 09:13 UTC, results-history)."""
     best = json.loads(json.dumps(files[0]))
     pick = (lambda xs, key: sorted(xs, key=key)[(len(xs) - 1) // 2]) if keep == "median" else \
         (lambda xs, key: min(xs, key=key))
@@ -199,10 +203,10 @@ def merge_rounds(files: list[dict], coll_runs: list[list[dict]], target: Path, k
     if any(f.get("loss") for f in files):
         best["loss"] = pick([f["loss"] for f in files if f.get("loss")],
                             lambda fit: fit["call_s"] + 1e4 * fit["per_element_s"])
-    for p in {p for f in files for p in f.get("rank_skew", {})}:  # the round at the median, per rank count
-        best.setdefault("rank_skew", {})[p] = pick([f["rank_skew"][p] for f in files if p in f.get("rank_skew", {})],
-                                                   float)
-    best["collectives"] = _mean_fits(coll_runs)
+    skews = [r["rank_skew"] for r in coll_runs]
+    for p in {p for sk in skews for p in sk}:
+        best.setdefault("rank_skew", {})[p] = statistics.median(sk[p] for sk in skews if p in sk)
+    best["collectives"] = _mean_fits([r["collectives"] for r in coll_runs])
     target.write_text(json.dumps(best, indent=2))
 
 

@@ -29,3 +29,21 @@ def test_holdout_groups_and_their_loss():
     assert extra[unet] == ["--loss", "cross_entropy"]
     # only the groups with the key get it
     assert len(extra) == sum(1 for g in doc if g.get("loss"))
+
+
+def test_merged_rounds_take_the_median_skew_of_every_profile_call(tmp_path):
+    """Each `hybridpar profile` call of a round re-measures the rank skew (and the collectives): the merged
+    calibration holds the median over the calls, not the last call's (one call's 1.22 against 1.06-1.08
+    put a whole run's predictions ~14% high)."""
+    b = _bench()
+    fit = {"kind": "allreduce", "world_size": 2, "group_size": 2, "intercept_s": 1e-3, "slope_s_per_byte": 1e-9,
+           "max_rel_residual": 0.1}
+    last = {"ops": {}, "rank_skew": {"2": 1.22}}
+    calls = [{"collectives": [fit], "rank_skew": {"2": s}} for s in (1.06, 1.08, 1.05, 1.22)]
+    target = tmp_path / "cal.json"
+    b.merge_rounds([last], calls, target)
+    import json
+
+    merged = json.loads(target.read_text())
+    assert merged["rank_skew"] == {"2": 1.07}
+    assert merged["collectives"][0]["intercept_s"] == 1e-3
