@@ -34,6 +34,21 @@ def _cal(**kw) -> Calibration:
     return Calibration(cpu_count=2, peak_flops_fp32=3e10, mem_bw_Bps=6e9, gloo={2: fit}, **kw)
 
 
+
+def test_a_flat_allreduce_fit_keeps_its_latency_and_bounds_the_bandwidth(tmp_path):
+    """Noise over a few sizes can leave the fit no slope (its b is kept >= 0): the measured latency is
+    still used (a profile test once saw the preset's instead), and the per-byte cost is bounded by the
+    largest measured allreduce's time put all on its bytes."""
+    flat = GlooFit(world_size=2, intercept_s=1.5e-3, slope_s_per_byte=0.0, alpha_s=7.5e-4, beta_s_per_byte=0.0,
+                   sizes_bytes=[16 << 10, 256 << 10, 2 << 20], times=[_m(1.6e-3), _m(1.4e-3), _m(1.5e-3)],
+                   max_rel_residual=0.1)
+    path = save_calibration(Calibration(cpu_count=2, peak_flops_fp32=3e10, mem_bw_Bps=6e9, gloo={2: flat}),
+                            tmp_path / "cal.json")
+    c = load_cluster("localhost", gpus=2, calibration=path)
+    if c.cores >= 2:
+        assert c.intra.link_latency_s == pytest.approx(7.5e-4)
+        assert 1 / c.intra.link_bw_Bps == pytest.approx(1.5e-3 / (2 << 20))  # p / (2 (p - 1)) = 1 at p = 2
+
 def test_roundtrip_and_atomic_write(tmp_path):
     path = tmp_path / "sub" / "cal.json"
     save_calibration(_cal(), path)

@@ -98,8 +98,18 @@ def _measured_collectives(cal: Calibration, ranks: int, cores: int) -> tuple[Mea
 
 def _gloo_alpha_beta(cal: Calibration, ranks: int, cores: int) -> tuple[float | None, float | None]:
     fit = cal.gloo_fit(ranks)
-    if fit is None or fit.beta_s_per_byte <= 0:
+    if fit is None:
+        return None, None
+    beta = fit.beta_s_per_byte
+    if beta <= 0 and fit.sizes_bytes and fit.times:
+        # the fit found no growth with size (noise over a few sizes; the fit keeps its slope >= 0): the
+        # largest measured allreduce's time, all of it put on the bytes, bounds the per-byte cost from
+        # above. Before, such a file's alpha was dropped too and the preset's link figures used silently.
+        n, t = max(zip(fit.sizes_bytes, (m.median_s for m in fit.times)))
+        p = fit.world_size
+        beta = t / n * p / (2 * (p - 1))
+    if beta <= 0:
         return None, None
     # Calibration measured at its own cpu_count; scale by the change in oversubscription.
     stretch = oversubscription(ranks, cal.cpu_count) / oversubscription(fit.world_size, cal.cpu_count)
-    return fit.alpha_s * stretch, fit.beta_s_per_byte * stretch
+    return fit.alpha_s * stretch, beta * stretch
