@@ -158,7 +158,7 @@ def run(args: list[str], timeout_s: float = 600) -> dict:
 
 
 def profile_round(k: int, models: set[str], batch_of: dict[str, int], target: Path, ranks: str = "2,4",
-                  splits_of: dict[str, str] | None = None) -> tuple[dict, list[list[dict]]]:
+                  splits_of: dict[str, str] | None = None) -> tuple[dict, list[dict]]:
     """One `hybridpar profile` round (once per model) into its own file: (the calibration, what each call
     measured afresh: its collective fits and rank skew)."""
     path = target.with_name(f"{target.stem}.round{k}.json")

@@ -48,6 +48,8 @@ def test_a_flat_allreduce_fit_keeps_its_latency_and_bounds_the_bandwidth(tmp_pat
     if c.cores >= 2:
         assert c.intra.link_latency_s == pytest.approx(7.5e-4)
         assert 1 / c.intra.link_bw_Bps == pytest.approx(1.5e-3 / (2 << 20))  # p / (2 (p - 1)) = 1 at p = 2
+        assert "bounded by the largest" in c.sources["intra.link_bw_Bps"]
+        assert "fitted" in c.sources["intra.link_latency_s"]
 
 def test_roundtrip_and_atomic_write(tmp_path):
     path = tmp_path / "sub" / "cal.json"

@@ -72,6 +72,10 @@ def localhost_cluster(base: Cluster, ranks: int, calibration: str | os.PathLike 
             intra = intra.model_copy(update={"link_latency_s": alpha, "link_bw_Bps": 1.0 / beta})
             for key in ("intra.link_latency_s", "intra.link_bw_Bps"):
                 sources[key] = f"fitted to gloo allreduce runs by `hybridpar profile` ({where})"
+            fit = cal.gloo_fit(ranks)
+            if fit is not None and fit.beta_s_per_byte <= 0:  # _gloo_alpha_beta's bound, not the fit's slope
+                sources["intra.link_bw_Bps"] = ("bounded by the largest gloo allreduce `hybridpar profile` timed "
+                                                f"(its fit found no growth with size; {where})")
         measured = _measured_collectives(cal, ranks, cores)
         if measured:
             sources["measured_collectives"] = f"gloo collectives per kind timed by `hybridpar profile` ({where})"

@@ -327,8 +327,8 @@ def run(mdl: _Model, problem: PlacementProblem, *, det_time: float, wall_s: floa
         prm.interleave_search = True  # several workers, one deterministic answer
     status = solver.solve(mdl.md)
     # the gap limit ends a search as OPTIMAL, so an unproven stop short of the deterministic budget is the
-    # wall net's; the reported wall time is not compared with the limit (CI once stopped a solve on it
-    # with a reported wall time under the limit, and the note went missing)
+    # wall net's; the reported wall time is not compared with the limit (with that comparison, a solve CI
+    # stopped at a 0.1 s net came back without its note once)
     wall_stopped = (status in (cp_model.FEASIBLE, cp_model.UNKNOWN)
                     and solver.deterministic_time < 0.99 * prm.max_deterministic_time)
     if status == cp_model.MODEL_INVALID:  # a bug in this model, not a property of the problem
