@@ -44,9 +44,9 @@ from hybridpar.cluster.calibration import (
     resolve_calibration,
 )
 from hybridpar.cluster.model import Cluster, DeviceSpec
-from hybridpar.cost.spatial import SPATIAL_WHOLE_SHAPES
+from hybridpar.cost.spatial import RECOMPUTES_FORWARD, SPATIAL_WHOLE_SHAPES
 from hybridpar.graph.recurrent import chunk_steps, layer_nodes, record_op, time_slice
-from hybridpar.graph.types import DTYPE_BYTES, Graph, Node
+from hybridpar.graph.types import DTYPE_BYTES, NHWC_IN, Graph, Node
 
 EFFICIENCY_FILE = Path(__file__).with_name("efficiency.yaml")
 SIZE_EFFICIENCY_FILE = Path(__file__).with_name("size_efficiency.yaml")
@@ -277,6 +277,16 @@ def compute_dtype(op: str, dtype: str, device: DeviceSpec) -> str:
     return dtype
 
 
+def no_input_grad(node: Node) -> bool:
+    """True where autograd computes no gradient of the node's input: its inputs come from the model's
+    inputs alone (graph.build's `input_grad` attribute: a Conv3d or Conv2d stem, a pooling of the
+    image), or a weighted op with no data-gradient FLOPs (graphs traced before the attribute). Not a
+    recurrent layer: its one fused backward kernel is timed under backward-data (profile.graph_ops)."""
+    if node.op == "lstm":
+        return False
+    return node.attr("input_grad") is False or (node.op in _MATMUL and node.bwd_data_flops == 0)
+
+
 def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample_frac: float = 1.0,
                   channel_frac: float = 1.0, filter_frac: float = 1.0, cpu: Curve | None = None) -> OpTime:
     """max(FLOPs / (peak * compute_eff * size_factor(FLOPs)), bytes / (mem_bw * memory_eff)) + launch,
@@ -303,8 +313,7 @@ def roofline_time(node: Node, device: DeviceSpec, *, dtype: str = "fp32", sample
         return (work + table["launch_s"]) * device.time_share
 
     fwd = t(node.fwd_flops * loc.flop_frac, x_b + w_b + y_b, thin[0])
-    # A weighted op with no data-gradient FLOPs is the first layer: autograd skips its dx entirely.
-    skip_dx = node.op in _MATMUL and node.bwd_data_flops == 0
+    skip_dx = no_input_grad(node)
     bwd_data = 0.0 if skip_dx else t(node.bwd_data_flops * loc.flop_frac, y_b + w_b + x_b + (0 if w_b else y_b),
                                      thin[1])
     bwd_weight = t(node.bwd_weight_flops * loc.flop_frac, x_b + y_b + w_b, thin[2]) if node.params else 0.0
@@ -468,7 +477,7 @@ def runtime_overhead_for(device: DeviceSpec,
 def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sample_frac: float = 1.0,
             channel_frac: float = 1.0, filter_frac: float = 1.0,
             calibration: Calibration | str | os.PathLike | None = None, variant: str | None = None,
-            memory_format: str = "nchw") -> OpTime:
+            memory_format: str = "nchw", as_model: bool = True) -> OpTime:
     """Forward / backward-data / backward-weight seconds of `node` on one device at its local shape.
 
     A measured time from the calibration table is used when the table was measured on this device
@@ -480,11 +489,31 @@ def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sa
     `memory_format` "channels_last": the node computes on a channels-last activation
     (`ChannelsLast.image`): looked up among the records timed so (`hybridpar profile --channels-last`),
     else priced as NCHW with `as_nchw` set. A bf16 node is looked up among the records timed under bf16
-    autocast (`hybridpar profile --precision bf16`), never the fp32 ones: without one, the roofline."""
+    autocast (`hybridpar profile --precision bf16`), never the fp32 ones: without one, the roofline.
+    `as_model`: the node computes on the model's own tensors (a sample split; not a channel/filter
+    layout, whose runtime gathers NCHW tensors): an NCHW node the model hands an NHWC input (NHWC_IN)
+    is priced from its channels-last record where there is one."""
     if memory_format not in MEMORY_FORMATS:
         raise ValueError(f"memory_format {memory_format!r}: expected one of {', '.join(MEMORY_FORMATS)}")
+    if memory_format == "nchw" and as_model and node.attr(NHWC_IN) and variant is None:
+        t = _op_time(node, device, dtype, (sample_frac, channel_frac, filter_frac), calibration, None,
+                     "channels_last")
+        if t.source.startswith("measured"):  # else NCHW's, measured or the roofline's, as before
+            return _recomputed(node, dataclasses.replace(t, as_nchw=False))
+    t = _op_time(node, device, dtype, (sample_frac, channel_frac, filter_frac), calibration, variant, memory_format)
+    return _recomputed(node, t)
+
+
+def _recomputed(node: Node, t: OpTime) -> OpTime:
+    if node.attr(RECOMPUTES_FORWARD) and t.bwd_s > 0:  # its backward runs its forward again first
+        t = dataclasses.replace(t, bwd_data_s=t.bwd_data_s + t.fwd_s)
+    return t
+
+
+def _op_time(node: Node, device: DeviceSpec | Cluster, dtype: str, fracs: tuple[float, float, float],
+             calibration: Calibration | str | os.PathLike | None, variant: str | None, memory_format: str) -> OpTime:
+    sample_frac, channel_frac, filter_frac = fracs
     dev = device.device if isinstance(device, Cluster) else device
-    fracs = (sample_frac, channel_frac, filter_frac)
     if node.op in _FREE:
         return OpTime(0.0, 0.0, 0.0)
     cal = resolve_calibration(calibration, default=dev.kind == "cpu")
@@ -563,7 +592,6 @@ def _measured_as(cal: Calibration, node: Node, dev: DeviceSpec, fracs: tuple[flo
         scale *= curve_factor(cpu, f / scale) / curve_factor(cpu, f)
     k = scale * dev.time_share
     bw = hit.bwd_weight_s * k if hit.bwd_weight_s is not None else 0.0
-    first = node.op in _MATMUL and node.bwd_data_flops == 0  # first layer: autograd skips dx
-    bd = 0.0 if first else hit.bwd_data_s * k
+    bd = 0.0 if no_input_grad(node) else hit.bwd_data_s * k
     source = "measured-scaled" if hit.derived else "measured"
     return OpTime(hit.fwd_s * k, bd, bw, f"{source}:{variant}" if of_variant else source)

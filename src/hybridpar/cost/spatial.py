@@ -38,6 +38,10 @@ SLIDING = ("conv2d", "conv", "maxpool", "avgpool")  # ops that read a window of 
 # whole layer at the piece's batch, for cost.compute.op_time to derive the piece's time from a measured
 # record of the whole layer (`hybridpar profile --model` times whole layers' shapes only)
 SPATIAL_WHOLE_SHAPES = "spatial_whole_shapes"
+# the attribute of a pooling the runtime splits spatially: its backward re-runs the pooling on the
+# re-assembled window first (parallel.styles.spatial._PoolOp keeps neither window nor indices), so its
+# backward costs a forward more (cost.compute.op_time)
+RECOMPUTES_FORWARD = "recomputes_forward"
 # the window copy local_graph adds before a sliding op: priced as an elementwise copy; for memory (the
 # "window_freed" and "kept_numel" attributes cost.memory reads) its op keeps the piece it was built from
 # and the halo rows it received
@@ -229,6 +233,8 @@ def local_graph(graph: Graph, layout: LayerLayout) -> Graph:
                                ("window_freed", freed), ("kept_numel", kept)))
             nodes.append(halo)
             inputs, ins = (halo.name, *n.inputs[1:]), (tuple(ext), *ins[1:])
+            if n.op in ("maxpool", "avgpool"):
+                attrs = (*attrs, (RECOMPUTES_FORWARD, True))
             if n.op == "maxpool":  # recomputed in backward from the piece and its halo rows: no indices kept
                 attrs = (*attrs, ("indices", False))
             elif freed and n.op != "avgpool":  # a convolution's backward re-assembles its window (a transient)

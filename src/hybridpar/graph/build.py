@@ -56,6 +56,10 @@ def build_graph(name: str, records: list[OpRecord], *, batch: int = 1,
         has_weight = bool(params)
         in_shapes = tuple(s or () for _, s in data_args)
         attrs = dict(attrs)
+        if data_args and not any(input_grads):
+            # on the model's inputs alone: autograd computes no gradient of this op's input, whatever
+            # its FLOP rule says (a Conv3d stem, a pooling of the image); cost.compute prices no dx
+            attrs["input_grad"] = False
         measured = attrs.pop("measured", None)
         if measured is not None:  # an opaque module's FlopCounterMode figures
             f = Flops(measured.fwd, measured.bwd_data if any(input_grads) else 0, measured.bwd_weight)

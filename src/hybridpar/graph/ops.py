@@ -150,6 +150,23 @@ _KINDS = {
 _MEASURED_KINDS = {"multiheadattention": "attention"}
 
 
+_NHWC_KINDS = ("conv2d", "maxpool", "avgpool", "adaptive_avgpool", "batchnorm")  # oneDNN/ATen format paths
+
+
+def nhwc_strided(kind: str, meta) -> bool:
+    """An input of an image op `kind` in channels-last strides and not NCHW's, from fx TensorMetadata or
+    an export FakeTensor (strides compared: a 1x1 image can be contiguous both ways, and oneDNN still
+    runs a depthwise convolution on it 20x faster with a permute's strides than with NCHW's)."""
+    if kind not in _NHWC_KINDS or meta is None:
+        return False
+    shape = tuple(meta.shape) if hasattr(meta, "shape") else ()
+    stride = meta.stride() if callable(getattr(meta, "stride", None)) else getattr(meta, "stride", None)
+    if len(shape) != 4 or stride is None:
+        return False
+    n, c, h, w = (int(d) for d in shape)
+    return tuple(int(x) for x in stride) == (h * w * c, 1, w * c, c) != (c * h * w, h * w, w, 1)
+
+
 def shape_of(meta) -> Shape | None:
     """Output shape from fx TensorMetadata / export FakeTensor; first tensor of a tuple output."""
     if meta is None:

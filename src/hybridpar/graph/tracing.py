@@ -31,8 +31,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 from hybridpar.errors import UserError
 from hybridpar.graph.build import build_graph
 from hybridpar.graph.measured import measure_module
-from hybridpar.graph.ops import _MEASURED_KINDS, OpRecord, UnpricedOp, classify, is_opaque, shape_of
-from hybridpar.graph.types import Graph
+from hybridpar.graph.ops import _MEASURED_KINDS, OpRecord, UnpricedOp, classify, is_opaque, nhwc_strided, shape_of
+from hybridpar.graph.types import NHWC_IN, Graph
 
 MEASURED = "hybridpar_measured_flops"
 UNMEASURED = "hybridpar_unmeasured"
@@ -233,11 +233,18 @@ def _fx_record(gm: GraphModule, node: torch.fx.Node) -> OpRecord | None:
             kind, attrs = _classify(type(mod).__name__.lower(), mod, node.args, node.kwargs, in_shapes, out,
                                     node.target)
         params = [(f"{node.target}.{k}", p) for k, p in mod.named_parameters()]
+        attrs = _with_format(kind, attrs, args[0].meta.get("tensor_meta") if args else None)
         return OpRecord(node.name, kind, tuple(a.name for a in args), in_shapes, out, module=node.target,
                         scope=node.target, params=_param_tuples(params), attrs=attrs)
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     kind, attrs = _classify(target, None, node.args, node.kwargs, in_shapes, out, scope)
+    attrs = _with_format(kind, attrs, args[0].meta.get("tensor_meta") if args else None)
     return OpRecord(node.name, kind, tuple(a.name for a in args), in_shapes, out, scope=scope, attrs=attrs)
+
+
+def _with_format(kind: str, attrs: dict, meta) -> dict:
+    """`attrs` with NHWC_IN where the op's first input arrives in channels-last strides."""
+    return {**attrs, NHWC_IN: True} if nhwc_strided(kind, meta) else attrs
 
 
 def _classify(op_name, mod, args, kwargs, in_shapes, out, where):
@@ -303,6 +310,7 @@ def _export_records(module: nn.Module, inputs: tuple) -> tuple[list[OpRecord], t
         op_name = target.overloadpacket.__name__ if hasattr(target, "overloadpacket") else getattr(
             target, "__name__", str(target))
         kind, attrs = _classify(op_name, mod, node.args, node.kwargs, in_shapes, out, scope)
+        attrs = _with_format(kind, attrs, args[0].meta.get("val") if args else None)
         leaf = mod is not None and scope and not any(True for _ in mod.children())
         records.append(OpRecord(node.name, kind, tuple(a.name for a in args), in_shapes, out,
                                 module=scope if leaf and kind not in ("fold", "other") else None,

@@ -9,6 +9,11 @@ from typing import Any
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 
+# A node attribute: the model's own forward hands this image op (a convolution, pooling or batch norm)
+# its input in channels-last strides (graph.ops.nhwc_strided), so a plain run's time for it is the
+# channels-last record's (cost.compute.op_time; profile.ops.model_nhwc_variants times it)
+NHWC_IN = "nhwc_in"
+
 # Op kinds the rest of the pipeline understands; anything else is "other".
 OP_KINDS = (
     "input", "conv2d", "linear", "batchnorm", "layernorm", "relu", "pointwise", "maxpool", "avgpool",

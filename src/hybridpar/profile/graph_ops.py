@@ -27,7 +27,8 @@ from torch import fx, nn
 from hybridpar.cluster.calibration import OpRecord, format_key, format_op
 from hybridpar.cost.compute import FREE_OPS, channels_last_layout, local_shapes
 from hybridpar.graph.recurrent import record_op
-from hybridpar.graph.types import Graph, Node
+from hybridpar.graph.types import NHWC_IN, Graph, Node
+from hybridpar.profile.ops import as_nhwc, nhwc_only
 from hybridpar.profile.timing import clock, summarize, timed_grad
 
 _SKIP = FREE_OPS  # graph plumbing and views: no work of their own, nothing to time
@@ -67,9 +68,23 @@ def graph_jobs(graph: Graph, splits: tuple[int, ...], covered: set[str],
 
     keys = profile_keys(graph, splits)
     image = channels_last_layout(graph).image if any(mf == "channels_last" for mf, _ in formats) else frozenset()
-    return [GraphJob(format_key(key, mf, p), format_op(record_op(n), mf, p), n.name, lay, mf, p)
+    jobs = [GraphJob(format_key(key, mf, p), format_op(record_op(n), mf, p), n.name, lay, mf, p)
             for mf, p in formats for key, (n, lay) in keys.items()
             if format_key(key, mf, p) not in covered and (mf == "nchw" or n.name in image)]
+    # ops the model's own forward hands NHWC inputs (graph.build's NHWC_IN): in channels_last too, whole
+    # and at each sample piece (profile.ops.model_nhwc_variants, the hook path's twin)
+    seen = {j.key for j in jobs} | set(covered)
+    for p in dict.fromkeys(p for _, p in formats):
+        for n in graph.nodes:
+            if not n.attr(NHWC_IN) or n.op in FREE_OPS:
+                continue
+            for s in dict.fromkeys((1, *splits)):
+                key = format_key(local_shapes(n, 1 / s).key(record_op(n)), "channels_last", p)
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append(GraphJob(key, format_op(record_op(n), "channels_last", p), n.name, (s, 1, 1),
+                                         "channels_last", p))
+    return jobs
 
 
 @dataclass
@@ -162,7 +177,7 @@ def _pieces(cap: Captured, node: Node, fracs: tuple[int, int, int], memory_forma
     from torch.utils._pytree import tree_map
 
     def cut(t):
-        return _formatted(_cut(t, full, loc.x), memory_format) if isinstance(t, torch.Tensor) else t
+        return _formatted(_cut(t, full, loc.x), memory_format, True) if isinstance(t, torch.Tensor) else t
 
     def weight(t):  # a parameter argument: never cut, in the run's format (4-D weights converted)
         return _Weight(_formatted(t.tensor, memory_format)) if isinstance(t, _Weight) else cut(t)
@@ -174,10 +189,13 @@ def _pieces(cap: Captured, node: Node, fracs: tuple[int, int, int], memory_forma
     return args, kwargs, weights
 
 
-def _formatted(t: torch.Tensor, memory_format: str) -> torch.Tensor:
+def _formatted(t: torch.Tensor, memory_format: str, activation: bool = False) -> torch.Tensor:
     """`t` contiguous, 4-D tensors channels-last in a channels-last job (as `train --channels-last`
-    converts the model's 4-D weights and inputs, and convolutions keep their outputs so)."""
+    converts the model's 4-D weights and inputs, and convolutions keep their outputs so); an activation
+    with the strides such a run gives it, even where `contiguous` would keep a 1x1 image's NCHW ones."""
     if memory_format == "channels_last" and t.dim() == 4:
+        if activation:
+            return t if nhwc_only(t) else as_nhwc(t)
         return t.contiguous(memory_format=torch.channels_last)
     return t.contiguous()
 

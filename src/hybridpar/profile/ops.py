@@ -51,6 +51,9 @@ class OpSpec:
     # in the dtype it arrives in there (`x_dtype`: the model's fp32 batch, or a bf16 layer's output)
     precision: str = "fp32"
     x_dtype: str = "fp32"
+    # "channels_last": the model's own forward hands this op its input NHWC in memory (HF ConvNeXt's
+    # depthwise convolutions, after a permute), so `model_nhwc_variants` times it in that format too
+    x_format: str = "nchw"
 
     def node(self) -> Node:
         op = "batchnorm" if self.op == "batchnorm_global" else self.op
@@ -139,8 +142,9 @@ def collect_op_specs(module: nn.Module, example_inputs: tuple, precision: str = 
         if not isinstance(output, torch.Tensor) or not inputs or not isinstance(inputs[0], torch.Tensor):
             return
         x_dtype = "bf16" if inputs[0].dtype == torch.bfloat16 else "fp32"
+        x_format = "channels_last" if nhwc_only(inputs[0]) else "nchw"
         for spec in _specs_of(mod, tuple(inputs[0].shape), tuple(output.shape)):
-            spec = replace(spec, precision=precision, x_dtype=x_dtype)
+            spec = replace(spec, precision=precision, x_dtype=x_dtype, x_format=x_format)
             found.setdefault((spec.key, spec.stride, spec.padding, spec.dilation, spec.groups, spec.kernel), spec)
 
     handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, _MODULES)]
@@ -194,12 +198,50 @@ def autocast(precision: str, device: str = "cpu"):
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
 
 
+def nhwc_only(t: torch.Tensor) -> bool:
+    """A 4-D tensor with channels-last strides, not NCHW's. Strides compared, not `is_contiguous`:
+    a 1x1 image passes both contiguity checks, yet oneDNN ran a 7x7 depthwise convolution on it in
+    0.04 ms with the strides a permute leaves (192, 1, 192, 192) and 0.9 ms with NCHW's (192, 1, 1, 1)."""
+    if t.dim() != 4:
+        return False
+    n, c, h, w = t.shape
+    return tuple(t.stride()) == (h * w * c, 1, w * c, c) != (c * h * w, h * w, w, 1)
+
+
+def as_nhwc(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into channels-last strides (`contiguous` keeps a 1x1 image's NCHW strides)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=torch.channels_last).copy_(t)
+
+
 def _formatted(spec: OpSpec, t: torch.Tensor) -> torch.Tensor:
     """`t` in the spec's memory format where it is 4-D (the channels-last run converts 4-D weights and
     inputs; a convolution then returns, and its backward receives, channels-last tensors)."""
     if spec.memory_format == "channels_last" and t.dim() == 4:
         return t.contiguous(memory_format=torch.channels_last)
     return t
+
+
+def _arriving(spec: OpSpec, t: torch.Tensor) -> torch.Tensor:
+    """An activation (the input, the output's gradient) in the spec's memory format: in channels-last
+    with the strides a channels-last run gives it, even where `contiguous` would keep NCHW's."""
+    if spec.memory_format == "channels_last" and t.dim() == 4:
+        return t if nhwc_only(t) else as_nhwc(t)
+    return t
+
+
+def model_nhwc_variants(specs: list[OpSpec], splits: tuple[int, ...]) -> list[OpSpec]:
+    """The specs whose input the model's own forward hands over NHWC (`x_format`), again in the
+    channels_last format, whole and at each sample piece: a plain run's op on such an input is priced
+    from these records (cost.compute.op_time). Not at channel/filter pieces: the runtime gathers those
+    into NCHW tensors. oneDNN ran HF ConvNeXt's 7x7 depthwise convolutions 2-11x faster on the NHWC
+    inputs the model gives them than on NCHW copies (issue 35: its held-out sample=2 rows +21-38%)."""
+    out: dict[str, OpSpec] = {}
+    for s in specs:
+        if s.x_format == "channels_last" and s.memory_format == "nchw" and s.image:
+            for k in dict.fromkeys((1, *splits)):
+                v = replace(s.local(1 / k) if k > 1 else s, memory_format="channels_last")
+                out.setdefault(v.key, v)
+    return list(out.values())
 
 
 def _forward(spec: OpSpec, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
@@ -238,7 +280,7 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
     it. The three are timed in turn within each repeat, so a burst of load from elsewhere (cache
     pressure) hits all three alike."""
     g = torch.Generator().manual_seed(0)
-    x = _formatted(spec, torch.randn(spec.x, generator=g).to(_TORCH_DTYPES[spec.x_dtype])).requires_grad_(True)
+    x = _arriving(spec, torch.randn(spec.x, generator=g).to(_TORCH_DTYPES[spec.x_dtype])).requires_grad_(True)
     w = b = None
     if spec.op == "lstm":
         w = nn.LSTM(spec.x[2], spec.y[2], batch_first=True, bias=spec.bias_lstm)  # the module: weights, biases
@@ -251,7 +293,7 @@ def profile_op(spec: OpSpec, *, warmup: int = 2, repeats: int = 7) -> OpRecord:
         b = torch.randn(spec.w[0], generator=g).requires_grad_(True) if spec.bias else None
     with autocast(spec.precision):
         y0 = _forward(spec, x, w, b)
-    dy0 = _formatted(spec, torch.randn(y0.shape, generator=g).to(y0.dtype))
+    dy0 = _arriving(spec, torch.randn(y0.shape, generator=g).to(y0.dtype))
     wrt = tuple(w.parameters()) if spec.op == "lstm" else tuple(t for t in (w, b) if t is not None)
     whole = spec.op in _WHOLE_BACKWARD  # one backward computes dx, dw and db: all of it is backward-data
     n_passes = 2 if whole or not wrt else 3

@@ -87,16 +87,17 @@ def op_specs(opts: ProfileOptions) -> list:
     from hybridpar.profile import ops
 
     loaded = load_model(opts.model, batch=opts.batch, input_shape=opts.input_shape)
-    specs = [s for prec in dict.fromkeys(p for _, p in opts.formats)
-             for s in ops.split_variants(ops.collect_op_specs(loaded.module, loaded.example_inputs, prec),
-                                         opts.splits)]
+    specs = []
+    for prec in dict.fromkeys(p for _, p in opts.formats):
+        found = ops.collect_op_specs(loaded.module, loaded.example_inputs, prec)
+        specs += ops.split_variants(found, opts.splits) + ops.model_nhwc_variants(found, opts.splits)
     if not opts.channels_last:
         return specs
     cl = ops.channels_last_variants(specs)
     if not cl:
         raise UserError(f"channels_last: model {opts.model!r} has no 4-D (image) convolution, norm or pooling "
                         "to time in that format", param="channels_last")
-    return specs + cl
+    return list({s.key: s for s in specs + cl}.values())  # a model-NHWC record is its channels-last one
 
 
 def graph_work(opts: ProfileOptions, covered: set[str]):

@@ -149,14 +149,16 @@ class CostContext:
             self._memo[k] = self._time_uncached(kind, bytes_, key, groups)
         return self._memo[k]
 
-    def op(self, node: Node, s: int, channel_frac: float, filter_frac: float = 1.0, variant: str | None = None):
+    def op(self, node: Node, s: int, channel_frac: float, filter_frac: float = 1.0, variant: str | None = None,
+           as_model: bool = True):
         """op_time of `node` at a layout's local shape; `variant`: how the runtime runs it there when
-        that differs from the plain op (hybridpar.cost.compute.op_time)."""
+        that differs from the plain op; `as_model`: on the model's own tensors, not under a
+        channel/filter layout (hybridpar.cost.compute.op_time)."""
         from hybridpar.cost.compute import format_copy_time, op_time
 
         # memo per node object (kept alive in the value): the followers of a layer cost the same
         # under every (channel, filter) split with one product
-        k = (id(node), s, channel_frac, filter_frac, variant)
+        k = (id(node), s, channel_frac, filter_frac, variant, as_model)
         hit = self._ops.get(k)
         if hit is not None and hit[0] is node:
             return hit[1]
@@ -166,7 +168,8 @@ class CostContext:
         cl = self.formats
         t = op_time(node, self.cluster.device, dtype=self.dtype, sample_frac=1.0 / s,
                     channel_frac=channel_frac, filter_frac=filter_frac, calibration=self.calibration,
-                    variant=variant, memory_format="channels_last" if cl and node.name in cl.image else "nchw")
+                    variant=variant, memory_format="channels_last" if cl and node.name in cl.image else "nchw",
+                    as_model=as_model)
         if cl and node.name in cl.copies:  # a channels-last activation read in NCHW order here: copied
             c = format_copy_time(node, cl.copies[node.name], self.cluster.device, self.dtype, 1.0 / s,
                                  channel_frac, filter_frac)
@@ -288,7 +291,7 @@ def node_time(n: Node, dist: Distribution, ctx: CostContext):
     for the rank's samples. The rule is the MP placer's: hybridpar.cost.compute.op_time at the
     rank's shape, the record `hybridpar profile` measured there first (an LSTM's), else the roofline."""
     frac = 1.0 if n.op in WHOLE_OPS else piece_frac(channels_of(n.out_shape), dist.channel)
-    return ctx.op(n, dist.sample, frac)
+    return ctx.op(n, dist.sample, frac, as_model=dist.channel == 1)
 
 
 def nodes_time(nodes: Sequence[Node], dist: Distribution, ctx: CostContext) -> tuple[float, float]:
@@ -344,7 +347,9 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     # split over channel/filter: the runtime's own layer as `hybridpar profile` timed it (wrapper,
     # autograd Function, buffers; its collectives apart), else the plain op plus the per-layer overhead
     variant = variant_name(node.op, local.channel, local.filter, node.bwd_data_flops > 0) if g > 1 else None
-    t = ctx.op(node, s, 1.0 / local.channel, 1.0 / local.filter, variant)  # op_time cuts C and F to ceil(dim / pieces)
+    # op_time cuts C and F to ceil(dim / pieces); a whole layer under a channel/filter layout computes
+    # on the runtime's gathered (NCHW) tensors, not the model's own
+    t = ctx.op(node, s, 1.0 / local.channel, 1.0 / local.filter, variant, as_model=c * f == 1)
     as_run = t.source.endswith(f":{variant}")
     ffwd, fbwd = nodes_time(followers, dist, ctx)
     ofwd, obwd = ctx.runtime_overhead(len(followers) + (0 if as_run else 1), c * f, int(g > 1 and not as_run))
@@ -396,7 +401,7 @@ def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: Co
     from hybridpar.cost.layout_comm import channel_concat, norm_gathers
 
     run = Distribution(dist.sample, 1) if whole else dist
-    t = ctx.op(node, run.sample, piece_frac(channels_of(node.out_shape), run.channel))
+    t = ctx.op(node, run.sample, piece_frac(channels_of(node.out_shape), run.channel), as_model=dist.channel == 1)
     ffwd, fbwd = nodes_time(followers, run, ctx)
     ofwd, obwd = ctx.runtime_overhead(1 + len(followers), dist.channel)
     ffwd, fbwd = ffwd + ofwd, fbwd + obwd
