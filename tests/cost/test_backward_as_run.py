@@ -5,40 +5,22 @@ runtime splits runs its forward again in its backward (`parallel.styles.spatial.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from measured_ops import write_op_calibration
 from torch import nn
 
 from hybridpar.cluster import load_cluster
-from hybridpar.cluster.calibration import Calibration, Measurement, OpRecord
-from hybridpar.cost.compute import FREE_OPS, local_shapes, op_time
+from hybridpar.cost.compute import op_time
 from hybridpar.cost.spatial import RECOMPUTES_FORWARD, local_graph
 from hybridpar.graph.tracing import trace
 from hybridpar.layout import LayerLayout
 
 
-def _m(s: float) -> Measurement:
-    return Measurement(median_s=s, p10_s=s, p90_s=s, repeats=3)
-
-
 def _device_and_calibration(graph, tmp_path):
-    """Every op measured at its shapes at 1 and 1/2 of the samples: forward t, backward-data 2t,
-    backward-weight 3t (t = 1 us per output element), on a device whose roofline is far slower."""
-    ops = {}
-    for n in graph.nodes:
-        if n.op in FREE_OPS:
-            continue
-        for frac in (1.0, 0.5):
-            loc = local_shapes(n, frac)
-            t = math.prod(loc.y) * 1e-6
-            key = loc.key(n.op)
-            ops[key] = OpRecord(key=key, op=n.op, fwd=_m(t), bwd_data=_m(2 * t),
-                                bwd_weight=_m(3 * t) if n.params else None)
-    path = tmp_path / "calibration.json"
-    path.write_text(Calibration(cpu_count=2, peak_flops_fp32=1e8, mem_bw_Bps=1e8, ops=ops).model_dump_json())
-    return load_cluster("localhost", gpus=2, calibration=str(path)).device, str(path)
+    """forward t, backward-data 2t, backward-weight 3t per op (tests/cost/measured_ops.py)."""
+    path = write_op_calibration(graph, tmp_path / "calibration.json", weight_factor=3.0)
+    return load_cluster("localhost", gpus=2, calibration=path).device, path
 
 
 def _conv3d_net() -> nn.Module:

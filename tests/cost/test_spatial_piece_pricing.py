@@ -5,15 +5,13 @@ and 16,384 bytes of DTensor's allgather before the adaptive pool left out of the
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from measured_ops import write_op_calibration
 from torch import nn
 
 from hybridpar.cluster import load_cluster
-from hybridpar.cluster.calibration import Calibration, Measurement, OpRecord
-from hybridpar.cost.compute import FREE_OPS, local_shapes, op_time
+from hybridpar.cost.compute import op_time
 from hybridpar.cost.spatial import gather_moves, gathered, local_graph
 from hybridpar.graph.tracing import trace
 from hybridpar.layout import LayerLayout
@@ -38,27 +36,8 @@ def _graph():
     return trace(*_model())
 
 
-def _m(s: float) -> Measurement:
-    return Measurement(median_s=s, p10_s=s, p90_s=s, repeats=3)
-
-
 def _calibration(graph, tmp_path) -> str:
-    """Measured records of every op at the whole layer's shapes, at 1 and 1/2 of the samples (what
-    `hybridpar profile --model M --splits 1,2` writes), 1 ms per output element per thousand, on a
-    device whose roofline is far slower (so a piece left to it shows)."""
-    ops = {}
-    for n in graph.nodes:
-        if n.op in FREE_OPS:
-            continue
-        for frac in (1.0, 0.5):
-            loc = local_shapes(n, frac)
-            t = math.prod(loc.y) * 1e-6
-            key = loc.key(n.op)
-            ops[key] = OpRecord(key=key, op=n.op, fwd=_m(t), bwd_data=_m(2 * t),
-                                bwd_weight=_m(2 * t) if n.params else None)
-    path = tmp_path / "calibration.json"
-    path.write_text(Calibration(cpu_count=2, peak_flops_fp32=1e8, mem_bw_Bps=1e8, ops=ops).model_dump_json())
-    return str(path)
+    return write_op_calibration(graph, tmp_path / "calibration.json")
 
 
 def test_depth_pieces_are_priced_from_the_whole_layers_record(tmp_path):
