@@ -150,21 +150,29 @@ _KINDS = {
 _MEASURED_KINDS = {"multiheadattention": "attention"}
 
 
-_NHWC_KINDS = ("conv2d", "maxpool", "avgpool", "adaptive_avgpool", "batchnorm")  # oneDNN/ATen format paths
+# image ops whose kernels take another path on channels-last memory (oneDNN/ATen): the ones the trace
+# marks NHWC_IN and `hybridpar profile` times channels-last where the model hands them NHWC inputs
+NHWC_KINDS = ("conv2d", "maxpool", "avgpool", "adaptive_avgpool", "batchnorm")
 
 
-def nhwc_strided(kind: str, meta) -> bool:
-    """An input of an image op `kind` in channels-last strides and not NCHW's, from fx TensorMetadata or
-    an export FakeTensor (strides compared: a 1x1 image can be contiguous both ways, and oneDNN still
-    runs a depthwise convolution on it 20x faster with a permute's strides than with NCHW's)."""
-    if kind not in _NHWC_KINDS or meta is None:
-        return False
-    shape = tuple(meta.shape) if hasattr(meta, "shape") else ()
-    stride = meta.stride() if callable(getattr(meta, "stride", None)) else getattr(meta, "stride", None)
+def channels_last_strides(shape, stride) -> bool:
+    """A 4-D shape's strides are channels-last's and not NCHW's. Strides compared, not contiguity: a
+    1x1 image is contiguous both ways, yet oneDNN ran a 7x7 depthwise convolution on it in 0.04 ms with
+    the strides a permute leaves (192, 1, 192, 192) and 0.9 ms with NCHW's (192, 1, 1, 1)."""
     if len(shape) != 4 or stride is None:
         return False
     n, c, h, w = (int(d) for d in shape)
     return tuple(int(x) for x in stride) == (h * w * c, 1, w * c, c) != (c * h * w, h * w, w, 1)
+
+
+def nhwc_strided(kind: str, meta) -> bool:
+    """An input of an image op `kind` in channels-last strides, from fx TensorMetadata or an export
+    FakeTensor."""
+    if kind not in NHWC_KINDS or meta is None:
+        return False
+    shape = tuple(meta.shape) if hasattr(meta, "shape") else ()
+    stride = meta.stride() if callable(getattr(meta, "stride", None)) else getattr(meta, "stride", None)
+    return channels_last_strides(shape, stride)
 
 
 def shape_of(meta) -> Shape | None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from hybridpar.cluster.calibration import Measurement, OpRecord, format_op
 from hybridpar.cost.compute import local_shapes
+from hybridpar.graph.ops import NHWC_KINDS, channels_last_strides
 from hybridpar.graph.recurrent import DEFAULT_TIME_CHUNKS, chunk_steps
 from hybridpar.graph.types import Node
 from hybridpar.profile.timing import clock, measure, summarize, timed_grad
@@ -199,13 +200,8 @@ def autocast(precision: str, device: str = "cpu"):
 
 
 def nhwc_only(t: torch.Tensor) -> bool:
-    """A 4-D tensor with channels-last strides, not NCHW's. Strides compared, not `is_contiguous`:
-    a 1x1 image passes both contiguity checks, yet oneDNN ran a 7x7 depthwise convolution on it in
-    0.04 ms with the strides a permute leaves (192, 1, 192, 192) and 0.9 ms with NCHW's (192, 1, 1, 1)."""
-    if t.dim() != 4:
-        return False
-    n, c, h, w = t.shape
-    return tuple(t.stride()) == (h * w * c, 1, w * c, c) != (c * h * w, h * w, w, 1)
+    """A tensor with channels-last strides, not NCHW's (graph.ops.channels_last_strides)."""
+    return channels_last_strides(tuple(t.shape), tuple(t.stride()))
 
 
 def as_nhwc(t: torch.Tensor) -> torch.Tensor:
@@ -237,7 +233,7 @@ def model_nhwc_variants(specs: list[OpSpec], splits: tuple[int, ...]) -> list[Op
     inputs the model gives them than on NCHW copies (issue 35: its held-out sample=2 rows +21-38%)."""
     out: dict[str, OpSpec] = {}
     for s in specs:
-        if s.x_format == "channels_last" and s.memory_format == "nchw" and s.image:
+        if s.x_format == "channels_last" and s.memory_format == "nchw" and s.op in NHWC_KINDS:
             for k in dict.fromkeys((1, *splits)):
                 v = replace(s.local(1 / k) if k > 1 else s, memory_format="channels_last")
                 out.setdefault(v.key, v)
