@@ -1,6 +1,6 @@
 """Ops the model's own forward hands NHWC inputs, timed and priced so (issue 35: the held-out
 convnext_train `sample=2` rows over-predicted by 21-38% in three runs). HF ConvNeXt's depthwise 7x7
-convolutions get channels-last strides from the permutes around its LayerNorms; oneDNN ran them 2-11x
+convolutions get channels-last strides from the permutes around its LayerNorms; oneDNN ran them 1.4-17x
 faster so than on the NCHW copies `hybridpar profile` timed, and the one-process step at batch 8 took
 7.8-8.5 ms against 11.4 ms of op-table time. Under a channel/filter layout the runtime gathers NCHW
 tensors: those stay priced from the NCHW records."""

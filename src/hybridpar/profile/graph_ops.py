@@ -28,7 +28,7 @@ from hybridpar.cluster.calibration import OpRecord, format_key, format_op
 from hybridpar.cost.compute import FREE_OPS, channels_last_layout, local_shapes
 from hybridpar.graph.recurrent import record_op
 from hybridpar.graph.types import NHWC_IN, Graph, Node
-from hybridpar.profile.ops import as_nhwc, nhwc_only
+from hybridpar.profile.ops import as_nhwc
 from hybridpar.profile.timing import clock, summarize, timed_grad
 
 _SKIP = FREE_OPS  # graph plumbing and views: no work of their own, nothing to time
@@ -194,9 +194,7 @@ def _formatted(t: torch.Tensor, memory_format: str, activation: bool = False) ->
     converts the model's 4-D weights and inputs, and convolutions keep their outputs so); an activation
     with the strides such a run gives it, even where `contiguous` would keep a 1x1 image's NCHW ones."""
     if memory_format == "channels_last" and t.dim() == 4:
-        if activation:
-            return t if nhwc_only(t) else as_nhwc(t)
-        return t.contiguous(memory_format=torch.channels_last)
+        return as_nhwc(t) if activation else t.contiguous(memory_format=torch.channels_last)
     return t.contiguous()
 
 

@@ -205,7 +205,10 @@ def nhwc_only(t: torch.Tensor) -> bool:
 
 
 def as_nhwc(t: torch.Tensor) -> torch.Tensor:
-    """`t` copied into channels-last strides (`contiguous` keeps a 1x1 image's NCHW strides)."""
+    """A 4-D `t` in channels-last strides: itself where it has them, else a copy (`contiguous` keeps a 1x1
+    image's NCHW strides)."""
+    if nhwc_only(t):
+        return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=torch.channels_last).copy_(t)
 
 
@@ -220,16 +223,14 @@ def _formatted(spec: OpSpec, t: torch.Tensor) -> torch.Tensor:
 def _arriving(spec: OpSpec, t: torch.Tensor) -> torch.Tensor:
     """An activation (the input, the output's gradient) in the spec's memory format: in channels-last
     with the strides a channels-last run gives it, even where `contiguous` would keep NCHW's."""
-    if spec.memory_format == "channels_last" and t.dim() == 4:
-        return t if nhwc_only(t) else as_nhwc(t)
-    return t
+    return as_nhwc(t) if spec.memory_format == "channels_last" and t.dim() == 4 else t
 
 
 def model_nhwc_variants(specs: list[OpSpec], splits: tuple[int, ...]) -> list[OpSpec]:
     """The specs whose input the model's own forward hands over NHWC (`x_format`), again in the
     channels_last format, whole and at each sample piece: a plain run's op on such an input is priced
     from these records (cost.compute.op_time). Not at channel/filter pieces: the runtime gathers those
-    into NCHW tensors. oneDNN ran HF ConvNeXt's 7x7 depthwise convolutions 2-11x faster on the NHWC
+    into NCHW tensors. oneDNN ran HF ConvNeXt's 7x7 depthwise convolutions 1.4-17x faster on the NHWC
     inputs the model gives them than on NCHW copies (issue 35: its held-out sample=2 rows +21-38%)."""
     out: dict[str, OpSpec] = {}
     for s in specs:
