@@ -80,10 +80,27 @@ def _run_cases(cases, init_dir: str) -> list[dict]:
         eng = MPEngine(loaded.module, plan, loss_fn=task_loss_sum, **opts)
         opt = torch.optim.SGD(eng.parameters(), lr=LR, momentum=MOMENTUM)
         losses = []
-        for x, y in _data(loaded.kind):
-            losses.append(eng.train_step(*eng.local_batch(x, y)))
-            opt.step()
-            opt.zero_grad()
+        sends: list[tuple[int, object]] = []
+        real = dist.isend
+
+        def spy(tensor, dst=None, group=None, tag=0, sends=sends, real=real, **kw):
+            sends.append((dst, group))
+            return real(tensor, dst, group=group, tag=tag, **kw)
+
+        dist.isend = spy  # the runtime calls torch.distributed.isend through the module
+        try:
+            for x, y in _data(loaded.kind):
+                losses.append(eng.train_step(*eng.local_batch(x, y)))
+                opt.step()
+                opt.zero_grad()
+        finally:
+            dist.isend = real
+        dirs = eng.link.directions
+        names = {} if dirs is None else {id(dirs[0]): "up", id(dirs[1]): "down"}
+        # (which way each send went, the group it rode): a group per direction on gloo's pre-posted path
+        routes = sorted({("up" if dst % mp > eng.layout.device else "down", names.get(id(g), "default"))
+                         for dst, g in sends})
+        dir_ranks = None if dirs is None else [dist.get_process_group_ranks(g) for g in dirs]
         kinds = eng.comm_log.step_bytes_by_kind()
         sent = [None] * dist.get_world_size()
         dist.all_gather_object(sent, kinds.get("send", 0))
@@ -91,8 +108,11 @@ def _run_cases(cases, init_dir: str) -> list[dict]:
         dist.all_gather_object(bytes_, eng.param_bytes())
         state = eng.full_state_dict()
         sync = eng._grad_sync
+        every_route: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every_route, (routes, dir_ranks, eng.layout.stage_ranks()))
         out.append({"overlapped": None if sync is None else sync.started_in_backward, "state": state,
-                    "losses": losses, "comm": kinds, "param_bytes": bytes_, "sent_per_rank": sent})
+                    "losses": losses, "comm": kinds, "param_bytes": bytes_, "sent_per_rank": sent,
+                    "routes": every_route})
     return out
 
 
@@ -116,6 +136,20 @@ def _check(cases, results, inits):
         if placement:
             assert res["comm"].get("send", 0) > 0, f"{label}: no activation crossed devices"
             assert max(per_replica) < total, label
+            _check_routes(res["routes"], bool(opts.get("ordered_p2p")), label)
+
+
+def _check_routes(per_rank, ordered: bool, label: str) -> None:
+    """gloo's pre-posted path sends to a higher device on one group and to a lower one on another,
+    both over the replica's ranks (pipeline.p2p.Link: gloo's pair lock); the ordered path (NCCL's)
+    keeps the default group."""
+    ways = set()
+    for routes, dir_ranks, stage in per_rank:
+        for way, group in routes:
+            assert group == ("default" if ordered else way), f"{label}: a send {way} rode the {group} group"
+            ways.add(way)
+        assert dir_ranks == (None if ordered else [stage, stage]), label
+    assert ways == {"up", "down"}, f"{label}: the placement sends {ways} only"
 
 
 def _world(cases, nproc: int) -> list[dict]:

@@ -23,7 +23,7 @@ from hybridpar.parallel.comm.grad_sync import BUCKET_BYTES, GradSync
 from hybridpar.parallel.comm.log import CommLog
 from hybridpar.parallel.finite import finite_here
 from hybridpar.parallel.pipeline.executor import crossings, message_count, meta_copy, meta_values, run_forward
-from hybridpar.parallel.pipeline.layout import HybridLayout, dp_group
+from hybridpar.parallel.pipeline.layout import HybridLayout, direction_groups, dp_group
 from hybridpar.parallel.pipeline.norm import has_batch_norm, sync_batch_norms, unreachable_batch_norms
 from hybridpar.parallel.pipeline.p2p import Link
 from hybridpar.parallel.pipeline.partition import Partition, partition_module
@@ -121,8 +121,11 @@ class MPEngine:
             self._params, lambda _p: group, {}, self.comm_log, overlap=overlap_grad_sync,
             bucket_bytes=grad_bucket_bytes)
         lay = self.layout
+        # gloo's pre-posted path: one group per direction (Link says why); NCCL's ordered path keeps
+        # the default group (each communicator costs device memory and its kernels have no such lock)
         self.link = Link(rank_of_device=lambda d: lay.rank_of(lay.replica, d), log=self.comm_log,
-                         prepost=not ordered)
+                         prepost=not ordered, device=lay.device,
+                         directions=None if ordered else direction_groups(lay))
         self._cross_cache: dict[tuple, tuple[dict, int, dict[str, object]]] = {}
         self._global_count: int | None = None
 

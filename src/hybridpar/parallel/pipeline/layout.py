@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from hybridpar.parallel.mesh import STAGE_DIM, Group, MeshDims, new_groups
 
 
@@ -50,3 +52,16 @@ def dp_group(layout: HybridLayout) -> Group | None:
     if layout.dp == 1:
         return None
     return new_groups(layout.dims.groups("sample"))[tuple(layout.dp_ranks(layout.device))]
+
+
+def direction_groups(layout: HybridLayout) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
+    """Two process groups over this rank's replica (every rank creates every replica's, in the same
+    order): transfers to a higher device ride the first, to a lower one the second (pipeline.p2p.Link
+    says why). None with one device."""
+    if layout.mp == 1:
+        return None
+    stages = layout.dims.groups(STAGE_DIM)
+    mine = tuple(layout.stage_ranks())
+    up, down = new_groups(stages)[mine], new_groups(stages)[mine]
+    assert up.pg is not None and down.pg is not None  # more than one rank
+    return up.pg, down.pg

@@ -27,25 +27,44 @@ def p2p_tag(phase: str, peer: int) -> str:
 @dataclass
 class Link:
     """p2p endpoint of one rank: global rank of each device of its MP group, message tags,
-    the comm log, and the async sends still in flight (waited at the end of the step)."""
+    the comm log, and the async sends still in flight (waited at the end of the step).
+
+    `directions` (up, down): two process groups over the replica's stages, the first carrying every
+    transfer to a higher device, the second every transfer to a lower one (None: the default group).
+    Why: gloo's TCP pair serialises its two directions on one lock. A send writes its bytes with the
+    lock held; the peer's transfer arriving on the same socket wakes the pair's event thread, which
+    on a full machine takes the sender's core and spins on that lock (epoll is level-triggered)
+    until the scheduler ends its slice. The wavefront sends both ways at once: on lstm4 with 4 time
+    chunks (2 ranks, 2 cores, 30 steps) 24 and 32 of each rank's 360 isend calls (196 KB) took over
+    1 ms, up to 9 ms, the caller preempted ("R" in perf's sched_switch) while an event thread ran;
+    7 and 6 with a group per direction, the step 88.3 ms against 93.6
+    (benchmarks/probe_p2p_directions.py, 2026-12-04)."""
 
     rank_of_device: Callable[[int], int]
     log: CommLog
     prepost: bool  # post gradient receives during forward (gloo: safe and overlaps)
     pending: list = field(default_factory=list)
+    device: int = 0  # this rank's device in the replica (which direction a transfer takes)
+    directions: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+
+    def _group(self, src_dev: int, dst_dev: int) -> dist.ProcessGroup | None:
+        if self.directions is None:
+            return None
+        return self.directions[0] if src_dev < dst_dev else self.directions[1]
 
     def isend(self, t: torch.Tensor, dst_dev: int, tag: int, phase: str) -> None:
         buf = t.detach().contiguous().clone()  # the caller may modify t in place later
-        self.pending.append((dist.isend(buf, self.rank_of_device(dst_dev), tag=tag), buf))
+        group = self._group(self.device, dst_dev)
+        self.pending.append((dist.isend(buf, self.rank_of_device(dst_dev), tag=tag, group=group), buf))
         self.log.record("send", 2, buf.numel() * buf.element_size(), p2p_tag(phase, dst_dev))
 
     def irecv(self, like: torch.Tensor, src_dev: int, tag: int, phase: str) -> _Incoming:
         buf = torch.empty_like(like, memory_format=torch.contiguous_format)
         self.log.record("recv", 2, buf.numel() * buf.element_size(), p2p_tag(phase, src_dev))
-        src = self.rank_of_device(src_dev)
+        src, group = self.rank_of_device(src_dev), self._group(src_dev, self.device)
         if self.prepost:
-            return _Incoming(buf, dist.irecv(buf, src, tag=tag), None)
-        return _Incoming(buf, None, lambda: dist.recv(buf, src, tag=tag))
+            return _Incoming(buf, dist.irecv(buf, src, tag=tag, group=group), None)
+        return _Incoming(buf, None, lambda: dist.recv(buf, src, tag=tag, group=group))
 
     def wait_all(self) -> None:
         for work, _ in self.pending:
