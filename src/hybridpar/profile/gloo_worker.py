@@ -18,9 +18,12 @@ pairs of ranks only). The per-repeat sample is the maximum over ranks (the colle
 rank is done). Rank 0 writes the samples as JSON.
 
 p2p_post is not a transfer's time but the sender's own work to start one: the CPU time of the MP
-runtime's copy and gloo isend call on the sending thread (the socket write happens there), which the
-sender's compute waits for. On inception_mini's MP step these calls took 0.3-0.8 ms each (1-2 MB),
-about 4% of each rank's step, where the transfer model had the sender free.
+runtime's Send (copy, gloo isend, the pre-posted receive of the gradient) on the sending thread (the
+socket write happens there), which the sender's compute waits for. On inception_mini's MP step these
+calls took 0.3-0.8 ms each (1-2 MB), about 4% of each rank's step, where the transfer model had the
+sender free. Timed while the receiver computes, as in a step: with the receiver idle in its wait, a
+196 KB post took 84 us (41 us + 0.22 ns/B, fitted), where the wavefront's step took a median of 0.23 ms
+per isend call alone (lstm4, 4 time chunks, 2 ranks, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -97,27 +100,55 @@ def _p2p(nbytes: int, group):
     return lambda: dist.irecv(buf, peer).wait()
 
 
-def _p2p_post(nbytes: int, group):
-    """The sender's CPU time of posting one activation as the MP runtime does (copy, then gloo isend),
-    not counting the wait for its delivery; the receiver takes it and reports 0."""
+def _p2p_post(nbytes: int, group, directions, compute):
+    """The sender's CPU time of Send's forward in the MP runtime (hybridpar.parallel.pipeline.p2p.Link,
+    its own code): the activation's copy and isend, and the pre-posted receive of its gradient, on
+    the runtime's group per direction, while the receiver computes (as the next stage does in a step:
+    its socket's reader then shares the cores with compute). Not counting the wait for delivery. The
+    receiver posts its receive, computes, takes the activation, sends the gradient back; it reports 0."""
     import torch
-    import torch.distributed as dist
 
-    peer = group.ranks[group.index ^ 1]
+    from hybridpar.parallel.comm.log import CommLog
+    from hybridpar.parallel.pipeline.p2p import Link
+
+    me = group.index
+    link = Link(rank_of_device=lambda d: group.ranks[d], log=CommLog(), prepost=True, device=me,
+                directions=directions)
     buf = torch.ones(max(1, nbytes // 4))
-    if group.index % 2 == 0:
+    if me == 0:
         def post() -> float:
+            compute()
             t0 = time.thread_time()
-            work = dist.isend(buf.detach().contiguous().clone(), peer)
+            link.isend(buf, 1, 0, "fwd")
+            grad = link.irecv(buf, 1, 1, "bwd")
             spent = time.thread_time() - t0
-            work.wait()
+            grad.wait()
+            link.wait_all()
             return spent
         return post
 
     def take() -> float:
-        dist.irecv(buf, peer).wait()
+        act = link.irecv(buf, 0, 0, "fwd")
+        compute()
+        compute()
+        link.isend(act.wait(), 0, 1, "bwd")
+        link.wait_all()
         return 0.0
     return take
+
+
+def _pair_directions(world: int, rank: int):
+    """Two groups per pair of ranks (P2P_GROUP blocks), as the MP runtime makes per replica
+    (pipeline.layout.direction_groups); every rank creates every group, in the same order."""
+    import torch.distributed as dist
+
+    mine = None
+    for start in range(0, world - world % P2P_GROUP, P2P_GROUP):
+        ranks = list(range(start, start + P2P_GROUP))
+        up, down = dist.new_group(ranks), dist.new_group(ranks)
+        if rank in ranks:
+            mine = (up, down)
+    return mine
 
 
 def main() -> None:
@@ -145,6 +176,7 @@ def main() -> None:
     kinds = [k for k in args.kinds.split(",") if k]
     group_sizes = [int(g) for g in args.group_sizes.split(",") if g] or [args.world]
     groups = {g: _groups(args.world, g, args.rank) for g in group_sizes}
+    directions = _pair_directions(args.world, args.rank) if "p2p_post" in kinds else None
     # ~0.5 ms of single-thread compute between collectives, as between a training step's layers.
     mat = torch.randn(128, 128)
 
@@ -171,14 +203,13 @@ def main() -> None:
             for _ in range(5):
                 warm()
             for size in sizes:
-                if kind == "p2p_post":  # the post's own CPU time, between slices of compute as in a step
-                    post = _p2p_post(size, group)
+                if kind == "p2p_post":  # the post's own CPU time, while the receiver computes
+                    post = _p2p_post(size, group, directions, compute)
                     for _ in range(args.warmup):
                         post()
                     times = []
                     for _ in range(args.repeats):
                         dist.barrier()
-                        compute()
                         times.append(max(1e-7, post()))
                     samples.append(times)
                     continue
