@@ -44,7 +44,7 @@ def measured(monkeypatch) -> list[dict]:
     fit = {"call_s": 1e-4, "per_tensor_s": 1e-6, "per_element_s": 1e-9}
     monkeypatch.setattr(update, "measure_update", lambda **_kw: {"update": {"sgd": fit}, "guard": {"sgd": fit},
                                                                  "loss": fit})
-    monkeypatch.setattr(rank_skew, "_one_launch", lambda ps, cycles, iters, timeout_s: {2: 1.1})
+    monkeypatch.setattr(rank_skew, "_one_launch", lambda ps, cycles, iters, timeout_s: ({2: 1.1}, 0.01))
     return calls
 
 

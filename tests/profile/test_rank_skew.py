@@ -27,7 +27,7 @@ def test_the_skew_is_the_median_over_fresh_launches(monkeypatch):
     from hybridpar.profile import rank_skew
 
     draws = iter([{2: 1.05}, {2: 1.68}, {2: 1.10}, {2: 1.00}, {2: 1.17}])
-    monkeypatch.setattr(rank_skew, "_one_launch", lambda ps, cycles, iters, timeout_s: next(draws))
+    monkeypatch.setattr(rank_skew, "_one_launch", lambda ps, cycles, iters, timeout_s: (next(draws), 0.01))
     assert measure_rank_skew([1, 2]) == {2: 1.10}
 
 
@@ -93,26 +93,17 @@ def test_a_calibration_with_a_skew_below_one_is_refused(tmp_path):
 
 
 
-def test_a_profile_takes_the_skew_at_several_points_and_keeps_the_median(monkeypatch, tmp_path):
-    """The machine's speed drifts over tens of seconds: the launches are spread over the profile (after
-    its device figures, op table and collectives, and at the end), not taken in a row; one moment's high
-    draws do not make the figure."""
+def _fake_profile(monkeypatch, launch, stage: list, ops=None):
+    """run_profile with every measurement but the rank skew's stubbed; `stage` records where it is."""
     from hybridpar.profile import executor, framework_memory, rank_skew, run, runtime_overhead, update
     from hybridpar.profile.gloo import Measurement
-
-    stage, moments = ["start"], []
-    draws = iter([1.25, 1.22, 1.05, 1.06, 1.07, 1.04, 1.08, 1.05])  # a skewed first moment
-
-    def launch(ps, cycles, iters, timeout_s):
-        moments.append(stage[-1])
-        return {2: next(draws)}
 
     def collectives(world, sizes, kinds, groups, **_kw):
         stage.append("collectives")
         times = [Measurement(median_s=1e-4 + n * 1e-9, p10_s=1e-4, p90_s=2e-4, repeats=1) for n in sizes]
         return {(k, g): times for k in kinds for g in groups}
 
-    model_ops = run._model_ops
+    model_ops = (lambda *a, **k: (dict(ops), {})) if ops is not None else run._model_ops
     monkeypatch.setattr(rank_skew, "_one_launch", launch)
     monkeypatch.setattr(run, "device_figures",
                         lambda **_kw: stage.append("device") or {"peak_flops_fp32": 1e10, "mem_bw_Bps": 1e9})
@@ -126,7 +117,41 @@ def test_a_profile_takes_the_skew_at_several_points_and_keeps_the_median(monkeyp
                                                                  "loss": fit})
     monkeypatch.setattr(runtime_overhead, "runtime_overhead", lambda: {
         k: (1e-5, 1e-5) for k in ("sample_node_s", "dtensor_node_s", "layer_s", "spatial_op_s")})
-    opts = run.ProfileOptions(ranks=(2,), sizes=(4096, 65536), model=None, splits=(1,), warmup=0, repeats=1)
-    cal, _ = run.run_profile(opts, out=tmp_path / "cal.json")
+    return run.ProfileOptions(ranks=(2,), sizes=(4096, 65536), model=None, splits=(1,), warmup=0, repeats=1)
+
+
+def test_a_profile_takes_the_skew_at_several_points_and_keeps_the_median(monkeypatch, tmp_path):
+    """The machine's speed drifts over tens of seconds: the launches are spread over the profile (after
+    its device figures, op table and collectives, and at the end), not taken in a row; one moment's high
+    draws do not make the figure."""
+    from hybridpar.profile import run
+
+    stage, moments = ["start"], []
+    draws = iter([1.25, 1.22, 1.05, 1.06, 1.07, 1.04, 1.08, 1.05])  # a skewed first moment
+
+    def launch(ps, cycles, iters, timeout_s):
+        moments.append(stage[-1])
+        return {2: next(draws)}, 0.01
+
+    cal, _ = run.run_profile(_fake_profile(monkeypatch, launch, stage), out=tmp_path / "cal.json")
     assert moments == ["device"] * 2 + ["ops"] * 2 + ["collectives"] * 2 + ["update"] * 2
     assert cal.rank_skew == {2: pytest.approx(1.065)}  # not the first moment's 1.25 / 1.22
+
+
+def test_the_op_table_is_priced_at_a_fresh_process_speed(monkeypatch, tmp_path):
+    """The process timing the op table is one draw of this VM's per-process speed: the records it times
+    are scaled by a fresh process's speed over its own, both timing the same reference iteration."""
+    from hybridpar.cluster.calibration import Measurement, OpRecord, load_calibration
+    from hybridpar.profile import rank_skew, run
+
+    m = Measurement(median_s=2e-3, p10_s=1e-3, p90_s=3e-3, repeats=5)
+    rec = OpRecord(key="linear|x=8x64|w=64x64|y=8x64", op="linear", fwd=m, bwd_data=m, bwd_weight=m)
+    here = iter([0.020, 0.021, 0.019, 0.020])  # this process: slower than the fresh workers' 0.015
+    fresh = iter([0.014, 0.015, 0.016, 0.015, 0.015, 0.014, 0.016, 0.015])
+    monkeypatch.setattr(rank_skew, "reference_here_s", lambda iters: next(here))
+    launch = lambda ps, cycles, iters, timeout_s: ({2: 1.05}, next(fresh))  # noqa: E731
+    cal, path = run.run_profile(_fake_profile(monkeypatch, launch, [], ops={rec.key: rec}), out=tmp_path / "c.json")
+    assert cal.process_draw is not None and cal.process_draw.scale == pytest.approx(0.015 / 0.020)
+    got = load_calibration(path).ops[rec.key]
+    assert got.fwd.median_s == pytest.approx(2e-3 * 0.75) and got.bwd_weight.p90_s == pytest.approx(3e-3 * 0.75)
+    assert load_calibration(path).process_draw == cal.process_draw

@@ -49,6 +49,10 @@ class Measurement(_Model):
         """(p90 - p10) / median: the noise of this measurement."""
         return (self.p90_s - self.p10_s) / self.median_s if self.median_s > 0 else 0.0
 
+    def scaled(self, k: float) -> Measurement:
+        return self.model_copy(update={"median_s": self.median_s * k, "p10_s": self.p10_s * k,
+                                       "p90_s": self.p90_s * k})
+
 
 class _AffineFit(_Model):
     """T(n) = intercept + slope * n fitted to timings at several sizes (bytes), at one world size."""
@@ -88,6 +92,29 @@ class OpRecord(_Model):
     fwd: Measurement
     bwd_data: Measurement
     bwd_weight: Measurement | None = None
+
+    def scaled(self, k: float) -> OpRecord:
+        return self.model_copy(update={"fwd": self.fwd.scaled(k), "bwd_data": self.bwd_data.scaled(k),
+                                       "bwd_weight": None if self.bwd_weight is None else self.bwd_weight.scaled(k)})
+
+
+class ProcessDraw(_Model):
+    """How fast the process that timed the op table ran against a fresh process on this machine
+    (hybridpar.profile.rank_skew.SkewSampler): the same reference iteration (a convolution and an LSTM,
+    forward and backward, one thread), its CPU time in the profiling process at each of the profile's
+    sampling points and in the fresh lockstep workers' one-process phases, medians of both. On this VM
+    a process's speed is drawn at its start and holds for tens of seconds: ten fresh processes timing
+    an LSTM, a convolution and a linear layer ran each from -14% to +16% of the median process, three
+    of them slow in all three (benchmarks/probe_process_draw.py, 2026-12-04); the op table was one
+    such draw, the ranks it prices are others. `hybridpar profile` multiplies the records it times by
+    `scale` (fresh / here), so they price a typical fresh process."""
+
+    here_s: float = Field(gt=0)
+    fresh_s: float = Field(gt=0)
+
+    @property
+    def scale(self) -> float:
+        return self.fresh_s / self.here_s
 
 
 class RuntimeOverhead(_Model):
@@ -157,6 +184,9 @@ class Calibration(_Model):
     # rank's CPU time per lockstep iteration over one process's; hybridpar.profile.rank_skew); empty in
     # older files: no such stretch then
     rank_skew: dict[int, Annotated[float, Field(ge=1)]] = {}  # >= 1: more ranks never compute faster
+    # the profiling process's speed against a fresh process's (ProcessDraw): the op records timed by the
+    # last `hybridpar profile` were scaled by it; None in older files and without a rank count > 1
+    process_draw: ProcessDraw | None = None
     # op-table key -> why `hybridpar profile --model` could not time the op at that local shape
     # (hybridpar.profile.graph_ops): priced by the roofline, and the plan's notes say so
     untimed: dict[str, str] = {}

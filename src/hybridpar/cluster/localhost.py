@@ -80,6 +80,10 @@ def localhost_cluster(base: Cluster, ranks: int, calibration: str | os.PathLike 
         if measured:
             sources["measured_collectives"] = f"gloo collectives per kind timed by `hybridpar profile` ({where})"
         notes.append(f"calibrated from {where}")
+        if cal.process_draw is not None:
+            d = cal.process_draw
+            notes.append(f"op records at a fresh process's speed: x{d.scale:.3g} (the reference iteration took "
+                         f"{d.here_s * 1e3:.2f} ms in the profiling process, {d.fresh_s * 1e3:.2f} ms in fresh ones)")
     else:
         measured = ()
         notes.append("no calibration file: built-in approximate figures (run `hybridpar profile`)")

@@ -35,6 +35,7 @@ import queue
 import statistics
 from collections.abc import Sequence
 
+from hybridpar.cluster.calibration import ProcessDraw
 from hybridpar.errors import UserError
 from hybridpar.train.launch import context
 
@@ -81,21 +82,55 @@ def _worker(rank: int, phases: Sequence[int], iters: int, start, barriers: dict,
 
 class SkewSampler:
     """Launches of the lockstep measurement taken at several points of a profile (`sample`); the
-    figure (`result`) is the median over all of them, per rank count."""
+    figure (`result`) is the median over all of them, per rank count. At each point the reference
+    iteration is also timed in this process, which times the op table: `draw` compares the two
+    (cluster.calibration.ProcessDraw)."""
 
     def __init__(self, ranks: Sequence[int], *, cycles: int = 3, iters: int = 15, timeout_s: float = 300.0):
         self.ps = sorted({p for p in ranks if p > 1})
         self.cycles, self.iters, self.timeout_s = cycles, iters, timeout_s
         self.runs: list[dict[int, float]] = []
+        self.fresh: list[float] = []  # the reference iteration's CPU time alone in fresh workers, per launch
+        self.here: list[float] = []  # the same in this process, per sampling point
 
     def sample(self, launches: int) -> None:
-        if self.ps:
-            self.runs += [_one_launch(self.ps, self.cycles, self.iters, self.timeout_s) for _ in range(launches)]
+        if not self.ps:
+            return
+        self.here.append(reference_here_s(self.iters))
+        for _ in range(launches):
+            ratios, alone = _one_launch(self.ps, self.cycles, self.iters, self.timeout_s)
+            self.runs.append(ratios)
+            self.fresh.append(alone)
 
     def result(self) -> dict[int, float]:
         if not self.runs:
             return {}
         return {p: statistics.median(r[p] for r in self.runs) for p in self.ps}
+
+    def draw(self) -> ProcessDraw | None:
+        if not self.fresh or not self.here:
+            return None
+        return ProcessDraw(here_s=statistics.median(self.here), fresh_s=statistics.median(self.fresh))
+
+
+def reference_here_s(iters: int) -> float:
+    """The reference iteration's mean CPU time in this process (one thread, as the workers run it)."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run = _iteration()
+        for _ in range(3):
+            run()
+        t0 = time.thread_time()
+        for _ in range(iters):
+            run()
+        return (time.thread_time() - t0) / iters
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure_rank_skew(ranks: Sequence[int], *, cycles: int = 3, iters: int = 15, launches: int = 5,
@@ -107,7 +142,8 @@ def measure_rank_skew(ranks: Sequence[int], *, cycles: int = 3, iters: int = 15,
     return sampler.result()
 
 
-def _one_launch(ps: list[int], cycles: int, iters: int, timeout_s: float) -> dict[int, float]:
+def _one_launch(ps: list[int], cycles: int, iters: int, timeout_s: float) -> tuple[dict[int, float], float]:
+    """({P: skew}, the reference iteration's CPU time in worker 0 alone: median over cycles)."""
     ctx = context()  # the ranks' fork server: torch imported once, not per worker
     width = max(ps)
     phases = [p for _ in range(cycles) for p in (1, *ps)]
@@ -139,12 +175,12 @@ def _one_launch(ps: list[int], cycles: int, iters: int, timeout_s: float) -> dic
         else:
             os.environ["OMP_NUM_THREADS"] = env
     out: dict[int, float] = {}
+    alone = [statistics.fmean(got[c * (len(ps) + 1)][0]) for c in range(cycles)]
     for p in ps:
         ratios = []
         for c in range(cycles):
-            alone_k, together_k = c * (len(ps) + 1), c * (len(ps) + 1) + 1 + ps.index(p)
-            alone = statistics.fmean(got[alone_k][0])
+            together_k = c * (len(ps) + 1) + 1 + ps.index(p)
             slowest = statistics.fmean(max(cpu[i] for cpu in got[together_k].values()) for i in range(iters))
-            ratios.append(slowest / alone)
+            ratios.append(slowest / alone[c])
         out[p] = max(1.0, statistics.median(ratios))  # a step is never faster for having more ranks
-    return out
+    return out, statistics.median(alone)

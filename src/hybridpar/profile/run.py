@@ -14,6 +14,7 @@ from hybridpar.cluster.calibration import (
     CollectiveFit,
     GlooFit,
     OpRecord,
+    ProcessDraw,
     RuntimeOverhead,
     StepFit,
     default_calibration_path,
@@ -204,6 +205,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     device = device_figures(warmup=opts.warmup, repeats=opts.repeats)
     skew.sample(SKEW_LAUNCHES_PER_POINT)
     records, untimed = _model_ops(opts, specs, work, lambda desc: step(desc, total))
+    timed_here = set(records)  # (the dist layers below are timed in processes of their own)
     skew.sample(SKEW_LAUNCHES_PER_POINT)
     if dist_layers:
         step("channel/filter layers as the runtime runs them", total)
@@ -245,6 +247,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
         overhead = RuntimeOverhead(**{f"{k[:-2]}_{part}_s": rt[k][i]
                                       for k in ("sample_node_s", "dtensor_node_s", "layer_s", "spatial_op_s")
                                       for i, part in enumerate(("fwd", "bwd"))})
+    records, draw = _as_fresh_process(records, timed_here, skew)
     old = _previous(path) if opts.merge else None
     if old is not None:
         untimed = {k: v for k, v in {**old.untimed, **untimed}.items() if k not in records}
@@ -258,8 +261,18 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       mp_node_overhead_s=node_overhead, runtime_overhead=overhead,
                       update={k: StepFit(**v) for k, v in per_step["update"].items()},
                       guard={k: StepFit(**v) for k, v in per_step["guard"].items()},
-                      loss=StepFit(**per_step["loss"]), rank_skew=skew.result(), untimed=untimed)
+                      loss=StepFit(**per_step["loss"]), rank_skew=skew.result(), process_draw=draw,
+                      untimed=untimed)
     return cal, save_calibration(cal, path)
+
+
+def _as_fresh_process(records: dict[str, OpRecord], timed_here: set[str], skew) -> tuple[dict, ProcessDraw | None]:
+    """The records this process timed at a fresh process's speed: the op table is one process's speed
+    draw, the ranks it prices are fresh processes (cluster.calibration.ProcessDraw)."""
+    draw = skew.draw()
+    if draw is None:
+        return records, None
+    return {k: r.scaled(draw.scale) if k in timed_here else r for k, r in records.items()}, draw
 
 
 def calibration_path(out: str | os.PathLike | None = None) -> Path:
