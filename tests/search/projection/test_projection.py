@@ -8,7 +8,7 @@ import pytest
 from hybridpar.convergence.builtin import WorkloadCurve
 from hybridpar.convergence.curve import McCandlishCurve
 from hybridpar.errors import InfeasibleError
-from hybridpar.search.projection import MPStep, Profile, overlapped_end, project
+from hybridpar.search.projection import MPStep, Profile, overlapped_end, project, shared_links_end
 from hybridpar.search.projection.joint import choose, terms_of
 
 GPUS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -37,7 +37,7 @@ class AnalyticCosts:
     def allreduce_s(self, bytes_, ranks):
         return 2 * (ranks - 1) / ranks * bytes_ / self.bw_Bps + 5e-6 * math.log2(ranks)
 
-    def hybrid_allreduce_s(self, bytes_, replicas, mp):
+    def hybrid_allreduce_s(self, bytes_, replicas, mp, active=None):
         return self.allreduce_s(bytes_, replicas)
 
     def mp_step(self, mp, batch):
@@ -110,3 +110,45 @@ def test_joint_choice_respects_memory_and_names_the_dominant_term():
     assert jc.terms.dominant in jc.explanation and "GPUs" in jc.explanation
     with pytest.raises(InfeasibleError):
         choose(AnalyticCosts(capacity_bytes=1e6), curve(), 8, batch_options=[16])
+
+
+def test_groups_share_the_links_only_while_they_allreduce_together():
+    # ar_s(bytes, k): k groups on the links at once slow every one of them k-fold
+    ar = lambda nb, k: nb * k  # noqa: E731
+    # one group: exactly DDP's queue
+    ready = [(0.0, 2), (1.0, 2)]
+    assert shared_links_end([ready], ar) == pytest.approx(overlapped_end(ready, 1, lambda nb: ar(nb, 1)))
+    # two groups from t=0: sizes 1 and 3 run at half speed until the first ends at t=2 (the other has
+    # 2/3 of itself left), then alone: 2/3 * 3 s more
+    assert shared_links_end([[(0.0, 1)], [(0.0, 3)]], ar) == pytest.approx(4.0)
+    # never together: no contention
+    assert shared_links_end([[(0.0, 1)], [(5.0, 1)]], ar) == pytest.approx(6.0)
+
+
+@dataclass
+class LayeredCosts(AnalyticCosts):
+    """Every allreduce pays a fixed latency: a device's one big layer is one bucket (one latency), as DDP
+    buckets a tensor larger than the bucket size; device 1 ends its allreduce before device 0 starts."""
+
+    latency_s: float = 0.05
+
+    def allreduce_s(self, bytes_, ranks):
+        return self.latency_s + 2 * (ranks - 1) / ranks * bytes_ / self.bw_Bps
+
+    def hybrid_allreduce_s(self, bytes_, replicas, mp, active=None):
+        return (active or mp) * self.allreduce_s(bytes_, replicas)
+
+    def mp_step(self, mp, batch):
+        step = super().mp_step(mp, batch)
+        half = self.param_bytes // 2
+        # device 0 holds the first layer (its gradient last), device 1 the last one (its gradient first)
+        return MPStep(step.step_s, (half, half), step.memory_bytes, device_grad_ready=(((1.0, half),), ((0.1, half),)))
+
+
+def test_hybrid_exposure_buckets_each_device_s_own_layers():
+    costs = LayeredCosts(param_bytes=10 * 2**25, sec_per_sample=2e-2)  # 5 buckets' worth per device
+    p = project(costs, curve(), [8], 64)
+    (h,) = [x for x in p.at(8) if x.strategy == "DPxMP2"]
+    # device 0's one layer is ready when backward ends: one allreduce of it, alone on the links (device 1
+    # finished long before), is exposed; no per-bucket latency, no contention
+    assert h.exposed_comm_s == pytest.approx(costs.allreduce_s(5 * 2**25, 4), rel=1e-9)

@@ -21,6 +21,7 @@ from hybridpar.search.projection.model import (
     paper_margin,
     project,
     projection_data,
+    shared_links_end,
 )
 
 __all__ = [
@@ -42,5 +43,6 @@ __all__ = [
     "paper_margin",
     "project",
     "projection_data",
+    "shared_links_end",
     "terms_of",
 ]

@@ -130,14 +130,15 @@ class CostModelBackend:
         times = {n.name: op_time(n, dev, dtype=self.dtype) for n in g.nodes}
         fwd = sum(t.fwd_s for t in times.values())
         # Backward runs in reverse topological order; a node's weight gradient is ready after it.
-        ready, clock = [], 0.0
+        ready, modules, clock = [], [], 0.0
         for n in reversed(g.nodes):
             clock += times[n.name].bwd_data_s + times[n.name].bwd_weight_s
             if n.params:
                 ready.append((clock, n.params * DTYPE_BYTES[self.dtype]))
+                modules.append(n.module or "")
         mem = training_memory(g, dtype=self.dtype, dp_ranks=2)
         return {"fwd_s": fwd, "bwd_s": clock, "param_bytes": g.params * DTYPE_BYTES[self.dtype],
-                "grad_ready": ready, "memory_bytes": int(mem.total_bytes)}
+                "grad_ready": ready, "grad_modules": modules, "memory_bytes": int(mem.total_bytes)}
 
     @cache  # noqa: B019 - the sensitivity runs and the joint choice repeat the same calls
     def allreduce_s(self, bytes_: int, ranks: int) -> float:
@@ -146,12 +147,12 @@ class CostModelBackend:
         return allreduce_time(bytes_, list(range(ranks)), self.cluster(ranks))
 
     @cache  # noqa: B019
-    def hybrid_allreduce_s(self, bytes_: int, replicas: int, mp: int) -> float:
+    def hybrid_allreduce_s(self, bytes_: int, replicas: int, mp: int, active: int | None = None) -> float:
         from hybridpar.cost.collectives import concurrent_allreduce_time
 
         # Worker d holds devices d*mp .. d*mp+mp-1 (inside one node); device j of every worker
-        # holds the same weights, so the j-th groups allreduce at once.
-        groups = [[d * mp + j for d in range(replicas)] for j in range(mp)]
+        # holds the same weights, so the j-th groups allreduce at once (`active` of them: default all)
+        groups = [[d * mp + j for d in range(replicas)] for j in range(active or mp)]
         return concurrent_allreduce_time(bytes_, groups, self.cluster(replicas * mp))
 
     @property
@@ -172,7 +173,22 @@ class CostModelBackend:
         # and the MP speedup is exactly the placer's ratio.
         scale = self.profile(batch).compute_s / res["single_step_s"]
         return MPStep(res["step_s"] * scale, tuple(res["device_param_bytes"]), tuple(res["memory_bytes"]),
-                      res["solver"], res["gap"])
+                      res["solver"], res["gap"], self._device_grad_ready(batch, res.get("module_device", {}), mp))
+
+    def _device_grad_ready(self, batch: int, module_device: dict[str, int], mp: int
+                           ) -> tuple[tuple[tuple[float, int], ...], ...]:
+        """Per device, (fraction of the one-GPU backward done, bytes) of each layer gradient it holds, in
+        backward order (the profile's grad_ready); () unless the placement names the modules of at
+        least 90% of the weights (as _device_param_bytes)."""
+        d = self._cache.get(self._key("profile", batch), lambda: self._profile(batch))
+        bwd = d["bwd_s"] or 1.0
+        out: list[list[tuple[float, int]]] = [[] for _ in range(mp)]
+        for (t, nbytes), mod in zip(d["grad_ready"], d["grad_modules"], strict=True):
+            if mod in module_device:
+                out[module_device[mod]].append((t / bwd, nbytes))
+        if sum(b for lst in out for _, b in lst) < 0.9 * d["param_bytes"]:
+            return ()
+        return tuple(tuple(lst) for lst in out)
 
     def _place(self, mp: int, batch: int) -> dict:
         from hybridpar.search.placer import place_model
@@ -195,7 +211,8 @@ class CostModelBackend:
                 "memory_bytes": [int(x) for x in out.memory_bytes],
                 "solver": f"{res.solver} ({res.status})", "gap": res.gap,
                 "what_if": [n for n in plan.notes if n.startswith("WHAT-IF")],
-                "device_param_bytes": _device_param_bytes(g, res, mp, self.dtype)}
+                "device_param_bytes": _device_param_bytes(g, res, mp, self.dtype),
+                "module_device": _module_device(res)}
 
     def fsdp_memory(self, gpus: int, batch: int) -> int:
         """Bytes per GPU of FSDP + full recomputation over `gpus` at `batch` per GPU: the runtime's rule
@@ -272,6 +289,15 @@ def schedule_note(schedules: dict[int, dict[str, None]]) -> str:
     per = "; ".join(f"mp {mp}: {' / '.join(ways)}" for mp, ways in sorted(schedules.items()))
     return (f"DPxMP priced as `train` runs the placer's plan (recurrent layers whole or as the time-step "
             f"wavefront, parallel/pipeline/wavefront.py; micro-batch pipeline, placer.micro): {per}")
+
+
+def _module_device(res: Any) -> dict[str, int]:
+    """The device of every module a placement's tasks name (the first task naming it)."""
+    out: dict[str, int] = {}
+    for task, dev in zip(res.problem.tasks, res.assignment, strict=True):
+        for mod in task.modules:
+            out.setdefault(mod, int(dev))
+    return out
 
 
 def _device_param_bytes(g: Graph, res: Any, mp: int, dtype: str) -> list[int]:
