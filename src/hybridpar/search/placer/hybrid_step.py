@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from hybridpar.cluster import Cluster, load_cluster
+from hybridpar.cost.buckets import ddp_buckets
 from hybridpar.cost.collectives import allreduce_time, concurrent_allreduce_time
 from hybridpar.cost.memory import DDP_BUCKET_BYTES
 from hybridpar.errors import UserError
@@ -201,7 +202,7 @@ def _with_allreduce(result: PlacementResult, cluster: Cluster, dp: int, mp: int,
     finish, total = [], []
     for d in range(mp):
         t_end = busy = 0.0
-        for ready, size in _buckets(sorted(done[d]), bucket_bytes):
+        for ready, size in ddp_buckets(sorted(done[d]), bucket_bytes):
             dt = allreduce_time(size, groups[d], cluster) * contention
             t_end = max(t_end, ready) + dt
             busy += dt
@@ -210,17 +211,3 @@ def _with_allreduce(result: PlacementResult, cluster: Cluster, dp: int, mp: int,
     step = max([mp_step, *finish])
     return HybridStep(dp, mp, batch, step, mp_step, max(total), step - mp_step, tuple(total), result.solver,
                       result.gap)
-
-
-def _buckets(ready: list[tuple[float, int]], bucket_bytes: int) -> list[tuple[float, int]]:
-    """DDP-style buckets: gradients in readiness order, a bucket closes once it holds bucket_bytes."""
-    out: list[tuple[float, int]] = []
-    size, last = 0, 0.0
-    for t, b in ready:
-        size, last = size + b, t
-        if size >= bucket_bytes:
-            out.append((last, size))
-            size = 0
-    if size:
-        out.append((last, size))
-    return out
