@@ -115,10 +115,11 @@ def _summary(trials: list[tuple[float, float, float, float]]) -> dict:
     the step (all trials, flagged, when none was quiet)."""
     quiet = [t for t in trials if t[1] <= QUIET * t[0]]
     use = quiet or trials
-    return {"step_s": statistics.median(w for w, _, _, _ in use), "quiet_trials": len(quiet), "trials": len(trials),
-            "run_queue_s": statistics.median(q for _, q, _, _ in use),
-            "run_queue_mean_of_ranks_s": statistics.median(m for _, _, m, _ in use),
-            "cpu_s": statistics.median(c for _, _, _, c in use)}
+    return {"step_s": statistics.median(t[0] for t in use), "quiet_trials": len(quiet), "trials": len(trials),
+            "run_queue_s": statistics.median(t[1] for t in use),
+            "run_queue_mean_of_ranks_s": statistics.median(t[2] for t in use),
+            "cpu_s": statistics.median(t[3] for t in use),
+            "cpu_sum_s": statistics.median(t[4] for t in use)}
 
 
 def _ranks(cases: list[tuple]) -> dict:
@@ -133,7 +134,10 @@ def _ranks(cases: list[tuple]) -> dict:
         eager = load_model(spec, batch=BATCH).module if rank == 0 else None
         eopt = torch.optim.SGD(eager.parameters(), lr=0.01) if eager is not None else None
         engines = {}
-        variants = [("mp", placement, chunks), ("all_on_0", {}, 1)] + ([("whole", whole, 1)] if chunks > 1 else [])
+        # with time chunks also the same K-chunk program on device 0 alone: what the two ranks' CPU time
+        # together is compared with (the MP split's own cost, which no profile record holds)
+        variants = [("mp", placement, chunks), ("all_on_0", {}, 1)] + (
+            [("whole", whole, 1), ("all_on_0_k", {}, chunks)] if chunks > 1 else [])
         for name, pl, k in variants:
             plan = Plan(model=spec, world_size=2, batch=BATCH, mp=2, placement=pl, time_chunks=k)
             eng = MPEngine(load_model(spec, batch=BATCH).module, plan, loss_fn=task_loss_sum)
@@ -146,17 +150,18 @@ def _ranks(cases: list[tuple]) -> dict:
             if rank == 0:
                 wall, q, cpu = _timed(_eager_step, eager, eopt, x, y)
             if i >= WARMUP:
-                rec["eager"].append((wall, q, q, cpu))
+                rec["eager"].append((wall, q, q, cpu, cpu))
             for name, (eng, opt) in engines.items():
                 dist.barrier()
                 wall, q, cpu = _timed(_engine_step, eng, opt, x, y)
                 both = torch.tensor([wall, q, cpu])
                 dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the step ends when the later rank ends
-                qs = torch.tensor([q])
+                qs = torch.tensor([q, cpu])
                 dist.all_reduce(qs)
                 if i >= WARMUP:  # (the later rank's wall, the longer run-queue wait, the mean wait, the busier
-                    # rank's CPU time: its own work, without waits)
-                    rec[name].append((float(both[0]), float(both[1]), float(qs[0]) / 2, float(both[2])))
+                    # rank's CPU time: its own work, without waits; both ranks' CPU time together)
+                    rec[name].append((float(both[0]), float(both[1]), float(qs[0]) / 2, float(both[2]),
+                                      float(qs[1])))
         sent = sum(r.bytes_ for r in engines["mp"][0].comm_log.step_records() if r.kind == "send")
         tot = torch.tensor([float(sent)])
         dist.all_reduce(tot)
@@ -216,10 +221,10 @@ def main() -> None:
         outcome, placement = placed[m]
         per_world = [w[m]["eager"]["step_s"] / w[m]["mp"]["step_s"] for w in worlds]
         r = {k: {f: statistics.median(w[m][k][f] for w in worlds)
-                 for f in ("step_s", "run_queue_s", "run_queue_mean_of_ranks_s", "cpu_s")}
+                 for f in ("step_s", "run_queue_s", "run_queue_mean_of_ranks_s", "cpu_s", "cpu_sum_s")}
              | {"quiet_trials": sum(w[m][k]["quiet_trials"] for w in worlds),
                 "trials": sum(w[m][k]["trials"] for w in worlds)}
-             for k in ("eager", "mp", "all_on_0", "whole") if k in worlds[0][m]}
+             for k in ("eager", "mp", "all_on_0", "whole", "all_on_0_k") if k in worlds[0][m]}
         r["p2p_bytes"] = worlds[0][m]["p2p_bytes"]
         measured = statistics.median(per_world)
         bd = outcome.result.breakdown
@@ -245,7 +250,8 @@ def main() -> None:
             "time_chunks": CHUNKS.get(m, 1),
         }
         if m in whole:  # the same model placed and run with whole recurrent layers
-            rows[m] |= {"whole_placement": whole[m][1], "whole_predicted_speedup": whole[m][0].speedup,
+            rows[m] |= {"mp_cpu_together_over_one_device": r["mp"]["cpu_sum_s"] / r["all_on_0_k"]["cpu_sum_s"],
+                        "whole_placement": whole[m][1], "whole_predicted_speedup": whole[m][0].speedup,
                         "whole_measured_speedup": statistics.median(
                             w[m]["eager"]["step_s"] / w[m]["whole"]["step_s"] for w in worlds)}
     summary = {"batch": BATCH, "trials": args.trials, "worlds": args.worlds, "profile_rounds": args.rounds,
@@ -273,6 +279,9 @@ def main() -> None:
                   f"measured K={r['time_chunks']} / whole: {r['measured_speedup'] / r['whole_measured_speedup']:.2f}")
         print(f"{'':16s} MP busier rank's own work per step: predicted {r['predicted_mp_busy_s'] * 1e3:.1f} ms, "
               f"measured {r['measured_mp_cpu_s'] * 1e3:.1f} ms of CPU time")
+        if "mp_cpu_together_over_one_device" in r:
+            print(f"{'':16s} both MP ranks' CPU time together / the same {r['time_chunks']}-chunk program on one "
+                  f"device: {r['mp_cpu_together_over_one_device']:.2f}x (the split's own work, not priced)")
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:
         Path(out).write_text(json.dumps(summary, indent=2))
