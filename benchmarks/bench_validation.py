@@ -168,7 +168,8 @@ def profile_round(k: int, models: set[str], batch_of: dict[str, int], target: Pa
         run(["profile", "--out", str(path), "--model", m, "--batch", str(batch_of[m]), "--splits", splits,
              "--ranks", ranks, "--repeats", "7", "--json"], timeout_s=900)
         cal = json.loads(path.read_text())
-        coll_runs.append({"collectives": cal.get("collectives", []), "rank_skew": cal.get("rank_skew", {})})
+        coll_runs.append({"collectives": cal.get("collectives", []), "rank_skew": cal.get("rank_skew", {}),
+                          "process_draw": cal.get("process_draw")})
     return json.loads(path.read_text()), coll_runs
 
 
@@ -187,7 +188,10 @@ def merge_rounds(files: list[dict], coll_runs: list[dict], target: Path, keep: s
       validation run, against 11-13% with the mean).
     - per rank count, the rank skew at the median of every call's (each call re-measures it, as the
       collectives): one call's said 1.22 against 1.06-1.08 in the profiles before it, and put every
-      prediction of that run ~14% high (2026-12-04 09:13 UTC, results-history)."""
+      prediction of that run ~14% high (2026-12-04 09:13 UTC, results-history).
+    - the process draw (Calibration.process_draw) of the call at the median factor (printed: every
+      call's factor): each call scaled the records it timed by its own factor, and the file would
+      otherwise name only the last call's."""
     best = json.loads(json.dumps(files[0]))
     pick = (lambda xs, key: sorted(xs, key=key)[(len(xs) - 1) // 2]) if keep == "median" else \
         (lambda xs, key: min(xs, key=key))
@@ -207,6 +211,11 @@ def merge_rounds(files: list[dict], coll_runs: list[dict], target: Path, keep: s
     for p in {p for sk in skews for p in sk}:
         best.setdefault("rank_skew", {})[p] = statistics.median(sk[p] for sk in skews if p in sk)
     best["collectives"] = _mean_fits([r["collectives"] for r in coll_runs])
+    draws = [d for r in coll_runs if (d := r.get("process_draw"))]
+    if draws:
+        best["process_draw"] = pick(draws, lambda d: d["fresh_s"] / d["here_s"])
+        print("process draw factors of the profile calls (each scaled its own records): "
+              + " ".join(f"{d['fresh_s'] / d['here_s']:.3f}" for d in draws), flush=True)
     target.write_text(json.dumps(best, indent=2))
 
 

@@ -47,3 +47,17 @@ def test_merged_rounds_take_the_median_skew_of_every_profile_call(tmp_path):
     merged = json.loads(target.read_text())
     assert merged["rank_skew"] == {"2": 1.07}
     assert merged["collectives"][0]["intercept_s"] == 1e-3
+
+
+def test_merged_rounds_name_the_median_process_draw(tmp_path):
+    """Each profile call scales the records it times by its own process draw; the merged file names the
+    call at the median factor, not the last call's."""
+    import json
+
+    b = _bench()
+    last = {"ops": {}, "process_draw": {"here_s": 1.0, "fresh_s": 1.28}}
+    calls = [{"collectives": [], "rank_skew": {}, "process_draw": {"here_s": 1.0, "fresh_s": f}}
+             for f in (0.97, 1.02, 1.28)]
+    target = tmp_path / "cal.json"
+    b.merge_rounds([last], calls, target)
+    assert json.loads(target.read_text())["process_draw"] == {"here_s": 1.0, "fresh_s": 1.02}
