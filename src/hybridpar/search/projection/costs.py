@@ -308,12 +308,8 @@ def _device_param_bytes(g: Graph, res: Any, mp: int, dtype: str) -> list[int]:
         if n.params and n.module:
             per_module[n.module] = per_module.get(n.module, 0) + n.params * DTYPE_BYTES[dtype]
     out = [0] * mp
-    seen: set[str] = set()
-    for task, dev in zip(res.problem.tasks, res.assignment, strict=True):
-        for mod in task.modules:
-            if mod in per_module and mod not in seen:
-                out[dev] += per_module[mod]
-                seen.add(mod)
+    for mod, dev in _module_device(res).items():
+        out[dev] += per_module.get(mod, 0)
     total = g.params * DTYPE_BYTES[dtype]
     if sum(out) < 0.9 * total:
         return [total // mp] * mp
