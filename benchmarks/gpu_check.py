@@ -7,21 +7,22 @@
 What it does, in order (JSON to --out, a markdown table beside it):
 1. the environment: GPU, driver, torch, CUDA, cuDNN (CPU and cores on --cpu-smoke);
 2. the device profile: every op kind and shape of each model's graph timed forward and backward on
-   the device (hybridpar.profile.graph_ops, the op profiler of `hybridpar profile --model`, here with
-   synchronised wall time on the GPU), matmul peaks (fp32, TF32, bf16) and copy bandwidth, into a
-   calibration file for the preset's device, and the preset's cluster file with the measured peaks
-   and bandwidth (`hybridpar plan --cluster that.yaml` reads the calibration's op times);
+   the device (hybridpar.profile.graph_ops, the op profiler of `hybridpar profile --model`, on a GPU
+   its kernels' time by CUDA events) in every dtype and memory format the cells run, matmul peaks
+   (fp32, TF32, bf16) and copy bandwidth, into a calibration file for the preset's device, and the
+   preset's cluster file with the measured peaks and bandwidth (`hybridpar plan --cluster that.yaml`
+   reads the calibration's op times);
 3. for each model x {fp32, bf16} x {NCHW, channels-last}: the plan's predicted step (one device,
-   `sample=1`) with the preset and with the measured calibration, `hybridpar train`'s measured step
+   `sample=1`, `--channels-last` where the cell is) with the preset and with the measured calibration,
+   `hybridpar train`'s measured step
    (in this process under torchrun's environment: a world of one rank, NCCL on a GPU, as a torchrun
    launch runs it), a plain PyTorch loop of the same model, loss, optimizer and autocast, and the
    predicted memory against the measured peak (`torch.cuda.max_memory_allocated`);
 4. a torch.profiler table of ResNet-50's plain step by op kind, measured against predicted.
 
-What is not priced or not supported is said in the cell, never filled in: the cost model has no
-per-memory-format rates (a channels-last cell's prediction is the NCHW one, labelled "not priced"),
-`hybridpar train` has no channels-last option (its column says "not supported"), and the calibration's
-op times are fp32 ones (a bf16 cell "with calibration" is the roofline at the measured peaks).
+What is not priced is said in the cell, never filled in: the preset prices a channels-last run from
+the roofline as NCHW (the plan's notes say so; the table marks it), the calibrated plan from the
+device profile's channels-last and bf16 records.
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ class Config:
     # seconds a cell costs beyond its steps (plans, start-up, first steps) and a model's profile, for
     # the estimate printed before the run
     cell_overhead_s: float = 8.0
-    profile_s: float = 25.0
+    profile_s: float = 45.0
 
 
 FULL = Config(models=(("ResNet-50", "resnet50", 64), ("ResNet-50 x8 wide", "resnet50_w8", 16),
-                      ("Inception-V3", "inception_v3", 32), ("GNMT", "gnmt", 32),
+                      ("Inception-V3", "inception_v3_noaux", 32), ("GNMT", "gnmt", 32),
                       ("Transformer blocks", TRANSFORMER, 16)),
               profiled="resnet50", steps=15, warmup=5, op_repeats=5, matmul_n=4096, budget_s=480.0)
 SMOKE = Config(models=(("small CNN", "small_cnn", 4), ("Transformer blocks (tiny)", TINY_TRANSFORMER, 2)),
@@ -211,8 +212,11 @@ def device_profile(cfg: Config, device: str, device_name: str, path: Path, log) 
         graph = trace(loaded.module, loaded.example_inputs, train=True)
         module = loaded.module.to(device)
         inputs = tuple(x.to(device) for x in loaded.example_inputs)
+        # every (memory format, dtype) a cell of this model runs: the calibrated plans price each from its own
+        formats = tuple((fmt, dtype) for fmt in cfg.formats for dtype in cfg.dtypes
+                        if fmt == "nchw" or _images(spec))
         got, bad = profile_graph_ops(module, inputs, graph, (1,), set(ops), device=device, warmup=1,
-                                     repeats=cfg.op_repeats)
+                                     repeats=cfg.op_repeats, formats=formats)
         ops.update(got)
         untimed.update(bad)
         per_model[label] = {"ops_timed": len(got), "untimed": len(bad), "seconds": time.perf_counter() - t0}
@@ -264,6 +268,9 @@ class Cell:
     train_memory_bytes: int | None = None
     plain_s: float | None = None
     plain_memory_bytes: int | None = None
+    # host seconds to enqueue one plain step (the GPU left to run it): near `plain_s`, the step is bound by
+    # the host's launches, which the op table (the kernels' time) does not price
+    plain_host_s: float | None = None
     # bytes already allocated on the GPU when the runs started (this process's other work): taken out
     # of both runs' peaks
     allocated_before_bytes: int | None = None
@@ -271,16 +278,18 @@ class Cell:
 
 
 @functools.cache  # the estimate plans the preset's cells first: once each
-def predicted(spec: str, cluster: str, batch: int, dtype: str, calibration: str | None) -> tuple[float, int, tuple]:
+def predicted(spec: str, cluster: str, batch: int, dtype: str, calibration: str | None,
+              channels_last: bool = False) -> tuple[float, int, tuple]:
     """(step seconds, memory bytes per device, notes) of the plan on one device (`sample=1`)."""
     from hybridpar.api import plan
 
-    res = plan(spec, cluster, 1, batch, strategy="sample=1", dtype=dtype, calibration=calibration)
+    res = plan(spec, cluster, 1, batch, strategy="sample=1", dtype=dtype, calibration=calibration,
+               channels_last=channels_last)
     p = res.prediction
     return p.step_time_s, (p.memory_bytes[0] if p.memory_bytes else 0), tuple(res.plan.notes)
 
 
-def train_step(spec: str, batch: int, dtype: str, cfg: Config) -> tuple[float, int | None]:
+def train_step(spec: str, batch: int, dtype: str, fmt: str, cfg: Config) -> tuple[float, int | None]:
     """`hybridpar train`'s median step and peak memory, run in this process under torchrun's
     environment (one rank: it joins that world, NCCL on a GPU), as a torchrun launch runs it."""
     from hybridpar.cli.main import main
@@ -293,7 +302,8 @@ def train_step(spec: str, batch: int, dtype: str, cfg: Config) -> tuple[float, i
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
             rc = main(["train", "--model", spec, "--strategy", "sample=1", "--batch", str(batch), "--steps",
-                       str(cfg.warmup + cfg.steps), "--precision", dtype, "--log-every", "1000", "--json"])
+                       str(cfg.warmup + cfg.steps), "--precision", dtype, "--log-every", "1000", "--json",
+                       *(["--channels-last"] if fmt == "channels_last" else [])])
     finally:
         for k, v in old.items():
             if v is None:
@@ -333,7 +343,7 @@ def _allocated(device: str) -> int:
 
 
 def plain_step(spec: str, batch: int, dtype: str, fmt: str, device: str, cfg: Config,
-               profile_out: dict | None = None) -> tuple[float, int | None]:
+               profile_out: dict | None = None) -> tuple[float, int | None, float]:
     """A plain PyTorch loop of the model: the same loss (train.engine.task_loss), SGD (lr 0.1, as
     `train`'s default) and autocast as `hybridpar train`; median step and peak memory (GPU)."""
     import torch
@@ -367,9 +377,16 @@ def plain_step(spec: str, batch: int, dtype: str, fmt: str, device: str, cfg: Co
         torch.cuda.reset_peak_memory_stats()
     median = _median_s(step, device, cfg.warmup, cfg.steps)
     peak = int(torch.cuda.max_memory_allocated()) - base if device == "cuda" else None
+    host = []
+    for _ in range(cfg.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()  # returns once its kernels are enqueued (nothing in it waits for the GPU)
+        host.append(time.perf_counter() - t0)
+    _sync(device)
     if profile_out is not None:
         profile_out.update(op_kind_profile(step, device))
-    return median, peak
+    return median, peak, statistics.median(host)
 
 
 # -- step 4: per op kind ----------------------------------------------------------------------------
@@ -436,8 +453,8 @@ def estimate_s(cfg: Config, preset: str) -> float:
                 step, _, _ = predicted(spec, preset, batch, dtype, None)
             except Exception:  # noqa: BLE001 - an estimate: a model the preset cannot price gets a second
                 step = 1.0
-            # train runs NCHW only; channels-last only for image models
-            runs = 2 + (1 if "channels_last" in cfg.formats and _images(spec) else 0)
+            # train and the plain loop in each format (channels-last only for image models)
+            runs = 2 * (1 + (1 if "channels_last" in cfg.formats and _images(spec) else 0))
             total += len(cfg.formats) * cfg.cell_overhead_s + runs * (cfg.warmup + cfg.steps) * 2 * step
     return total
 
@@ -459,30 +476,34 @@ def run_cell(cell: Cell, device: str, preset: str, measured: tuple[str, str], cf
     if cell.fmt == "channels_last" and not _images(cell.spec):
         cell.notes.append("not applicable: no 4-D activations")  # channels_last changes nothing here
         return
+    cl = cell.fmt == "channels_last"
     cell.predicted_preset_s, cell.predicted_memory_bytes, notes = predicted(cell.spec, preset, cell.batch,
-                                                                            cell.dtype, None)
+                                                                            cell.dtype, None, cl)
     cell.notes += [n for n in notes if n.startswith("UNCALIBRATED")]
-    cell.predicted_calibrated_s, _, _ = predicted(cell.spec, measured[0], cell.batch, cell.dtype, measured[1])
-    if cell.dtype != "fp32":
-        cell.notes.append("calibrated: the profile's op times are fp32; bf16 is the roofline at the measured peaks")
-    if cell.fmt == "channels_last":
-        cell.notes.append("prediction: not priced per memory format (the NCHW figure)")
-        cell.notes.append("hybridpar train: channels-last not supported")
-    else:
-        cell.allocated_before_bytes = before = _allocated(device)
-        cell.train_s, peak = train_step(cell.spec, cell.batch, cell.dtype, cfg)
-        cell.train_memory_bytes = None if peak is None else peak - before  # the run's own, as the plain loop's
-    cell.plain_s, cell.plain_memory_bytes = plain_step(cell.spec, cell.batch, cell.dtype, cell.fmt, device, cfg,
-                                                        profile_out)
+    if cl:  # the preset has no channels-last op times: its plan prices the format as NCHW (its notes say)
+        cell.notes.append("preset: channels-last priced as NCHW")
+    cell.predicted_calibrated_s, _, _ = predicted(cell.spec, measured[0], cell.batch, cell.dtype, measured[1], cl)
+    cell.allocated_before_bytes = before = _allocated(device)
+    cell.train_s, peak = train_step(cell.spec, cell.batch, cell.dtype, cell.fmt, cfg)
+    cell.train_memory_bytes = None if peak is None else peak - before  # the run's own, as the plain loop's
+    cell.plain_s, cell.plain_memory_bytes, cell.plain_host_s = plain_step(cell.spec, cell.batch, cell.dtype,
+                                                                          cell.fmt, device, cfg, profile_out)
     if device == "cuda":  # the plain loop's model and batch are gone: their cached blocks too
         import torch
 
         torch.cuda.empty_cache()
 
 
+# a cell whose plain step spends less than this share of its time enqueueing kernels on the host is
+# GPU-bound: its step is its kernels' time, which the op table measures; above it the host's launches
+# set the step, which nothing in the cost model prices yet
+HOST_BOUND = 0.8
+
+
 def summary(cells: list[Cell]) -> dict:
     """Medians of |predicted - measured| / measured over the cells (measured: `hybridpar train`'s step,
-    else the plain loop's), memory against train's peak, and train's step over the plain loop's."""
+    else the plain loop's), again over the GPU-bound cells alone (`HOST_BOUND`), memory against train's
+    peak, and train's step over the plain loop's."""
     def err(pred, meas):
         return abs(pred - meas) / meas if pred is not None and meas else None
 
@@ -492,9 +513,13 @@ def summary(cells: list[Cell]) -> dict:
 
     done = [c for c in cells if c.plain_s is not None]
     meas = [c.train_s or c.plain_s for c in done]
+    gpu = [(c, m) for c, m in zip(done, meas) if c.plain_host_s is not None and c.plain_host_s < HOST_BOUND * c.plain_s]
     return {"cells": len(cells), "measured": len(done),
             "median_abs_err_calibrated": med(err(c.predicted_calibrated_s, m) for c, m in zip(done, meas)),
             "median_abs_err_preset": med(err(c.predicted_preset_s, m) for c, m in zip(done, meas)),
+            "gpu_bound": len(gpu),
+            "median_abs_err_calibrated_gpu_bound": med(err(c.predicted_calibrated_s, m) for c, m in gpu),
+            "median_abs_err_preset_gpu_bound": med(err(c.predicted_preset_s, m) for c, m in gpu),
             "median_abs_err_memory": med(err(c.predicted_memory_bytes, c.train_memory_bytes) for c in done),
             "train_over_plain": {d: med(c.train_s / c.plain_s for c in done if c.dtype == d and c.train_s)
                                  for d in ("fp32", "bf16")}}
@@ -579,23 +604,27 @@ def render_markdown(result: dict, *, dated: bool = False) -> str:
                                                    f"{env.get('driver')}" if env.get("gpu") else "")
             + f"; preset `{result['preset']}`" + (f"; {result['when']}" if dated else "") + ".\n\n")
     rows = ["| model | batch | dtype | format | predicted (preset) | predicted (calibrated) | `hybridpar train` "
-            "| plain PyTorch | predicted memory | measured memory | notes |",
-            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+            "| plain PyTorch | its host time | predicted memory | measured memory | notes |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in result["cells"]:
         mem = c["train_memory_bytes"] or c["plain_memory_bytes"]
         na = any(n.startswith("not applicable") for n in c["notes"])
-        train = _ms(c["train_s"]) if c["fmt"] == "nchw" else "n/a" if na else "not supported"
-        pred = (_ms(c["predicted_preset_s"]), _ms(c["predicted_calibrated_s"]))
-        if c["fmt"] == "channels_last":
-            pred = tuple(f"{p} (NCHW: not priced)" if p != "-" else p for p in pred)
-        notes = "; ".join(n for n in c["notes"] if not n.startswith(("prediction:", "hybridpar train:",
-                                                                         "UNCALIBRATED")))
+        train = "n/a" if na else _ms(c["train_s"])
+        pred = [_ms(c["predicted_preset_s"]), _ms(c["predicted_calibrated_s"])]
+        if "preset: channels-last priced as NCHW" in c["notes"] and pred[0] != "-":
+            pred[0] += " (as NCHW)"
+        notes = "; ".join(n for n in c["notes"] if not n.startswith(("preset:", "UNCALIBRATED")))
         rows.append(f"| {c['model']} | {c['batch']} | {c['dtype']} | {c['fmt']} | {pred[0]} | {pred[1]} | {train} "
-                    f"| {_ms(c['plain_s'])} | {_mib(c['predicted_memory_bytes'])} | {_mib(mem)} | {notes} |")
+                    f"| {_ms(c['plain_s'])} | {_ms(c.get('plain_host_s'))} | {_mib(c['predicted_memory_bytes'])} "
+                    f"| {_mib(mem)} | {notes} |")
     tail = (f"\nMedian |predicted - measured| / measured over {s['measured']} of {s['cells']} cells: "
             f"{_pct(s['median_abs_err_calibrated'])} calibrated, {_pct(s['median_abs_err_preset'])} preset; "
             f"memory {_pct(s['median_abs_err_memory'])}; `hybridpar train` / plain step: "
-            + ", ".join(f"{d} {v:.2f}x" for d, v in s["train_over_plain"].items() if v is not None) + ".\n")
+            + ", ".join(f"{d} {v:.2f}x" for d, v in s["train_over_plain"].items() if v is not None) + ".\n"
+            f"On the {s.get('gpu_bound', 0)} GPU-bound cells (the plain step's host time under "
+            f"{HOST_BOUND:.0%} of the step): {_pct(s.get('median_abs_err_calibrated_gpu_bound'))} calibrated, "
+            f"{_pct(s.get('median_abs_err_preset_gpu_bound'))} preset. The others are bound by the host's "
+            "kernel launches, which the op table (the kernels' time) does not price.\n")
     kinds = result.get("op_kinds") or {}
     if kinds.get("measured_s"):
         names = sorted(set(kinds["measured_s"]) | set(kinds.get("predicted_preset_s", {})))
@@ -617,6 +646,8 @@ def readme_region(path: Path = DEFAULT_OUT) -> str:
     result = json.loads(path.read_text())
     if result.get("mode") != "gpu":
         return "The committed `bench-results/gpu_check.json` is not a GPU run: nothing to show.\n"
+    fields = set(Cell.__dataclass_fields__)  # the summary from the cells, by this script's rules
+    result["summary"] = summary([Cell(**{k: v for k, v in c.items() if k in fields}) for c in result["cells"]])
     return render_markdown(result) + f"\nCommand: `{result['command']}`.\n"
 
 

@@ -35,6 +35,9 @@ def test_cpu_smoke_runs_every_step_of_the_check(tmp_path, capsys):
     cal = json.loads(Path(prof["path"]).read_text())
     assert {"conv2d", "batchnorm", "attention", "layernorm", "embedding", "linear"} <= {
         r["op"] for r in cal["ops"].values()}
+    # ... in every dtype and memory format the cells run, each under its own key
+    assert {"conv2d", "conv2d#bf16", "conv2d#cl", "conv2d#cl#bf16", "linear#bf16"} <= {
+        r["op"] for r in cal["ops"].values()}
     cells = res["cells"]
     assert len(cells) == len(gc.SMOKE.models) * 4
     for c in cells:
@@ -43,14 +46,16 @@ def test_cpu_smoke_runs_every_step_of_the_check(tmp_path, capsys):
             continue
         assert not any(n.startswith(("failed", "skipped")) for n in c["notes"]), c
         assert c["predicted_preset_s"] > 0 and c["predicted_calibrated_s"] > 0 and c["plain_s"] > 0
-        # train has no channels-last: said, never filled in
-        assert (c["train_s"] is None) == (c["fmt"] == "channels_last")
-        if c["fmt"] == "channels_last":
-            assert "hybridpar train: channels-last not supported" in c["notes"]
+        assert c["train_s"] > 0 and c["plain_host_s"] > 0  # train --channels-last in the channels-last cells
+        # the preset has no channels-last op times: said, in the cell and the table
+        assert ("preset: channels-last priced as NCHW" in c["notes"]) == (c["fmt"] == "channels_last")
     # the calibrated predictions are priced on the measured device: its op times (fp32) and peaks
     cnn = {(c["dtype"], c["fmt"]): c for c in cells if c["spec"] == "small_cnn"}
     assert cnn["fp32", "nchw"]["predicted_calibrated_s"] != cnn["fp32", "nchw"]["predicted_preset_s"]
-    assert any("roofline at the measured peaks" in n for n in cnn["bf16", "nchw"]["notes"])
+    # bf16 and channels-last from their own records, not the fp32 NCHW ones
+    for other in (("bf16", "nchw"), ("fp32", "channels_last")):
+        assert cnn[other]["predicted_calibrated_s"] != pytest.approx(cnn["fp32", "nchw"]["predicted_calibrated_s"],
+                                                                      rel=1e-3)
     # ... the op table, not only the peaks: the measured cluster without the calibration prices otherwise
     peaks_only, _, _ = gc.predicted("small_cnn", str(out.with_suffix(".cluster.yaml")), 4, "fp32", None)
     assert cnn["fp32", "nchw"]["predicted_calibrated_s"] != pytest.approx(peaks_only, rel=1e-3)
@@ -60,7 +65,7 @@ def test_cpu_smoke_runs_every_step_of_the_check(tmp_path, capsys):
     kinds = res["op_kinds"]
     assert kinds["measured_s"]["conv2d"] > 0 and kinds["predicted_calibrated_s"]["conv2d"] > 0
     md = out.with_suffix(".md").read_text()
-    assert "| small CNN | 4 | fp32 | nchw |" in md and "not supported" in md and "| conv2d |" in md
+    assert "| small CNN | 4 | fp32 | nchw |" in md and "(as NCHW)" in md and "| conv2d |" in md
     assert res["summary"]["measured"] == len(cells) - 2
 
 
@@ -70,3 +75,17 @@ def test_readme_region_says_not_yet_run_without_a_gpu_result(tmp_path):
     smoke = tmp_path / "smoke.json"
     smoke.write_text(json.dumps({"mode": "cpu-smoke"}))
     assert "not a GPU run" in gc.readme_region(smoke)  # a smoke run never stands in for the GPU's figures
+
+
+def test_summary_splits_the_cells_bound_by_the_hosts_launches():
+    gc = _script()
+
+    def cell(pred, plain, host):
+        return gc.Cell("m", "s", 1, "fp32", "nchw", predicted_preset_s=pred, predicted_calibrated_s=pred,
+                       plain_s=plain, plain_host_s=host)
+
+    # GPU-bound: 10% under; host-bound (the host enqueues for 95% of the step): 50% under
+    s = gc.summary([cell(0.09, 0.10, 0.03), cell(0.05, 0.10, 0.095)])
+    assert s["gpu_bound"] == 1
+    assert s["median_abs_err_calibrated_gpu_bound"] == pytest.approx(0.10)
+    assert s["median_abs_err_calibrated"] == pytest.approx(0.30)
