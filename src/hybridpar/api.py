@@ -69,7 +69,7 @@ def plan(model, cluster=DEFAULT_CLUSTER, gpus: int = 1, batch: int = 32, config:
         if progress is not None:
             progress("dry run of the layout on meta tensors")
         try:
-            res = with_redistributions(res, model, cfg.input_shape, cluster)
+            res = with_redistributions(res, model, cfg.input_shape, cluster, cfg.calibration)
             break
         except UserError as err:
             refused = _split_layouts(res.plan)
@@ -106,12 +106,15 @@ def with_baseline_notes(res: PlanResult) -> PlanResult:
     return dataclasses.replace(res, plan=res.plan.model_copy(update={"notes": [*res.plan.notes, *notes]}))
 
 
-def with_redistributions(res: PlanResult, model: str, shape, cluster) -> PlanResult:
+def with_redistributions(res: PlanResult, model: str, shape, cluster, calibration=None) -> PlanResult:
     """The plan's prediction plus what the dry run finds DTensor redistributing between our layers
     (a softmax or mean over channels, a reshape of an unevenly split tensor ...): bytes per kind, and
-    their time, priced on consecutive ranks of the cluster (the sample group's), not overlapped."""
+    their time, priced on consecutive ranks of the cluster (the sample group's), not overlapped; and
+    the Python of every redistribution DTensor runs in a step, with a message or without, at the
+    calibration's measured cost per call (hybridpar.profile.runtime_overhead: localhost only)."""
     from hybridpar.cluster import Cluster, load_cluster
     from hybridpar.cost import collectives as cc
+    from hybridpar.cost.compute import runtime_overhead_for
     from hybridpar.graph.models import load_model
     from hybridpar.parallel.check import dry_run
 
@@ -125,7 +128,10 @@ def with_redistributions(res: PlanResult, model: str, shape, cluster) -> PlanRes
              "allreduce": cc.allreduce_time, "alltoall": cc.alltoall_time}
     records = [r for r in run.dtensor if r["group_size"] > 1 and not r.get("priced")]  # priced: in the plan
     records = _not_in_plan(records, res)
-    if not records:
+    overhead = runtime_overhead_for(cl.device, calibration)
+    per_move = overhead.redistribute_s if overhead is not None and overhead.redistribute_s is not None else 0.0
+    moves_s = run.redistributions * per_move * cl.device.time_share
+    if not records and not moves_s:
         return res
     extra_s = sum(price.get(r["kind"], cc.allgather_time)(r["bytes"], tuple(range(r["group_size"])), cl)
                   for r in records)
@@ -133,13 +139,20 @@ def with_redistributions(res: PlanResult, model: str, shape, cluster) -> PlanRes
     comm = dict(pr.comm_bytes)
     for r in records:
         comm[r["kind"]] = comm.get(r["kind"], 0) + r["bytes"]
-    mods = sorted({r["module"] for r in records})
-    note = (f"dry run: DTensor redistributes between layers in {', '.join(mods[:4])}"
-            f"{' ...' if len(mods) > 4 else ''}: {len(records)} collective(s), {sum(r['bytes'] for r in records):,} "
-            f"bytes per step, +{extra_s * 1e3:.3f} ms (priced on consecutive ranks, not overlapped)")
-    pr = pr.model_copy(update={"comm_bytes": comm, "step_time_s": pr.step_time_s + extra_s,
+    notes = []
+    if records:
+        mods = sorted({r["module"] for r in records})
+        notes.append(f"dry run: DTensor redistributes between layers in {', '.join(mods[:4])}"
+                     f"{' ...' if len(mods) > 4 else ''}: {len(records)} collective(s), "
+                     f"{sum(r['bytes'] for r in records):,} bytes per step, +{extra_s * 1e3:.3f} ms (priced on "
+                     "consecutive ranks, not overlapped)")
+    if moves_s:
+        notes.append(f"dry run: DTensor runs {run.redistributions} redistribution(s) per step, +{moves_s * 1e3:.3f} ms "
+                     f"of its Python ({per_move * 1e6:.0f} us each, measured by `hybridpar profile`)")
+    pr = pr.model_copy(update={"comm_bytes": comm, "step_time_s": pr.step_time_s + extra_s + moves_s,
+                               "compute_s": pr.compute_s + moves_s,
                                "comm_s": pr.comm_s + extra_s, "exposed_comm_s": pr.exposed_comm_s + extra_s})
-    plan_ = plan_.model_copy(update={"predicted": pr, "notes": [*plan_.notes, note]})
+    plan_ = plan_.model_copy(update={"predicted": pr, "notes": [*plan_.notes, *notes]})
     return dataclasses.replace(res, plan=plan_, prediction=pr)
 
 

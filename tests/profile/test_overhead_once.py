@@ -70,7 +70,7 @@ def test_a_second_profile_keeps_the_overhead_and_the_flag_measures_it_again(tmp_
 def _file_with_overhead(path, **fields) -> RuntimeOverhead:
     o = RuntimeOverhead(sample_node_fwd_s=1e-6, sample_node_bwd_s=2e-6, dtensor_node_fwd_s=3e-6,
                         dtensor_node_bwd_s=4e-6, layer_fwd_s=5e-5, layer_bwd_s=6e-5,
-                        spatial_op_fwd_s=7e-5, spatial_op_bwd_s=8e-5)
+                        spatial_op_fwd_s=7e-5, spatial_op_bwd_s=8e-5, redistribute_s=fields.pop("redistribute_s", 9e-5))
     cal = Calibration(**{"cpu_count": 2, "peak_flops_fp32": 1e10, "mem_bw_Bps": 1e9, "hostname": platform.node(),
                          "torch_version": torch.__version__, "runtime_overhead": o, **fields})
     save_calibration(cal, path)
@@ -90,6 +90,9 @@ def test_the_overhead_is_kept_only_from_this_host_and_torch(tmp_path):
     assert overhead_to_keep(opts, tmp_path / "there.json") is None
     _file_with_overhead(tmp_path / "old.json", torch_version="1.0")
     assert overhead_to_keep(opts, tmp_path / "old.json") is None
+    # measured before the redistributions were: measured again, all of it
+    _file_with_overhead(tmp_path / "older.json", redistribute_s=None)
+    assert overhead_to_keep(opts, tmp_path / "older.json") is None
     save_calibration(Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e9, hostname=platform.node(),
                                  torch_version=torch.__version__), tmp_path / "without.json")
     assert overhead_to_keep(opts, tmp_path / "without.json") is None

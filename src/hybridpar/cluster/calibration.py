@@ -122,7 +122,8 @@ class RuntimeOverhead(_Model):
     the same local shapes (hybridpar.profile.runtime_overhead), forward and backward: per graph node
     of a sample-only layout (plain tensors), per node of a layout with a channel/filter split (DTensor's
     dispatch or our layer wrapper), per conv/linear split over channel/filter beyond that, and per
-    convolution or pooling that exchanges a halo under a spatial split (the spatial runtime's _HaloOp)."""
+    convolution or pooling that exchanges a halo under a spatial split (the spatial runtime's _HaloOp),
+    and per redistribution DTensor runs (the dry run counts them)."""
 
     sample_node_fwd_s: float = Field(ge=0)
     sample_node_bwd_s: float = Field(ge=0)
@@ -132,6 +133,8 @@ class RuntimeOverhead(_Model):
     layer_bwd_s: float = Field(ge=0)
     spatial_op_fwd_s: float = Field(ge=0)
     spatial_op_bwd_s: float = Field(ge=0)
+    # per DTensor redistribution (forward or backward, with a message or without); None in older files
+    redistribute_s: float | None = Field(default=None, ge=0)
 
 
 class StepFit(_Model):

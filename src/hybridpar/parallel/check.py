@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from hybridpar.errors import UserError
 from hybridpar.parallel.apply import INPUT_MODES, apply_layout, as_layouts, grid_shape, state_of
 from hybridpar.parallel.comm.collectives import all_reduce_
-from hybridpar.parallel.dtensor.log import recording
+from hybridpar.parallel.dtensor.log import counting_redistributions, recording
 from hybridpar.parallel.mesh import forget_meshes
 from hybridpar.parallel.sample_io import split_samples
 
@@ -42,6 +42,9 @@ class DryRun:
     our_bytes: dict[str, int]  # per kind, our layers' collectives (rank 0)
     dtensor: list[dict] = field(default_factory=list)  # DTensor's: module, kind, group_size, bytes
     output_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    # DTensor's redistributions in one step on rank 0, with or without a message (each one's Python
+    # is priced per call: hybridpar.api.with_redistributions)
+    redistributions: int = 0
 
     @property
     def dtensor_bytes(self) -> dict[str, int]:
@@ -147,7 +150,7 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
             batch, targets = split_samples(batch, grid), split_samples(targets, grid)
         log = grid.comm_log
         log.mark_step()
-        with recording(log) as rec:
+        with recording(log) as rec, counting_redistributions() as moves:
             try:
                 out = model(*place(batch))
                 outs = output_tensors(out)
@@ -174,7 +177,7 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
             if r["group_size"] > 1 and not r.get("priced"):
                 ours[r["kind"]] -= r["bytes"]
         return DryRun(_strategy_text(spec), world_size, {k: v for k, v in ours.items() if v},
-                      records, [tuple(o.shape) for o in outs])
+                      records, [tuple(o.shape) for o in outs], moves.calls)
     finally:
         forget_meshes()
         dist.destroy_process_group()

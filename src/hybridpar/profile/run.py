@@ -246,7 +246,8 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
         rt = runtime_overhead()
         overhead = RuntimeOverhead(**{f"{k[:-2]}_{part}_s": rt[k][i]
                                       for k in ("sample_node_s", "dtensor_node_s", "layer_s", "spatial_op_s")
-                                      for i, part in enumerate(("fwd", "bwd"))})
+                                      for i, part in enumerate(("fwd", "bwd"))},
+                                   redistribute_s=rt.get("redistribute_s"))
     records, draw = _as_fresh_process(records, timed_here, skew)
     old = _previous(path) if opts.merge else None
     if old is not None:
@@ -287,8 +288,8 @@ def overhead_to_keep(opts: ProfileOptions, path: Path) -> RuntimeOverhead | None
     import torch
 
     old = None if opts.remeasure_overhead or not opts.merge else _previous(path)
-    if old is None or old.runtime_overhead is None:
-        return None
+    if old is None or old.runtime_overhead is None or old.runtime_overhead.redistribute_s is None:
+        return None  # none, or one measured before the redistributions were
     if old.hostname != platform.node() or old.torch_version != torch.__version__:
         return None
     return old.runtime_overhead

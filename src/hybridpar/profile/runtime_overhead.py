@@ -25,6 +25,18 @@ spatial runtime's `_HaloOp` (posting the sends and receives, the interior and bo
 window re-assembled in backward, the halo reduction): 0.79 ms per convolution (forward + backward) on
 this VM against 0.15 ms eager (2026-12-04), unpriced before.
 
+and per DTensor redistribution (a call of DTensor's `redistribute_local_tensor` that changes the
+placements, forward or backward, with a collective or without: Replicate -> Shard takes a piece): a
+DTensor bounced between Shard and Replicate 24 and 8 times, each hop after a multiplication, against
+the same multiplications without the hops, over the calls counted (`counting_redistributions`):
+
+  redistribute_s = ((T_R[24] - T_R[8]) - (T_M[24] - T_M[8])) / (calls[24] - calls[8])
+
+The dry run counts a step's redistributions on rank 0, and the plan prices each at this (the
+collectives' Python inside is in neither the gloo fits nor the per-node terms: the chains above have
+no redistribution). ~0.2 ms per call on this VM (2026-12-04): HF ConvNeXt's 54 per step under
+channel=2 were ~11 ms unpriced.
+
 where the Python cost of the collectives issued (what the gloo fits' intercepts already hold, since
 they time the runtime's own collective functions) is taken out first: the fake-world time of one such
 call, times the calls the step logged. Forward and backward are measured apart (forward alone, then the
@@ -81,6 +93,37 @@ def _interleaved(fns: dict, warmup: int, repeats: int) -> dict[str, float]:
             fn()
             samples[k].append(clock() - t0)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+HOPS = (8, 24)  # Shard <-> Replicate round trips of the redistribution chains
+
+
+def _hop_runs(mesh) -> tuple[dict, dict[str, int]]:
+    """(variant -> step function, variant -> redistributions per step) of the redistribution chains:
+    "R<k>" with k round trips, "M<k>" the same multiplications without them."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hybridpar.parallel.dtensor.log import counting_redistributions
+
+    base = distribute_tensor(torch.randn(BATCH, CHANNELS, HW, HW), mesh, [Shard(1)])
+
+    def chain(k: int, hop: bool):
+        def run():
+            y = base.detach().requires_grad_(True)
+            for _ in range(k):
+                y = (y.redistribute(mesh, [Replicate()]) if hop else y) * 1.0
+                y = (y.redistribute(mesh, [Shard(1)]) if hop else y) * 1.0
+            y.to_local().sum().backward()
+        return run
+
+    runs = {f"{v}{k}": chain(k, v == "R") for k in HOPS for v in ("R", "M")}
+    calls = {}
+    for name, fn in runs.items():
+        with counting_redistributions() as count:
+            fn()
+        calls[name] = count.calls
+    return runs, calls
 
 
 def _layout_runs(builders: dict, x, y, runs: dict) -> tuple[dict[str, int], dict[str, int]]:
@@ -166,8 +209,12 @@ def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
     # minimum cancels between the terms. (Timed one variant after another with a median over 3
     # rounds, dtensor_node's backward measured 12-203 us in five runs on this 2-core VM at load ~2;
     # this way 23-31 us in four runs at load ~2.5, layer_s's forward 187-211 us.)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hops, hop_calls = _hop_runs(init_device_mesh("cpu", (2,)))
     fns = {"collective_call": colls, **{f"{name}_{part}": fn for name, (fwd, step) in runs.items()
-                                         for part, fn in (("fwd", fwd), ("step", step))}}
+                                         for part, fn in (("fwd", fwd), ("step", step))},
+           **{f"hops_{name}": fn for name, fn in hops.items()}}
     got = [_interleaved(fns, warmup, repeats) for _ in range(rounds)]
     med = {k: min(r[k] for r in got) for k in fns}
     per_call = med.pop("collective_call") / 3
@@ -189,13 +236,16 @@ def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
         spatial = (over("height=2", "S", part) - nodes["S"] * sample_node) / BLOCKS
         out[part] = {"sample_node_s": max(0.0, sample_node), "dtensor_node_s": max(0.0, dt_node),
                      "layer_s": max(0.0, layer), "spatial_op_s": max(0.0, spatial)}
+    lo, hi = HOPS
+    redistribute = ((med[f"hops_R{hi}"] - med[f"hops_R{lo}"]) - (med[f"hops_M{hi}"] - med[f"hops_M{lo}"])) / max(
+        1, hop_calls[f"R{hi}"] - hop_calls[f"R{lo}"])
     dist.destroy_process_group()
-    result = {}
+    result: dict = {"redistribute_s": max(0.0, redistribute)}
     for key in ("sample_node_s", "dtensor_node_s", "layer_s", "spatial_op_s"):
         fwd, step = out["fwd"][key], out["step"][key]
         result[key] = (fwd, max(0.0, step - fwd))  # (forward, backward)
     return {**result, "nodes": nodes, "collective_call_s": per_call, "medians_s": med,
-            "collectives_per_step": counts, "rounds_s": got}
+            "collectives_per_step": counts, "redistributions_per_step": hop_calls, "rounds_s": got}
 
 
 def runtime_overhead(timeout_s: float = 300.0, repeats: int = 7, rounds: int = 5) -> dict:

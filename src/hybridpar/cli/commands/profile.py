@@ -91,6 +91,7 @@ def _print(cal, path, overhead_kept: bool = False) -> None:
         layer = (o.layer_fwd_s + o.layer_bwd_s) * 1e3
         console.print(f"runtime's own work per step (fwd + bwd): {node:.0f} us per node sample-only, {dt_node:.0f} us "
                       f"per node under a channel/filter split, {layer:.2f} ms per split conv/linear"
+                      + (f", {o.redistribute_s * 1e6:.0f} us per DTensor redistribution" if o.redistribute_s else "")
                       + (" (kept from the file; --remeasure-overhead to measure it again)" if overhead_kept else ""))
     rows = [[p, f.alpha_s * 1e6, 1e-6 / f.beta_s_per_byte if f.beta_s_per_byte else float("inf"),
              f.max_rel_residual, max(m.rel_spread for m in f.times)] for p, f in sorted(cal.gloo.items())]
