@@ -52,3 +52,6 @@ def test_runtime_overhead_is_measured_per_node_and_per_split_layer():
     hops = got["redistributions_per_step"]
     assert hops["R24"] - hops["R8"] == 4 * 16 and hops["M24"] == hops["M8"] == 0
     assert got["redistribute_s"] > 20e-6
+    # the layout chains' own redistributions are counted (and taken out of the per-node and per-layer
+    # terms: the dry run prices each one): none without DTensor, some at the spatial chain's head
+    assert hops["sample=2A_step"] == 0 and hops["height=2S_step"] > 0

@@ -126,14 +126,16 @@ def _hop_runs(mesh) -> tuple[dict, dict[str, int]]:
     return runs, calls
 
 
-def _layout_runs(builders: dict, x, y, runs: dict) -> tuple[dict[str, int], dict[str, int]]:
+def _layout_runs(builders: dict, x, y, runs: dict) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Each chain under each layout through `hybridpar train`'s engine on the fake world, into `runs`
-    as (forward, step) functions; (collective calls per step, split layers per layout)."""
+    as (forward, step) functions; (collective calls per step, split layers per layout, DTensor
+    redistributions per forward and per step: "<layout><chain>_fwd" / "_step")."""
     import torch
 
+    from hybridpar.parallel.dtensor.log import counting_redistributions
     from hybridpar.train.engine import ChannelFilterEngine, task_loss
 
-    counts, splits = {}, {}
+    counts, splits, moves = {}, {}, {}
     for layout, chains in (("sample=2", ("A",)), ("channel=2", ("A", "B")), ("filter=2", ("A", "B")),
                            ("height=2", ("S",))):
         for c in chains:
@@ -151,8 +153,15 @@ def _layout_runs(builders: dict, x, y, runs: dict) -> tuple[dict[str, int], dict
                 eng.module.train()
                 task_loss(eng.forward(xl), yl)
 
-            runs[f"{layout}{c}"] = (fwd, lambda eng=eng, xl=xl, yl=yl: eng.train_step(xl, yl))
-    return counts, splits
+            def step(eng=eng, xl=xl, yl=yl):
+                eng.train_step(xl, yl)
+
+            for part, fn in (("fwd", fwd), ("step", step)):
+                with counting_redistributions() as count:
+                    fn()
+                moves[f"{layout}{c}_{part}"] = count.calls
+            runs[f"{layout}{c}"] = (fwd, step)
+    return counts, splits, moves
 
 
 def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
@@ -186,7 +195,7 @@ def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
 
     # eager "S": the rank's piece of rows under height=2 (its convolutions padded as the whole's)
     runs = {"eagerA": eager("A", x), "eagerB": eager("B", x), "eagerS": eager("S", x[:, :, : HW // 2].contiguous())}
-    counts, splits = _layout_runs(builders, x, y, runs)
+    counts, splits, moves = _layout_runs(builders, x, y, runs)
 
     # the Python of one collective call on the fake world (the gloo fits hold it already)
     group = Group((0, 1), dist.group.WORLD, 0)
@@ -219,11 +228,17 @@ def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
     med = {k: min(r[k] for r in got) for k in fns}
     per_call = med.pop("collective_call") / 3
 
+    lo, hi = HOPS
+    redistribute = max(0.0, ((med[f"hops_R{hi}"] - med[f"hops_R{lo}"]) - (med[f"hops_M{hi}"] - med[f"hops_M{lo}"]))
+                       / max(1, hop_calls[f"R{hi}"] - hop_calls[f"R{lo}"]))
+
     def over(run: str, chain: str, part: str) -> float:
         """The run's time over eager's, less the collectives' Python (half of them in forward: a layer
-        issues one each way; the loss rides with the gradients at the end of backward)."""
+        issues one each way; the loss rides with the gradients at the end of backward) and less the
+        redistributions the run made (priced per call by the dry run's count: not in the terms too)."""
         calls = counts[f"{run}{chain}"] / (2 if part == "fwd" else 1)
-        return med[f"{run}{chain}_{part}"] - med[f"eager{chain}_{part}"] - calls * per_call
+        return (med[f"{run}{chain}_{part}"] - med[f"eager{chain}_{part}"] - calls * per_call
+                - moves[f"{run}{chain}_{part}"] * redistribute)
 
     out = {}
     for part in ("fwd", "step"):
@@ -236,16 +251,13 @@ def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
         spatial = (over("height=2", "S", part) - nodes["S"] * sample_node) / BLOCKS
         out[part] = {"sample_node_s": max(0.0, sample_node), "dtensor_node_s": max(0.0, dt_node),
                      "layer_s": max(0.0, layer), "spatial_op_s": max(0.0, spatial)}
-    lo, hi = HOPS
-    redistribute = ((med[f"hops_R{hi}"] - med[f"hops_R{lo}"]) - (med[f"hops_M{hi}"] - med[f"hops_M{lo}"])) / max(
-        1, hop_calls[f"R{hi}"] - hop_calls[f"R{lo}"])
     dist.destroy_process_group()
-    result: dict = {"redistribute_s": max(0.0, redistribute)}
+    result: dict = {"redistribute_s": redistribute}
     for key in ("sample_node_s", "dtensor_node_s", "layer_s", "spatial_op_s"):
         fwd, step = out["fwd"][key], out["step"][key]
         result[key] = (fwd, max(0.0, step - fwd))  # (forward, backward)
     return {**result, "nodes": nodes, "collective_call_s": per_call, "medians_s": med,
-            "collectives_per_step": counts, "redistributions_per_step": hop_calls, "rounds_s": got}
+            "collectives_per_step": counts, "redistributions_per_step": {**hop_calls, **moves}, "rounds_s": got}
 
 
 def runtime_overhead(timeout_s: float = 300.0, repeats: int = 7, rounds: int = 5) -> dict:
