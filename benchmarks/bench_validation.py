@@ -189,6 +189,7 @@ def merge_rounds(files: list[dict], coll_runs: list[dict], target: Path, keep: s
     - per rank count, the rank skew at the median of every call's (each call re-measures it, as the
       collectives): one call's said 1.22 against 1.06-1.08 in the profiles before it, and put every
       prediction of that run ~14% high (2026-12-04 09:13 UTC, results-history).
+    - per model and layout, its fake-world step (Calibration.layout_steps) of the round at the median
     - the process draw (Calibration.process_draw) of the call at the median factor (printed: every
       call's factor): each call scaled the records it timed by its own factor, and the file would
       otherwise name only the last call's."""
@@ -207,6 +208,13 @@ def merge_rounds(files: list[dict], coll_runs: list[dict], target: Path, keep: s
     if any(f.get("loss") for f in files):
         best["loss"] = pick([f["loss"] for f in files if f.get("loss")],
                             lambda fit: fit["call_s"] + 1e4 * fit["per_element_s"])
+    # the models' fake-world steps (Calibration.layout_steps): per model and layout, the round at the median
+    steps: dict[tuple, list[dict]] = {}
+    for f in files:
+        for st in f.get("layout_steps", []):
+            key = (st["model"], st["batch"], str(st.get("input_shape")), st["world_size"], st["layout"])
+            steps.setdefault(key, []).append(st)
+    best["layout_steps"] = [pick(xs, lambda st: st["rest_s"]) for xs in steps.values()]
     skews = [r["rank_skew"] for r in coll_runs]
     for p in {p for sk in skews for p in sk}:
         best.setdefault("rank_skew", {})[p] = statistics.median(sk[p] for sk in skews if p in sk)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -137,6 +138,27 @@ class RuntimeOverhead(_Model):
     redistribute_s: float | None = Field(default=None, ge=0)
 
 
+class LayoutStep(_Model):
+    """A model's step under one channel/filter layout on a fake world, as `hybridpar train` runs it
+    (hybridpar.profile.layout_steps): CPU seconds of rank 0's thread, scaled to a fresh process's pace;
+    `rest_s` is the step less the time inside its collectives and DTensor's redistributions (each
+    priced apart), the work the op table and the runtime-overhead terms price."""
+
+    model: str  # the model spec as `hybridpar profile --model` took it
+    batch: int = Field(ge=1)
+    input_shape: list[int] | None = None
+    world_size: int = Field(ge=2)
+    layout: str
+    step_s: float = Field(ge=0)
+    collectives_s: float = Field(ge=0)
+    redistributions_s: float = Field(ge=0)
+    rest_s: float = Field(ge=0)
+
+    def key(self) -> tuple:
+        return (self.model, self.batch, tuple(self.input_shape) if self.input_shape else None, self.world_size,
+                self.layout)
+
+
 class StepFit(_Model):
     """Per-step work outside the graph's ops (hybridpar.profile.update), CPU seconds of one thread:
     call_s + per_tensor_s * tensors + per_element_s * elements."""
@@ -193,6 +215,8 @@ class Calibration(_Model):
     # op-table key -> why `hybridpar profile --model` could not time the op at that local shape
     # (hybridpar.profile.graph_ops): priced by the roofline, and the plan's notes say so
     untimed: dict[str, str] = {}
+    # models' steps under their channel/filter layouts on a fake world (LayoutStep); empty in older files
+    layout_steps: list[LayoutStep] = []
 
     def skew(self, ranks: int) -> float:
         """rank_skew at `ranks` (1.0 for one rank), else at the measured rank count nearest to it."""
@@ -201,6 +225,11 @@ class Calibration(_Model):
         if ranks in self.rank_skew:
             return self.rank_skew[ranks]
         return self.rank_skew[min(self.rank_skew, key=lambda p: (abs(p - ranks), p))]
+
+    def layout_step(self, model: str, batch: int, input_shape: Sequence[int] | None, world_size: int,
+                    layout: str) -> LayoutStep | None:
+        want = (model, batch, tuple(input_shape) if input_shape else None, world_size, layout)
+        return next((s for s in self.layout_steps if s.key() == want), None)
 
     def gloo_fit(self, world_size: int) -> GlooFit | None:
         """The fit at `world_size`, else the measured world size nearest to it."""

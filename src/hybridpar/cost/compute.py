@@ -26,7 +26,7 @@ import bisect
 import dataclasses
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -37,6 +37,7 @@ from hybridpar.cluster.calibration import (
     MEMORY_FORMATS,
     PRECISIONS,
     Calibration,
+    LayoutStep,
     OpRecord,
     RuntimeOverhead,
     format_op,
@@ -472,6 +473,17 @@ def runtime_overhead_for(device: DeviceSpec,
     default file, for CPU devices), else None: GPU presets are priced without it."""
     cal = resolve_calibration(calibration, default=device.kind == "cpu")
     return cal.runtime_overhead if cal is not None and cal.device_name == device.name else None
+
+
+def layout_steps_for(device: DeviceSpec, calibration: Calibration | str | os.PathLike | None, model: str, batch: int,
+                     input_shape: Sequence[int] | None, world_size: int) -> list[LayoutStep]:
+    """The calibration's fake-world steps of `model` (hybridpar.profile.layout_steps) at this batch, input
+    shape and world size, when it was measured on this device; else none."""
+    cal = resolve_calibration(calibration, default=device.kind == "cpu")
+    if cal is None or cal.device_name != device.name:
+        return []
+    want = (model, batch, tuple(input_shape) if input_shape else None, world_size)
+    return [s for s in cal.layout_steps if s.key()[:4] == want]
 
 
 def op_time(node: Node, device: DeviceSpec | Cluster, *, dtype: str = "fp32", sample_frac: float = 1.0,

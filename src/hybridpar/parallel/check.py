@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -132,19 +133,13 @@ def _values_run(module: nn.Module, example_inputs, targets, values):
 
 def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int, loss_fn, train: bool,
               inputs: str, real: bool = False) -> DryRun:
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test utilities: on use
-
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (run it before launching ranks)")
     batch = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     model = copy.deepcopy(module) if real else _meta_copy(module)
     place = (lambda tree: tree) if real else _meta
     model.train(train)
-    _clear_dtensor_caches()
-    hook = sys.excepthook  # init_process_group wraps it with a "[rank<r>]:" prefix: not this process's rank
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    sys.excepthook = hook
-    try:
+    with fake_world(world_size, rank):
         grid = state_of(apply_layout(model, spec, inputs=inputs)).grid
         if inputs == "sample_shard":
             batch, targets = split_samples(batch, grid), split_samples(targets, grid)
@@ -178,6 +173,23 @@ def _one_rank(module, spec, example_inputs, targets, world_size: int, rank: int,
                 ours[r["kind"]] -= r["bytes"]
         return DryRun(_strategy_text(spec), world_size, {k: v for k, v in ours.items() if v},
                       records, [tuple(o.shape) for o in outs], moves.calls)
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """This process as `rank` of a world of `world_size` on PyTorch's fake process group (collectives
+    are no-ops; everything else runs), with DTensor's caches and our meshes fresh on entry and exit.
+    The process must not hold a process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test utilities: on use
+
+    if dist.is_initialized():
+        raise RuntimeError("a fake world needs a process without a process group (run it before launching ranks)")
+    _clear_dtensor_caches()
+    hook = sys.excepthook  # init_process_group wraps it with a "[rank<r>]:" prefix: not this process's rank
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    sys.excepthook = hook
+    try:
+        yield
     finally:
         forget_meshes()
         dist.destroy_process_group()

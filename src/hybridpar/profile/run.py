@@ -13,6 +13,7 @@ from hybridpar.cluster.calibration import (
     Calibration,
     CollectiveFit,
     GlooFit,
+    LayoutStep,
     OpRecord,
     ProcessDraw,
     RuntimeOverhead,
@@ -194,7 +195,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     overhead = overhead_to_keep(opts, path)
     work = graph_work(opts, {s.key for s in specs})
     n_graph = len(work[3]) if work else 0
-    total = 5 + len(specs) + n_graph + len(opts.ranks) + int(dist_layers) + int(overhead is None)
+    total = 5 + len(specs) + n_graph + len(opts.ranks) + 2 * int(dist_layers) + int(overhead is None)
     step = progress or (lambda desc, total: None)
 
     from hybridpar.profile.rank_skew import SkewSampler
@@ -207,13 +208,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
     records, untimed = _model_ops(opts, specs, work, lambda desc: step(desc, total))
     timed_here = set(records)  # (the dist layers below are timed in processes of their own)
     skew.sample(SKEW_LAUNCHES_PER_POINT)
-    if dist_layers:
-        step("channel/filter layers as the runtime runs them", total)
-        from hybridpar.profile.dist_layers import measure_dist_layers
-
-        # the model's layers at full shape (specs holds them at every split's local shape too)
-        whole = op_specs(replace(opts, splits=(1,), channels_last=False, precision="fp32"))
-        records.update(measure_dist_layers(whole, opts.splits, warmup=opts.warmup, repeats=max(3, opts.repeats // 2)))
+    steps_run = _dist_layers(opts, records, lambda desc: step(desc, total)) if dist_layers else None
     fits: dict[int, GlooFit] = {}
     colls: list[CollectiveFit] = []
     for p in opts.ranks:
@@ -249,8 +244,11 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                                       for i, part in enumerate(("fwd", "bwd"))},
                                    redistribute_s=rt.get("redistribute_s"))
     records, draw = _as_fresh_process(records, timed_here, skew)
+    steps = _layout_steps(opts, steps_run, draw)
     old = _previous(path) if opts.merge else None
     if old is not None:
+        mine = {st.key() for st in steps}
+        steps = [st for st in old.layout_steps if st.key() not in mine] + steps
         untimed = {k: v for k, v in {**old.untimed, **untimed}.items() if k not in records}
         records = {**old.ops, **records}
         fits = {**old.gloo, **fits}
@@ -263,8 +261,37 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       update={k: StepFit(**v) for k, v in per_step["update"].items()},
                       guard={k: StepFit(**v) for k, v in per_step["guard"].items()},
                       loss=StepFit(**per_step["loss"]), rank_skew=skew.result(), process_draw=draw,
-                      untimed=untimed)
+                      untimed=untimed, layout_steps=steps)
     return cal, save_calibration(cal, path)
+
+
+def _dist_layers(opts: ProfileOptions, records: dict, step: Callable[[str], None]) -> dict:
+    """The model's split layers as the runtime runs them (into `records`), then its step under each
+    channel/filter layout on a fake world (hybridpar.profile.layout_steps: returned, unscaled)."""
+    step("channel/filter layers as the runtime runs them")
+    from hybridpar.profile.dist_layers import measure_dist_layers
+    from hybridpar.profile.layout_steps import layout_steps
+
+    # the model's layers at full shape (specs holds them at every split's local shape too)
+    whole = op_specs(replace(opts, splits=(1,), channels_last=False, precision="fp32"))
+    records.update(measure_dist_layers(whole, opts.splits, warmup=opts.warmup, repeats=max(3, opts.repeats // 2)))
+    step("the model's step under each channel/filter layout on a fake world")
+    assert opts.model is not None  # dist layers need one
+    return layout_steps(opts.model, opts.batch, opts.input_shape, opts.splits)
+
+
+def _layout_steps(opts: ProfileOptions, run: dict | None, draw: ProcessDraw | None) -> list[LayoutStep]:
+    """The fake-world steps (hybridpar.profile.layout_steps) at a fresh process's pace: scaled by the
+    fresh processes' reference iteration over the subprocess's own, as the op table is."""
+    if not run:
+        return []
+    scale = draw.fresh_s / run["reference_s"] if draw is not None and run.get("reference_s") else 1.0
+    shape = list(opts.input_shape) if opts.input_shape else None
+    assert opts.model is not None
+    return [LayoutStep(model=opts.model, batch=opts.batch, input_shape=shape, world_size=r["world_size"],
+                       layout=r["layout"], **{k: r[k] * scale for k in ("step_s", "collectives_s",
+                                                                         "redistributions_s", "rest_s")})
+            for r in run["steps"]]
 
 
 def _as_fresh_process(records: dict[str, OpRecord], timed_here: set[str], skew) -> tuple[dict, ProcessDraw | None]:

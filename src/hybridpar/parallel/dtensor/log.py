@@ -139,6 +139,8 @@ class RedistributionCount:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.seconds = 0.0  # CPU time of this thread inside them (outermost calls), placements changed or not
+        self.depth = 0
 
 
 def counting_redistributions():
@@ -156,9 +158,18 @@ def counting_redistributions():
         original = redist.redistribute_local_tensor
 
         def counted(local, current, target, *args, **kwargs):
+            import time
+
             if tuple(current.placements) != tuple(target.placements):
                 count.calls += 1
-            return original(local, current, target, *args, **kwargs)
+            count.depth += 1
+            t0 = time.thread_time()
+            try:
+                return original(local, current, target, *args, **kwargs)
+            finally:
+                count.depth -= 1
+                if count.depth == 0:
+                    count.seconds += time.thread_time() - t0
 
         mods = [m for m in (api, dispatch, redist) if getattr(m, "redistribute_local_tensor", None) is original]
         for m in mods:

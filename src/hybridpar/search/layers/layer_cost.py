@@ -112,6 +112,9 @@ class CostContext:
         # a node's gradient bytes in backward's ready order per layout (planner.grad_bucket_schedule)
         self.grad_ready_memo: dict[tuple, tuple] = {}
         self.grad_ready_sigs: dict[int, tuple] = {}
+        # (channel, filter) -> factor on layer times measured for this model (search.layers.measured)
+        self.measured: dict[tuple[int, int], float] = {}
+        self.measured_notes: list[str] = []
         from hybridpar.cost.compute import runtime_overhead_for
 
         # what the runtime's own Python adds per node and per split layer (measured on localhost only)
@@ -121,6 +124,19 @@ class CostContext:
         # the optimizer step and the loss (not graph ops)
         self.work = step_work(cluster.device, optimizer_kind(optimizer, momentum), dtype=dtype,
                               calibration=calibration)
+
+    def measured_factor(self, channel: int, filter_: int = 1, exact: bool = True) -> float:
+        """The factor on a layer's forward and backward under a channel/filter layout that
+        `hybridpar profile --model` timed this model's step under (search.layers.measured): the layout's
+        own (`exact`), else the mean of those with the same channel x filter, else 1. A join's
+        activations are split the same way under channel=g and filter=g: it takes the mean."""
+        if channel * filter_ == 1 or not self.measured:
+            return 1.0
+        own = self.measured.get((channel, filter_)) if exact else None
+        if own is not None:
+            return own
+        same = [k for (c, f), k in self.measured.items() if c * f == channel * filter_]
+        return sum(same) / len(same) if same else 1.0
 
     def runtime_overhead(self, nodes: int, g: int, split_layers: int = 0) -> tuple[float, float]:
         """Forward and backward seconds the channel/filter/sample runtime adds to `nodes` graph nodes
@@ -370,7 +386,8 @@ def weight_layer_cost(node: Node, followers: Sequence[Node], layout: LayerLayout
     if ctx.cluster.device.kind == "cpu":  # ATen's unfolded convolutions (cost.memory.cpu_unfold_bytes)
         mem = with_cpu_unfold(mem, [node, *followers], local, ctx.batch, ctx.elem)
     grad_bytes = sum(op.bytes_ for op in ops if op.phase == "grad")
-    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, grad, mem.persistent_bytes, nbytes, grad_bytes,
+    k = ctx.measured_factor(c, f)
+    return LayerCost((t.fwd_s + ffwd) * k, (t.bwd_s + fbwd) * k, cf, cb, grad, mem.persistent_bytes, nbytes, grad_bytes,
                      layout_of(s, c * f), mem.transient_bytes, mem,
                      tuple((op.kind, op.group_size, op.bytes_) for op in moves))
 
@@ -424,7 +441,8 @@ def join_cost(node: Node, followers: Sequence[Node], dist: Distribution, ctx: Co
         groups, key = _groups_of(op.group, lay)
         ops.append(CommOp.placed(op.kind, op.phase, op.bytes_, groups, op.group, key))
     cf, cb, _, nbytes = _summarise(ops, ctx)
-    return LayerCost(t.fwd_s + ffwd, t.bwd_s + fbwd, cf, cb, 0.0, mem.persistent_bytes, nbytes, memory=mem,
+    k = ctx.measured_factor(dist.channel, exact=False)
+    return LayerCost((t.fwd_s + ffwd) * k, (t.bwd_s + fbwd) * k, cf, cb, 0.0, mem.persistent_bytes, nbytes, memory=mem,
                      dtensor_moves=tuple((op.kind, op.group_size, op.bytes_) for op in moves))
 
 

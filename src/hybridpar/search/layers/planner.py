@@ -773,7 +773,11 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, cfg: PlannerCon
                       weight_decay=cfg.weight_decay)
     ctx.kept = frozenset(kept_activations(lg.graph))
     ctx.formats = channels_last_layout(lg.graph) if cfg.channels_last else None
-    return _Setup(lg, ctx, capacity, shape, cl.name, name, tuple(cfg.exclude_layouts))
+    s = _Setup(lg, ctx, capacity, shape, cl.name, name, tuple(cfg.exclude_layouts))
+    from hybridpar.search.layers.measured import apply_measured
+
+    apply_measured(s, model, cfg.calibration, input_shape)  # this model's own steps, where `hybridpar profile` timed them
+    return s
 
 
 def _to_plan(s: _Setup, opts: list[VertexOptions], choice: Sequence[int], pred: Prediction,
@@ -794,6 +798,8 @@ def _to_plan(s: _Setup, opts: list[VertexOptions], choice: Sequence[int], pred: 
     for lay in (layers or wholes).values():
         counts[lay] = counts.get(lay, 0) + 1
     default = max(counts, key=counts.get) if counts else LayerLayout(sample=s.ctx.ranks)
+    if any(lay.g_size > 1 for lay in (default, *layers.values())):
+        notes = [*notes, *s.ctx.measured_notes]
     plan = Plan(model=s.model_name, input_shape=list(s.input_shape) if s.input_shape else None, cluster=s.cluster_name,
                 world_size=s.ctx.ranks, batch=s.ctx.batch, dp=s.ctx.ranks, mp=1, default_layout=default,
                 layers=layers, strategy=strategy, predicted=pred, notes=notes)

@@ -1,0 +1,128 @@
+"""The user's model under each channel/filter layout `hybridpar profile --model M --splits k` is asked
+for, run as `hybridpar train` runs it, on a fake world of k ranks: the CPU time of rank 0's step, less
+the time inside its collectives and DTensor's redistributions (each priced apart: the gloo fits time
+the runtime's collective functions, copies included; the dry run counts the redistributions). What is
+left (`rest_s`) is what the op table and the runtime-overhead terms price: the ops at the rank's local
+shapes and the runtime's own work around them.
+
+Why on the model itself: those terms come from synthetic chains (conv + batch norm + ReLU), and a
+model's DTensor layouts do work no chain has: HF ConvNeXt under channel=2 left 36 ms of such work per
+step against 24.6 ms priced, HF MobileNetV2 97 ms against 56 (its padding ops, the permutes and layer
+norms around its depthwise convolutions), while HF ResNet was within 1 ms and a U-Net 7-15% under the
+op table (2026-12-04). The plan adds the difference for a layout measured here (hybridpar.api).
+
+Timed as the runtime_overhead chains are: thread CPU time (other jobs' time does not count), PyTorch's
+fake process group (`torch.testing._internal.distributed.fake_pg`: collectives are no-ops), one thread.
+The step's loss is the sum of the model's floating-point outputs (the dry run's; the loss is priced
+apart). The subprocess's speed is one draw of this VM's per-process speed (hybridpar.profile.rank_skew):
+it times the skew's reference iteration too, and the profile scales its figures to a fresh process's
+pace as it scales the op table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from hybridpar.errors import UserError
+
+
+def layouts_for(splits: Sequence[int]) -> list[tuple[str, int]]:
+    """(layout, world size) per channel/filter layout a profile with these splits times."""
+    return [(f"{kind}={k}", k) for k in sorted(set(splits)) if k > 1 for kind in ("channel", "filter")]
+
+
+def _step_of(model, batch):
+    import torch
+
+    from hybridpar.parallel.check import output_tensors
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        outs = [o for o in output_tensors(model(*batch)) if o.is_floating_point() and o.requires_grad]
+        torch.stack([o.float().sum() for o in outs]).sum().backward()
+    return step
+
+
+def measure_layout(spec: str, batch: int, input_shape: tuple[int, ...] | None, layout: str, world: int,
+                   warmup: int = 2, repeats: int = 7) -> dict:
+    """In this process (which must not hold a process group): rank 0's step of `spec` under `layout` on
+    a fake world of `world`, medians over `repeats` steps, in seconds of CPU time."""
+    import time
+
+    import torch
+
+    from hybridpar.graph.models import load_model
+    from hybridpar.parallel.apply import apply_layout, state_of
+    from hybridpar.parallel.check import fake_world
+    from hybridpar.parallel.comm.collectives import CLOCK
+    from hybridpar.parallel.dtensor.log import counting_redistributions
+    from hybridpar.parallel.sample_io import split_samples
+
+    torch.manual_seed(0)
+    loaded = load_model(spec, batch=batch, input_shape=input_shape)
+    with fake_world(world):
+        model = apply_layout(loaded.module, layout, inputs="sample_shard")
+        model.train()
+        grid = state_of(model).grid
+        inputs = split_samples(tuple(loaded.example_inputs), grid)
+        step = _step_of(model, inputs)
+        for _ in range(warmup):
+            step()
+        rows = []
+        for _ in range(repeats):
+            c0 = CLOCK.seconds
+            with counting_redistributions() as moves:
+                t0 = time.thread_time()
+                step()
+                total = time.thread_time() - t0
+            rows.append((total, CLOCK.seconds - c0, moves.seconds, moves.calls))
+    step_s = statistics.median(r[0] for r in rows)
+    coll_s = statistics.median(r[1] for r in rows)
+    moves_s = statistics.median(r[2] for r in rows)
+    rest_s = statistics.median(r[0] - r[1] - r[2] for r in rows)
+    return {"layout": layout, "world_size": world, "step_s": step_s, "collectives_s": coll_s,
+            "redistributions_s": moves_s, "redistributions": rows[-1][3], "rest_s": max(0.0, rest_s)}
+
+
+def measure(spec: str, batch: int, input_shape: tuple[int, ...] | None, layouts: Sequence[tuple[str, int]],
+            warmup: int = 2, repeats: int = 7) -> dict:
+    """Every layout in turn, and the reference iteration's CPU time in this process."""
+    import torch
+
+    from hybridpar.profile.rank_skew import reference_here_s
+
+    torch.set_num_threads(1)
+    steps = [measure_layout(spec, batch, input_shape, lay, world, warmup, repeats) for lay, world in layouts]
+    return {"steps": steps, "reference_s": reference_here_s(5)}
+
+
+def layout_steps(spec: str, batch: int, input_shape: tuple[int, ...] | None, splits: Sequence[int], *,
+                 repeats: int = 7, timeout_s: float = 600.0) -> dict:
+    """`measure` in a fresh subprocess (the fake process group is process-global state)."""
+    layouts = layouts_for(splits)
+    args = {"spec": spec, "batch": batch, "input_shape": list(input_shape) if input_shape else None,
+            "layouts": layouts, "repeats": repeats}
+    cmd = [sys.executable, "-m", "hybridpar.profile.layout_steps", json.dumps(args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"timing {spec} under {', '.join(lay for lay, _ in layouts)} on a fake world did not "
+                        f"finish in {timeout_s:.0f} s") from None
+    if out.returncode != 0:
+        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
+        raise UserError(f"timing {spec}'s layouts on a fake world failed: {last}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    shape = tuple(a["input_shape"]) if a["input_shape"] else None
+    result = measure(a["spec"], a["batch"], shape, [tuple(x) for x in a["layouts"]], repeats=a["repeats"])
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # the fake process group's teardown is not needed

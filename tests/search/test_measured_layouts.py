@@ -1,0 +1,92 @@
+"""A model's own step under a channel/filter layout, timed by `hybridpar profile --model` on a fake world
+(hybridpar.profile.layout_steps), prices that layout's compute in the planner (search.layers.measured):
+the uniform layout's priced forward and backward equal the measurement x the time share, the search
+compares layouts with it, and the plan says so. The measurement itself: rank 0's step with the time in
+its collectives and redistributions taken out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hybridpar.cluster.calibration import Calibration, LayoutStep, save_calibration
+
+MODEL = f"{Path(__file__).resolve()}:tiny_cnn"
+
+
+def tiny_cnn():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return net, (torch.randn(4, 3, 8, 8),)
+
+
+def _plan(tmp_path, monkeypatch, steps, strategy=None, name="cal", **options):
+    from hybridpar.api import plan
+
+    path = tmp_path / f"{name}.json"
+    save_calibration(Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10, layout_steps=steps), path)
+    monkeypatch.setenv("HYBRIDPAR_CALIBRATION", str(path))
+    return plan(MODEL, "localhost", 2, 4, dry_run=True, **({"strategy": strategy} if strategy else {}), **options)
+
+
+def _step(layout, rest_s, batch=4):
+    return LayoutStep(model=MODEL, batch=batch, world_size=2, layout=layout, step_s=rest_s, collectives_s=0.0,
+                      redistributions_s=0.0, rest_s=rest_s)
+
+
+def _graph_compute(res) -> float:
+    return sum(v["fwd_s"] + v["bwd_s"] for v in res.prediction.per_layer.values())
+
+
+def test_the_measured_step_prices_its_layout(tmp_path, monkeypatch):
+    from hybridpar.cluster import load_cluster
+
+    share = load_cluster("localhost", gpus=2).device.time_share
+    bare = _plan(tmp_path, monkeypatch, [], "channel=2", "bare")
+    assert not any("fake world" in n for n in bare.plan.notes)
+    want = 3 * _graph_compute(bare) / share  # three times what the op table prices: not a no-op
+    measured = _plan(tmp_path, monkeypatch, [_step("channel=2", want)], "channel=2")
+    assert _graph_compute(measured) == pytest.approx(want * share, rel=1e-6)
+    grown = _graph_compute(measured) - _graph_compute(bare)
+    assert measured.prediction.step_time_s - bare.prediction.step_time_s == pytest.approx(grown, rel=1e-6)
+    assert any("channel=2 x3.00" in n and "fake world" in n for n in measured.plan.notes)
+    # another batch, or a sample-only plan: untouched
+    other = _plan(tmp_path, monkeypatch, [_step("channel=2", want, batch=8)], "channel=2", "other")
+    assert other.prediction.step_time_s == pytest.approx(bare.prediction.step_time_s, rel=1e-9)
+    dp = _plan(tmp_path, monkeypatch, [_step("channel=2", want)], "sample=2", "dp")
+    assert not any("fake world" in n for n in dp.plan.notes)
+
+
+def test_the_search_compares_layouts_with_the_measurement(tmp_path, monkeypatch):
+    """Left to choose between channel=2 and filter=2 per layer, the search takes the one measured
+    faster, whichever it is; a layout not measured takes the mean of the same-size layouts measured."""
+    base = _graph_compute(_plan(tmp_path, monkeypatch, [], "channel=2", "bare"))
+    picks = []
+    for fast, slow in (("channel=2", "filter=2"), ("filter=2", "channel=2")):
+        steps = [_step(fast, base / 10), _step(slow, 10 * base)]
+        res = _plan(tmp_path, monkeypatch, steps, None, f"{fast}", exclude_layouts=("sample=2",))
+        lays = {lay.to_strategy() for lay in (res.plan.default_layout, *res.plan.layers.values())}
+        picks.append(lays)
+        assert lays == {fast}
+    assert picks[0] != picks[1]
+    slow_only = _plan(tmp_path, monkeypatch, [_step("channel=2", 4 * base)], "filter=2", "slow")
+    unmeasured = _plan(tmp_path, monkeypatch, [], "filter=2", "fil")
+    assert _graph_compute(slow_only) > 2 * _graph_compute(unmeasured)  # filter=2 took channel=2's factor
+
+
+def test_the_fake_world_step_leaves_out_collectives_and_redistributions():
+    from hybridpar.profile.layout_steps import layout_steps
+
+    got = layout_steps(MODEL, 4, None, (2,), repeats=3)
+    by = {s["layout"]: s for s in got["steps"]}
+    assert set(by) == {"channel=2", "filter=2"}
+    for s in by.values():
+        assert s["world_size"] == 2
+        assert 0 < s["collectives_s"] < s["step_s"]  # each split layer's exchanges ran (as no-ops) and were timed
+        assert 0 < s["rest_s"] < s["step_s"]
+        assert s["rest_s"] == pytest.approx(s["step_s"] - s["collectives_s"] - s["redistributions_s"], rel=0.5)
+    assert got["reference_s"] > 0
