@@ -90,3 +90,17 @@ def test_the_fake_world_step_leaves_out_collectives_and_redistributions():
         assert 0 < s["rest_s"] < s["step_s"]
         assert s["rest_s"] == pytest.approx(s["step_s"] - s["collectives_s"] - s["redistributions_s"], rel=0.5)
     assert got["reference_s"] > 0
+
+
+
+def test_a_layout_the_runtime_cannot_run_is_left_out_with_why():
+    """The zoo's CosmoFlow-like 3-D CNN: its 3-D pooling's backward has no DTensor rule under a channel
+    split; the profile goes on without those layouts (no plan uses them: the dry run refuses them) and
+    says why."""
+    from hybridpar.profile.layout_steps import layout_steps
+
+    spec = f"{Path(__file__).resolve().parents[2]}/benchmarks/_holdout_models.py:cosmoflow_32"
+    got = layout_steps(spec, 2, None, (2,), repeats=1)
+    assert got["steps"] == []
+    assert set(got["skipped"]) == {"channel=2", "filter=2"}
+    assert all("pool3d" in why for why in got["skipped"].values())
