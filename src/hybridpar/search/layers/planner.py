@@ -776,7 +776,7 @@ def _setup(model, cluster: str | Cluster, gpus: int, batch: int, cfg: PlannerCon
     s = _Setup(lg, ctx, capacity, shape, cl.name, name, tuple(cfg.exclude_layouts))
     from hybridpar.search.layers.measured import apply_measured
 
-    apply_measured(s, model, cfg.calibration, input_shape)  # this model's own steps, where `hybridpar profile` timed them
+    apply_measured(s, model, cfg.calibration, input_shape)  # the model's steps `hybridpar profile` timed
     return s
 
 
