@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -29,7 +28,6 @@ from functools import partial
 
 from hybridpar.cluster.calibration import OpRecord
 from hybridpar.cost.compute import variant_name
-from hybridpar.errors import UserError
 
 DIST_OPS = ("conv2d", "linear")
 
@@ -67,21 +65,15 @@ def measure_dist_layers(specs, splits, *, warmup: int = 2, repeats: int = 5,
     import tempfile
 
     out: dict[str, OpRecord] = {}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    from hybridpar.profile.one_thread import run_module
+
     for world, jobs in sorted(dist_jobs(specs, splits).items()):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "jobs.json")
             with open(path, "w") as fh:
                 json.dump({"world": world, "jobs": jobs, "warmup": warmup, "repeats": repeats}, fh)
-            try:
-                done = subprocess.run([sys.executable, "-m", "hybridpar.profile.dist_layers", path], env=env,
-                                      capture_output=True, text=True, timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                raise UserError(f"timing the distributed layers on {world} fake ranks did not finish in "
-                                f"{timeout_s:.0f} s") from None
-            if done.returncode != 0:
-                last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-                raise UserError(f"timing the distributed layers on {world} fake ranks failed: {last}")
+            run_module("hybridpar.profile.dist_layers", [path], f"timing the distributed layers on {world} fake ranks",
+                       timeout_s)
             with open(path) as fh:
                 for rec in json.load(fh)["records"]:
                     out[rec["key"]] = OpRecord.model_validate(rec)

@@ -24,11 +24,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
-
-from hybridpar.errors import UserError
 
 
 def layouts_for(splits: Sequence[int]) -> list[tuple[str, int]]:
@@ -113,17 +110,11 @@ def layout_steps(spec: str, batch: int, input_shape: tuple[int, ...] | None, spl
     layouts = layouts_for(splits)
     args = {"spec": spec, "batch": batch, "input_shape": list(input_shape) if input_shape else None,
             "layouts": layouts, "repeats": repeats}
-    cmd = [sys.executable, "-m", "hybridpar.profile.layout_steps", json.dumps(args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"timing {spec} under {', '.join(lay for lay, _ in layouts)} on a fake world did not "
-                        f"finish in {timeout_s:.0f} s") from None
-    if out.returncode != 0:
-        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
-        raise UserError(f"timing {spec}'s layouts on a fake world failed: {last}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from hybridpar.profile.one_thread import run_module
+
+    what = f"timing {spec} under {', '.join(lay for lay, _ in layouts)} on a fake world"
+    out = run_module("hybridpar.profile.layout_steps", [json.dumps(args)], what, timeout_s)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

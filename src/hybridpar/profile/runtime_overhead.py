@@ -47,10 +47,7 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
-
-from hybridpar.errors import UserError
 
 BLOCKS, CHANNELS, BATCH, HW = 8, 8, 4, 4  # tiny: compute negligible against the overhead
 EXTRA = 4  # chain "B": this many more ReLUs per block than chain "A" (DTensor's dispatch per op)
@@ -262,18 +259,11 @@ def measure(warmup: int = 2, repeats: int = 7, rounds: int = 5) -> dict:
 
 def runtime_overhead(timeout_s: float = 300.0, repeats: int = 7, rounds: int = 5) -> dict:
     """`measure` in a fresh subprocess (the fake process group is process-global state)."""
-    cmd = [sys.executable, "-m", "hybridpar.profile.runtime_overhead", str(repeats), str(rounds)]
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    import os
+    from hybridpar.profile.one_thread import run_module
 
-    try:
-        out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"the runtime overhead measurement did not finish in {timeout_s:.0f} s") from None
-    if out.returncode != 0:
-        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"
-        raise UserError(f"the runtime overhead measurement failed: {last}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = run_module("hybridpar.profile.runtime_overhead", [str(repeats), str(rounds)],
+                     "the runtime overhead measurement", timeout_s)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
