@@ -4,7 +4,7 @@ measured it on a fake world (hybridpar.profile.layout_steps), in the planner's l
 The op table prices each op at its local shape and the runtime-overhead terms price the runtime's
 work per node and per split layer, from synthetic chains. A model's DTensor layout can do work no
 chain has (HF MobileNetV2's padding before every depthwise convolution, ConvNeXt's permutes and layer
-norms): on 2026-12-04 the fake-world steps of HF ConvNeXt and MobileNetV2 under channel=2 were 1.3x and
+norms): on 2026-12-04 the fake-world steps of HF ConvNeXt and MobileNetV2 under channel=2 were 1.5x and
 1.7x what those terms priced, HF ResNet's 1.0x, a U-Net's 0.9x. Where the calibration holds such a
 measurement for this model (same spec, batch, input shape and world size), every layer's forward and
 backward under that layout is scaled by
