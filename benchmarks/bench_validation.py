@@ -294,16 +294,18 @@ def compute_stretch(ranks: int) -> float:
     return run_copies(ranks) / run_copies(1)
 
 
-def measure(model: str, ranks: int, batch: int, steps: int, layout: list[str]) -> tuple[float, float, dict]:
+def measure(model: str, ranks: int, batch: int, steps: int, layout: list[str]) -> tuple[float, float, dict, float]:
     """Lower quartile of the step times after warm-up; median time rank 0 spent in collectives per
-    step (its comm_s, all kinds); the last step's bytes per kind."""
+    step (its comm_s, all kinds); the last step's bytes per kind; the median step time (reported beside
+    the lower quartile: the cost model's op times and collective fits are medians, and on a step of a
+    few milliseconds the two differ by up to a third: tiny BERT's 2-rank step 4.5 ms against 5.7)."""
     out = run(["train", "--model", model, "--nproc", str(ranks), "--batch", str(batch), "--steps", str(steps),
                "--data", "synthetic", "--json", *layout])
     steps_ = out["steps"][WARMUP_STEPS:]
     times = sorted(s["step_time_s"] for s in steps_)
     comm = statistics.median(sum(s.get("comm_s", {}).values()) for s in steps_)
     step = statistics.quantiles(times, n=4)[0] if len(times) >= 4 else times[0]
-    return step, comm, out["steps"][-1].get("comm_bytes", {})
+    return step, comm, out["steps"][-1].get("comm_bytes", {}), statistics.median(times)
 
 
 def predict(model: str, ranks: int, batch: int, extra: list[str]) -> dict:
@@ -478,8 +480,8 @@ def main() -> None:
             if job.get("failed"):
                 continue
             try:
-                out.append((*measure(job["model"], job["ranks"], job["batch"], args.steps, job["train_args"]),
-                            stretch))
+                lq, comm, nbytes, med = measure(job["model"], job["ranks"], job["batch"], args.steps, job["train_args"])
+                out.append((lq, comm, nbytes, stretch, med))
             except RuntimeError as err:  # a run that does not train is reported as such, never dropped
                 job["failed"] = str(err)[-300:]
                 failed.append((f"{_short(job['model'])} x{job['ranks']} b{job['batch']}: {job['label']}",
@@ -509,7 +511,9 @@ def report(state: dict) -> None:
         measured = statistics.median(r[0] for r in runs_)
         measured_comm = statistics.median(r[1] for r in runs_)
         logged = runs_[0][2]
-        run_fields = {"measured_runs_s": [r[0] for r in runs_]}
+        run_fields = {"measured_runs_s": [r[0] for r in runs_],
+                      "measured_median_step_s": statistics.median(r[4] for r in runs_) if all(len(r) > 4 for r in runs_)
+                      else None}
         if job["mp"] is not None:
             pred = {**job["mp"], **predict_mp(model, batch, job["dp"], job["plan_file"])}
             rows.append({"model": model, "ranks": ranks, "batch": batch, "layout": pred["strategy"],
@@ -545,6 +549,15 @@ def report(state: dict) -> None:
         per_repeat.append({"median_rel_error": statistics.median(e), "worst_rel_error": e[-1],
                            "spearman": spearman([r["predicted_s"] for r in strat_rows],
                                                 [r["measured_runs_s"][k] for r in strat_rows])})
+    # the same against each run's median step (what the cost model's medians price) instead of its
+    # lower quartile: reported beside the headline, which stays the lower quartile (the history's ruler)
+    by_median = None
+    if strat_rows and all(r.get("measured_median_step_s") for r in strat_rows):
+        e = sorted(abs(r["predicted_s"] - r["measured_median_step_s"]) / r["measured_median_step_s"]
+                   for r in strat_rows)
+        by_median = {"median_rel_error": statistics.median(e), "worst_rel_error": e[-1],
+                     "spearman": spearman([r["predicted_s"] for r in strat_rows],
+                                          [r["measured_median_step_s"] for r in strat_rows])}
     choice_fastest = {}
     for model, ranks, batch, _ in groups:
         grp = [r for r in rows if (r["model"], r["ranks"], r["batch"]) == (model, ranks, batch)]
@@ -584,7 +597,8 @@ def report(state: dict) -> None:
                "bytes_equal_all": all(r["bytes_equal"] for r in rows if r["bytes_equal"] is not None),
                "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "repeats": args.repeats, "per_repeat": per_repeat, "profile_rounds": args.rounds,
+               "repeats": args.repeats, "per_repeat": per_repeat, "against_median_step": by_median,
+               "profile_rounds": args.rounds,
                "profile_keep": args.keep,
                "profile_s": prof_s, "profile_interleaved": state["interleave"],
                "wall_s": time.time() - state["t0_wall"], "rows": rows, "failed": failed}
@@ -600,6 +614,10 @@ def report(state: dict) -> None:
                                                   "all before the runs") + "); each repeat alone: " + "; ".join(
                       f"median {r['median_rel_error'] * 100:.1f}% worst {r['worst_rel_error'] * 100:.1f}% "
                       f"Spearman {r['spearman']:.2f}" for r in per_repeat))
+    if by_median:
+        console.print(f"against each run's median step instead of its lower quartile: median "
+                      f"{by_median['median_rel_error'] * 100:.1f}%, worst {by_median['worst_rel_error'] * 100:.1f}%, "
+                      f"Spearman {by_median['spearman']:.2f}")
     out = os.environ.get("HYBRIDPAR_BENCH_OUT")
     if out:
         Path(out).write_text(json.dumps(summary, indent=2))
@@ -634,9 +652,18 @@ def markdown(summary: dict, args) -> str:
             f"{verdict(summary['worst_rel_error'] <= t['worst_rel_error'])}), Spearman {summary['spearman']:.2f} "
             f"(target >= {t['spearman']}: {verdict(summary['spearman'] >= t['spearman'])}), the planner's pick "
             f"the fastest measured (within 5%) in {sum(picks.values())} of {len(picks)} groups ({fastest:.0%}; "
-            f"target >= 80%: {verdict(fastest >= 0.8)}).\n\n" + "\n".join(rows) + "\n"
+            f"target >= 80%: {verdict(fastest >= 0.8)})." + _median_sentence(summary) + "\n\n" + "\n".join(rows) + "\n"
             + "".join(f"\nDid not run (kept in the list, not in the figures): {what}: {why}\n"
                       for what, why in summary.get("failed", [])))
+
+
+def _median_sentence(summary: dict) -> str:
+    m = summary.get("against_median_step")
+    if not m:
+        return ""
+    return (" Against each run's median step instead of its lower quartile (the cost model's op times and "
+            f"collective fits are medians): median |error| {m['median_rel_error'] * 100:.1f}%, worst "
+            f"{m['worst_rel_error'] * 100:.1f}%, Spearman {m['spearman']:.2f}.")
 
 
 def _commit() -> str:

@@ -1,4 +1,4 @@
-"""A model's own step under a channel/filter layout, timed by `hybridpar profile --model` on a fake world
+"""A model's own step under a sample or channel/filter layout, timed by `hybridpar profile --model` on a fake world
 (hybridpar.profile.layout_steps), prices that layout's compute in the planner (search.layers.measured):
 the uniform layout's priced forward and backward equal the measurement x the time share, the search
 compares layouts with it, and the plan says so. The measurement itself: rank 0's step with the time in
@@ -61,6 +61,28 @@ def test_the_measured_step_prices_its_layout(tmp_path, monkeypatch):
     assert not any("fake world" in n for n in dp.plan.notes)
 
 
+def test_a_measured_sample_step_prices_the_sample_layout_alone(tmp_path, monkeypatch):
+    """Under sample=2 the op table times each op alone; the model's own step prices it where measured.
+    Spatial layouts (their own cost contexts) and channel/filter layouts keep their pricing."""
+    from hybridpar.cluster import load_cluster
+
+    share = load_cluster("localhost", gpus=2).device.time_share
+    bare = _plan(tmp_path, monkeypatch, [], "sample=2", "bare")
+    bare_c = _plan(tmp_path, monkeypatch, [], "channel=2", "bare_c")
+    bare_h = _plan(tmp_path, monkeypatch, [], "height=2", "bare_h")
+    want = 0.5 * _graph_compute(bare) / share
+    steps = [_step("sample=2", want)]
+    measured = _plan(tmp_path, monkeypatch, steps, "sample=2")
+    assert _graph_compute(measured) == pytest.approx(want * share, rel=1e-6)
+    assert measured.prediction.step_time_s < bare.prediction.step_time_s
+    assert any("sample=2 x0.50" in n and "fake world" in n for n in measured.plan.notes)
+    chan = _plan(tmp_path, monkeypatch, steps, "channel=2", "chan")
+    assert chan.prediction.step_time_s == pytest.approx(bare_c.prediction.step_time_s, rel=1e-9)
+    assert not any("fake world" in n for n in chan.plan.notes)
+    height = _plan(tmp_path, monkeypatch, steps, "height=2", "height")
+    assert height.prediction.step_time_s == pytest.approx(bare_h.prediction.step_time_s, rel=1e-9)
+
+
 def test_the_search_compares_layouts_with_the_measurement(tmp_path, monkeypatch):
     """Left to choose between channel=2 and filter=2 per layer, the search takes the one measured
     faster, whichever it is; a layout not measured takes the mean of the same-size layouts measured."""
@@ -83,10 +105,12 @@ def test_the_fake_world_step_leaves_out_collectives_and_redistributions():
 
     got = layout_steps(MODEL, 4, None, (2,), repeats=3)
     by = {s["layout"]: s for s in got["steps"]}
-    assert set(by) == {"channel=2", "filter=2"}
-    for s in by.values():
+    assert set(by) == {"sample=2", "channel=2", "filter=2"}
+    for lay, s in by.items():
         assert s["world_size"] == 2
-        assert 0 < s["collectives_s"] < s["step_s"]  # each split layer's exchanges ran (as no-ops) and were timed
+        assert s["redistributions_s"] == 0 or lay != "sample=2"  # no DTensors under a sample split
+        if lay != "sample=2":  # each split layer's exchanges ran (as no-ops) and were timed
+            assert 0 < s["collectives_s"] < s["step_s"]
         assert 0 < s["rest_s"] < s["step_s"]
         assert s["rest_s"] == pytest.approx(s["step_s"] - s["collectives_s"] - s["redistributions_s"], rel=0.5)
     assert got["reference_s"] > 0
@@ -101,6 +125,6 @@ def test_a_layout_the_runtime_cannot_run_is_left_out_with_why():
 
     spec = f"{Path(__file__).resolve().parents[2]}/benchmarks/_holdout_models.py:cosmoflow_32"
     got = layout_steps(spec, 2, None, (2,), repeats=1)
-    assert got["steps"] == []
+    assert [s["layout"] for s in got["steps"]] == ["sample=2"]
     assert set(got["skipped"]) == {"channel=2", "filter=2"}
     assert all("pool3d" in why for why in got["skipped"].values())

@@ -138,13 +138,21 @@ class RuntimeOverhead(_Model):
     redistribute_s: float | None = Field(default=None, ge=0)
 
 
-class LayoutStep(_Model):
-    """A model's step under one channel/filter layout on a fake world, as `hybridpar train` runs it
-    (hybridpar.profile.layout_steps): CPU seconds of rank 0's thread, scaled to a fresh process's pace;
-    `rest_s` is the step less the time inside its collectives and DTensor's redistributions (each
-    priced apart), the work the op table and the runtime-overhead terms price."""
+def model_key(spec: str) -> str:
+    """`spec` with its file part resolved, so that `a/b.py:f`, `./a/b.py:f` and its absolute path are one
+    model (a fake-world step filed under one spelling and looked up under another would silently fall
+    back to the generic terms); a zoo name as given."""
+    path, sep, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    return os.path.realpath(path) + sep + name if path.endswith(".py") else spec
 
-    model: str  # the model spec as `hybridpar profile --model` took it
+
+class LayoutStep(_Model):
+    """A model's step under one sample or channel/filter layout on a fake world, as `hybridpar train`
+    runs it (hybridpar.profile.layout_steps): CPU seconds of rank 0's thread, scaled to a fresh
+    process's pace; `rest_s` is the step less the time inside its collectives and DTensor's
+    redistributions (each priced apart), the work the op table and the runtime-overhead terms price."""
+
+    model: str  # the model spec as `hybridpar profile --model` took it (a file's path resolved: model_key)
     batch: int = Field(ge=1)
     input_shape: list[int] | None = None
     world_size: int = Field(ge=2)
@@ -155,8 +163,8 @@ class LayoutStep(_Model):
     rest_s: float = Field(ge=0)
 
     def key(self) -> tuple:
-        return (self.model, self.batch, tuple(self.input_shape) if self.input_shape else None, self.world_size,
-                self.layout)
+        return (model_key(self.model), self.batch, tuple(self.input_shape) if self.input_shape else None,
+                self.world_size, self.layout)
 
 
 class StepFit(_Model):
@@ -215,8 +223,12 @@ class Calibration(_Model):
     # op-table key -> why `hybridpar profile --model` could not time the op at that local shape
     # (hybridpar.profile.graph_ops): priced by the roofline, and the plan's notes say so
     untimed: dict[str, str] = {}
-    # models' steps under their channel/filter layouts on a fake world (LayoutStep); empty in older files
+    # models' steps under their sample and channel/filter layouts on a fake world (LayoutStep); empty in
+    # older files
     layout_steps: list[LayoutStep] = []
+    # "model | layout" -> why the runtime could not run that layout on the model (not timed; the dry run
+    # refuses it, so no plan uses it)
+    layout_steps_skipped: dict[str, str] = {}
 
     def skew(self, ranks: int) -> float:
         """rank_skew at `ranks` (1.0 for one rank), else at the measured rank count nearest to it."""
@@ -228,7 +240,7 @@ class Calibration(_Model):
 
     def layout_step(self, model: str, batch: int, input_shape: Sequence[int] | None, world_size: int,
                     layout: str) -> LayoutStep | None:
-        want = (model, batch, tuple(input_shape) if input_shape else None, world_size, layout)
+        want = (model_key(model), batch, tuple(input_shape) if input_shape else None, world_size, layout)
         return next((s for s in self.layout_steps if s.key() == want), None)
 
     def gloo_fit(self, world_size: int) -> GlooFit | None:

@@ -41,6 +41,7 @@ from hybridpar.cluster.calibration import (
     OpRecord,
     RuntimeOverhead,
     format_op,
+    model_key,
     op_key,
     resolve_calibration,
 )
@@ -482,7 +483,7 @@ def layout_steps_for(device: DeviceSpec, calibration: Calibration | str | os.Pat
     cal = resolve_calibration(calibration, default=device.kind == "cpu")
     if cal is None or cal.device_name != device.name:
         return []
-    want = (model, batch, tuple(input_shape) if input_shape else None, world_size)
+    want = (model_key(model), batch, tuple(input_shape) if input_shape else None, world_size)
     return [s for s in cal.layout_steps if s.key()[:4] == want]
 
 

@@ -1,5 +1,5 @@
-"""The user's model under each channel/filter layout `hybridpar profile --model M --splits k` is asked
-for, run as `hybridpar train` runs it, on a fake world of k ranks: the CPU time of rank 0's step, less
+"""The user's model under each sample and channel/filter layout `hybridpar profile --model M --splits k`
+is asked for, run as `hybridpar train` runs it, on a fake world of k ranks: the CPU time of rank 0's step, less
 the time inside its collectives and DTensor's redistributions (each priced apart: the gloo fits time
 the runtime's collective functions, copies included; the dry run counts the redistributions). What is
 left (`rest_s`) is what the op table and the runtime-overhead terms price: the ops at the rank's local
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 
 def layouts_for(splits: Sequence[int]) -> list[tuple[str, int]]:
-    """(layout, world size) per channel/filter layout a profile with these splits times."""
-    return [(f"{kind}={k}", k) for k in sorted(set(splits)) if k > 1 for kind in ("channel", "filter")]
+    """(layout, world size) per sample and channel/filter layout a profile with these splits times."""
+    return [(f"{kind}={k}", k) for k in sorted(set(splits)) if k > 1 for kind in ("sample", "channel", "filter")]
 
 
 def _step_of(model, batch):

@@ -20,6 +20,7 @@ from hybridpar.cluster.calibration import (
     StepFit,
     default_calibration_path,
     load_calibration,
+    model_key,
     save_calibration,
 )
 from hybridpar.errors import UserError
@@ -244,11 +245,9 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                                       for i, part in enumerate(("fwd", "bwd"))},
                                    redistribute_s=rt.get("redistribute_s"))
     records, draw = _as_fresh_process(records, timed_here, skew)
-    steps = _layout_steps(opts, steps_run, draw)
     old = _previous(path) if opts.merge else None
+    steps, skipped = _layout_steps(opts, steps_run, draw, old)
     if old is not None:
-        mine = {st.key() for st in steps}
-        steps = [st for st in old.layout_steps if st.key() not in mine] + steps
         untimed = {k: v for k, v in {**old.untimed, **untimed}.items() if k not in records}
         records = {**old.ops, **records}
         fits = {**old.gloo, **fits}
@@ -261,13 +260,13 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                       update={k: StepFit(**v) for k, v in per_step["update"].items()},
                       guard={k: StepFit(**v) for k, v in per_step["guard"].items()},
                       loss=StepFit(**per_step["loss"]), rank_skew=skew.result(), process_draw=draw,
-                      untimed=untimed, layout_steps=steps)
+                      untimed=untimed, layout_steps=steps, layout_steps_skipped=skipped)
     return cal, save_calibration(cal, path)
 
 
 def _dist_layers(opts: ProfileOptions, records: dict, step: Callable[[str], None]) -> dict:
     """The model's split layers as the runtime runs them (into `records`), then its step under each
-    channel/filter layout on a fake world (hybridpar.profile.layout_steps: returned, unscaled)."""
+    sample and channel/filter layout on a fake world (hybridpar.profile.layout_steps: returned, unscaled)."""
     step("channel/filter layers as the runtime runs them")
     from hybridpar.profile.dist_layers import measure_dist_layers
     from hybridpar.profile.layout_steps import layout_steps
@@ -275,23 +274,34 @@ def _dist_layers(opts: ProfileOptions, records: dict, step: Callable[[str], None
     # the model's layers at full shape (specs holds them at every split's local shape too)
     whole = op_specs(replace(opts, splits=(1,), channels_last=False, precision="fp32"))
     records.update(measure_dist_layers(whole, opts.splits, warmup=opts.warmup, repeats=max(3, opts.repeats // 2)))
-    step("the model's step under each channel/filter layout on a fake world")
+    step("the model's step under each sample and channel/filter layout on a fake world")
     assert opts.model is not None  # dist layers need one
     return layout_steps(opts.model, opts.batch, opts.input_shape, opts.splits)
 
 
-def _layout_steps(opts: ProfileOptions, run: dict | None, draw: ProcessDraw | None) -> list[LayoutStep]:
+def _layout_steps(opts: ProfileOptions, run: dict | None, draw: ProcessDraw | None,
+                  old: Calibration | None = None) -> tuple[list[LayoutStep], dict[str, str]]:
     """The fake-world steps (hybridpar.profile.layout_steps) at a fresh process's pace: scaled by the
-    fresh processes' reference iteration over the subprocess's own, as the op table is."""
-    if not run:
-        return []
-    scale = draw.fresh_s / run["reference_s"] if draw is not None and run.get("reference_s") else 1.0
-    shape = list(opts.input_shape) if opts.input_shape else None
-    assert opts.model is not None
-    return [LayoutStep(model=opts.model, batch=opts.batch, input_shape=shape, world_size=r["world_size"],
-                       layout=r["layout"], **{k: r[k] * scale for k in ("step_s", "collectives_s",
-                                                                         "redistributions_s", "rest_s")})
-            for r in run["steps"]]
+    fresh processes' reference iteration over the subprocess's own, as the op table is; and the
+    layouts the runtime could not run, with why. Merged into `old`'s (this profile's replace them)."""
+    steps: list[LayoutStep] = []
+    skipped: dict[str, str] = {}
+    if run:
+        scale = draw.fresh_s / run["reference_s"] if draw is not None and run.get("reference_s") else 1.0
+        shape = list(opts.input_shape) if opts.input_shape else None
+        model = model_key(opts.model or "")
+        steps = [LayoutStep(model=model, batch=opts.batch, input_shape=shape, world_size=r["world_size"],
+                            layout=r["layout"], **{k: r[k] * scale for k in ("step_s", "collectives_s",
+                                                                              "redistributions_s", "rest_s")})
+                 for r in run["steps"]]
+        skipped = {f"{model} | {lay}": why for lay, why in run.get("skipped", {}).items()}
+    if old is not None:
+        mine = {st.key() for st in steps}
+        steps = [st for st in old.layout_steps if st.key() not in mine] + steps
+        this_model = f"{model_key(opts.model or '')} | "
+        skipped = {k: v for k, v in old.layout_steps_skipped.items() if not (run and k.startswith(this_model))} \
+            | skipped
+    return steps, skipped
 
 
 def _as_fresh_process(records: dict[str, OpRecord], timed_here: set[str], skew) -> tuple[dict, ProcessDraw | None]:

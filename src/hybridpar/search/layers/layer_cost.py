@@ -126,11 +126,12 @@ class CostContext:
                               calibration=calibration)
 
     def measured_factor(self, channel: int, filter_: int = 1, exact: bool = True) -> float:
-        """The factor on a layer's forward and backward under a channel/filter layout that
+        """The factor on a layer's forward and backward under a sample or channel/filter layout that
         `hybridpar profile --model` timed this model's step under (search.layers.measured): the layout's
         own (`exact`), else the mean of those with the same channel x filter, else 1. A join's
-        activations are split the same way under channel=g and filter=g: it takes the mean."""
-        if channel * filter_ == 1 or not self.measured:
+        activations are split the same way under channel=g and filter=g: it takes the mean. (Spatial
+        layouts are priced in contexts of their own, which hold no factors: spatial_plan.)"""
+        if not self.measured:
             return 1.0
         own = self.measured.get((channel, filter_)) if exact else None
         if own is not None:

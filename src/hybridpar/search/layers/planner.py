@@ -798,7 +798,8 @@ def _to_plan(s: _Setup, opts: list[VertexOptions], choice: Sequence[int], pred: 
     for lay in (layers or wholes).values():
         counts[lay] = counts.get(lay, 0) + 1
     default = max(counts, key=counts.get) if counts else LayerLayout(sample=s.ctx.ranks)
-    if any(lay.g_size > 1 for lay in (default, *layers.values())):
+    used = {(lay.channel, lay.filter) for lay in (default, *layers.values(), *wholes.values()) if lay.spatial == 1}
+    if any(s.ctx.measured_factor(c, f) != 1.0 for c, f in used):  # priced from the model's measured steps
         notes = [*notes, *s.ctx.measured_notes]
     plan = Plan(model=s.model_name, input_shape=list(s.input_shape) if s.input_shape else None, cluster=s.cluster_name,
                 world_size=s.ctx.ranks, batch=s.ctx.batch, dp=s.ctx.ranks, mp=1, default_layout=default,
