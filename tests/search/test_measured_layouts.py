@@ -24,18 +24,27 @@ def tiny_cnn():
     return net, (torch.randn(4, 3, 8, 8),)
 
 
-def _plan(tmp_path, monkeypatch, steps, strategy=None, name="cal", **options):
+def pooled_cnn():
+    """Most of its work before its first layer (as CosmoFlow's stem): a pooling and a ReLU at full size."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.AvgPool2d(2), nn.ReLU(), nn.Conv2d(3, 4, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(4, 4))
+    return net, (torch.randn(4, 3, 64, 64),)
+
+
+def _plan(tmp_path, monkeypatch, steps, strategy=None, name="cal", model=MODEL, **options):
     from hybridpar.api import plan
 
     path = tmp_path / f"{name}.json"
     save_calibration(Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10, layout_steps=steps), path)
     monkeypatch.setenv("HYBRIDPAR_CALIBRATION", str(path))
-    return plan(MODEL, "localhost", 2, 4, dry_run=True, **({"strategy": strategy} if strategy else {}), **options)
+    return plan(model, "localhost", 2, 4, dry_run=True, **({"strategy": strategy} if strategy else {}), **options)
 
 
-def _step(layout, rest_s, batch=4):
-    return LayoutStep(model=MODEL, batch=batch, world_size=2, layout=layout, step_s=rest_s, collectives_s=0.0,
-                      redistributions_s=0.0, rest_s=rest_s)
+def _step(layout, rest_s, batch=4, input_shape=(3, 8, 8)):
+    """As `hybridpar profile` files it: under the shape the model ran at (tiny_cnn's own)."""
+    return LayoutStep(model=MODEL, batch=batch, input_shape=list(input_shape) if input_shape else None, world_size=2,
+                      layout=layout, step_s=rest_s, collectives_s=0.0, redistributions_s=0.0, rest_s=rest_s)
 
 
 def _graph_compute(res) -> float:
@@ -81,6 +90,36 @@ def test_a_measured_sample_step_prices_the_sample_layout_alone(tmp_path, monkeyp
     assert not any("fake world" in n for n in chan.plan.notes)
     height = _plan(tmp_path, monkeypatch, steps, "height=2", "height")
     assert height.prediction.step_time_s == pytest.approx(bare_h.prediction.step_time_s, rel=1e-9)
+    # the plan file (which holds the model's traced shape) is priced as the plan was
+    from hybridpar.search.layers.planner import evaluate_plan
+
+    again = evaluate_plan(measured.plan, calibration=str(tmp_path / "cal.json"))
+    assert again.step_time_s == pytest.approx(measured.prediction.step_time_s, rel=1e-6)
+    # a file from before 2026-12-05 held the model's own shape as None: still found for a plan given none
+    legacy = _plan(tmp_path, monkeypatch, [_step("sample=2", want, input_shape=None)], "sample=2", "legacy")
+    assert legacy.prediction.step_time_s == pytest.approx(measured.prediction.step_time_s, rel=1e-6)
+
+
+def test_the_nodes_before_the_first_layer_are_scaled_with_the_layers(tmp_path, monkeypatch):
+    """The measurement is of the whole graph: where most of the priced work comes before the first
+    layer, a measured step under the priced sum still prices the graph at the measurement (the factor
+    taken over the layers alone would fall below its bound, and the plan would keep the old price)."""
+    from hybridpar.cluster import load_cluster
+    from hybridpar.search.layers.planner import PlannerConfig, _setup
+
+    model = f"{Path(__file__).resolve()}:pooled_cnn"
+    share = load_cluster("localhost", gpus=2).device.time_share
+    bare = _plan(tmp_path, monkeypatch, [], "sample=2", "bare", model=model)
+    setup = _setup(model, "localhost", 2, 4, PlannerConfig(calibration=str(tmp_path / "bare.json")))
+    prefix = {n.module for n in setup.lg.prefix}
+    before = sum(v["fwd_s"] + v["bwd_s"] for k, v in bare.prediction.per_layer.items() if k in prefix)
+    assert before > 0.3 * _graph_compute(bare)  # the case in point: (0.3 - 0.3) / 0.7 is under the bound
+    want = 0.3 * _graph_compute(bare) / share
+    step = LayoutStep(model=model, batch=4, input_shape=[3, 64, 64], world_size=2, layout="sample=2", step_s=want,
+                      collectives_s=0.0, redistributions_s=0.0, rest_s=want)
+    measured = _plan(tmp_path, monkeypatch, [step], "sample=2", model=model)
+    assert _graph_compute(measured) == pytest.approx(want * share, rel=1e-6)
+    assert any("sample=2 x0.30" in n for n in measured.plan.notes)
 
 
 def test_the_search_compares_layouts_with_the_measurement(tmp_path, monkeypatch):

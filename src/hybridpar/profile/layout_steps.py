@@ -82,7 +82,8 @@ def measure_layout(spec: str, batch: int, input_shape: tuple[int, ...] | None, l
     coll_s = statistics.median(r[1] for r in rows)
     moves_s = statistics.median(r[2] for r in rows)
     rest_s = statistics.median(r[0] - r[1] - r[2] for r in rows)
-    return {"layout": layout, "world_size": world, "step_s": step_s, "collectives_s": coll_s,
+    shape = list(loaded.input_shape) if loaded.input_shape else None  # the model's own when not given
+    return {"layout": layout, "world_size": world, "input_shape": shape, "step_s": step_s, "collectives_s": coll_s,
             "redistributions_s": moves_s, "redistributions": rows[-1][3], "rest_s": max(0.0, rest_s)}
 
 

@@ -290,7 +290,10 @@ def _layout_steps(opts: ProfileOptions, run: dict | None, draw: ProcessDraw | No
         scale = draw.fresh_s / run["reference_s"] if draw is not None and run.get("reference_s") else 1.0
         shape = list(opts.input_shape) if opts.input_shape else None
         model = model_key(opts.model or "")
-        steps = [LayoutStep(model=model, batch=opts.batch, input_shape=shape, world_size=r["world_size"],
+        # filed under the shape the model ran at (its own, when the profile was given none): the
+        # planner looks them up under the shape it traced, and a plan file holds that shape
+        steps = [LayoutStep(model=model, batch=opts.batch, input_shape=r.get("input_shape") or shape,
+                            world_size=r["world_size"],
                             layout=r["layout"], **{k: r[k] * scale for k in ("step_s", "collectives_s",
                                                                               "redistributions_s", "rest_s")})
                  for r in run["steps"]]

@@ -11,8 +11,9 @@ ViT's step at 8 samples per rank 1.2x, tiny BERT's 0.8x. Where the calibration h
 measurement for this model (same spec, batch, input shape and world size), every layer's forward and
 backward under that layout is scaled by
 
-    factor = (measured rest x time share - the nodes before the first layer) / the layers' priced sum
+    factor = measured rest x time share / the graph's priced forward and backward
 
+(the layers and the nodes before the first layer: CosmoFlow's stem convolution is most of its step),
 so that the uniform layout's priced compute equals the measurement, and the search compares layouts
 with it (a plan mixing layouts takes each layer's own layout's factor; a layout not measured takes the
 mean of the measured ones with the same channel x filter, labelled so). Bounded to [1/4, 4]: a factor
@@ -27,16 +28,18 @@ FACTOR_RANGE = (0.25, 4.0)
 
 
 def apply_measured(s, model, calibration, input_shape) -> None:
-    """Set `s.ctx.measured` (and its note) from the calibration's fake-world steps of `model` at
-    `input_shape` (as the profile was given it: None for the model's own); the layer costs priced
-    before are dropped from the memo. `s`: the planner's _Setup."""
+    """Set `s.ctx.measured` (and its note) from the calibration's fake-world steps of `model` at the
+    shape the planner traced (`s.input_shape`; `input_shape`: the one it was given, None for the
+    model's own); the layer costs priced before are dropped from the memo. `s`: the planner's _Setup."""
     from hybridpar.cost.compute import layout_steps_for
     from hybridpar.search.layers.planner import _evaluate_uniform, _prefix_time
 
     ctx = s.ctx
     if not isinstance(model, str) or ctx.ranks < 2:
         return
-    steps = layout_steps_for(ctx.cluster.device, calibration, model, ctx.batch, input_shape, ctx.ranks)
+    steps = layout_steps_for(ctx.cluster.device, calibration, model, ctx.batch, s.input_shape, ctx.ranks)
+    if not steps and input_shape is None:  # files before 2026-12-05 held the model's own shape as None
+        steps = layout_steps_for(ctx.cluster.device, calibration, model, ctx.batch, None, ctx.ranks)
     factors: dict[tuple[int, int], float] = {}
     parts = []
     for st in steps:
@@ -46,10 +49,10 @@ def apply_measured(s, model, calibration, input_shape) -> None:
         opts, choice, _, _ = _evaluate_uniform(s, lay, "buckets")
         layers = sum(vo.costs[k].fwd_s + vo.costs[k].bwd_s for vo, k in zip(opts, choice))
         prefix = sum(_prefix_time(s.lg, opts[0].dist(choice[0]), ctx))
-        if layers <= 0:
+        if layers + prefix <= 0:
             continue
         want = st.rest_s * ctx.cluster.device.time_share
-        raw = (want - prefix) / layers
+        raw = want / (layers + prefix)
         lo, hi = FACTOR_RANGE
         factors[(lay.channel, lay.filter)] = min(hi, max(lo, raw))
         parts.append(f"{lay.to_strategy()} x{factors[(lay.channel, lay.filter)]:.2f} ({want * 1e3:.1f} ms measured, "

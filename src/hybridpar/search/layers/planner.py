@@ -373,12 +373,14 @@ def runtime_layouts(ranks: int, batch: int) -> dict[int, list[LayerLayout]]:
 
 def _prefix_time(lg: LayerGraph, dist: Distribution, ctx: CostContext) -> tuple[float, float]:
     """Forward and backward seconds of the nodes before the first layer (an embedding, recurrent
-    layers over it), on the first vertex's distribution (`layer_cost.node_time`)."""
+    layers over it), on the first vertex's distribution (`layer_cost.node_time`), scaled as the
+    layers are where the model's step was measured (search.layers.measured)."""
     if not lg.prefix:
         return 0.0, 0.0
     fwd, bwd = nodes_time(lg.prefix, dist, ctx)
     ofwd, obwd = ctx.runtime_overhead(len(lg.prefix), dist.channel)
-    return fwd + ofwd, bwd + obwd
+    k = ctx.measured_factor(dist.channel, exact=False)
+    return (fwd + ofwd) * k, (bwd + obwd) * k
 
 
 def _prefix_memory(lg: LayerGraph, dist: Distribution, ctx: CostContext):
@@ -614,12 +616,13 @@ def _grad_sync_time(grad_sync: str, costs, buckets, by_key: dict, backward: tupl
 def _per_layer(lg: LayerGraph, opts: list[VertexOptions], costs, redist: list[float], d0, ctx: CostContext) -> dict:
     """Each layer's (and each prefix node's) times and memory, keyed by module name."""
     per_layer = {}
+    k = ctx.measured_factor(d0.channel, exact=False)  # as _prefix_time scales them
     for n in lg.prefix:  # before the first layer (an embedding, recurrent layers), on the first vertex's ranks
         nt = node_time(n, d0, ctx)
         nbytes_held = dist_memory([n], d0, ctx).persistent_bytes
         if nt.fwd_s or nt.bwd_s or nbytes_held:
-            per_layer[n.module or n.name] = {"fwd_s": nt.fwd_s, "bwd_s": nt.bwd_s, "comm_s": 0.0, "grad_sync_s": 0.0,
-                                             "memory_bytes": nbytes_held}
+            per_layer[n.module or n.name] = {"fwd_s": nt.fwd_s * k, "bwd_s": nt.bwd_s * k, "comm_s": 0.0,
+                                             "grad_sync_s": 0.0, "memory_bytes": nbytes_held}
     for vo, c, r in zip(opts, costs, redist):
         key = vo.vertex.node.module or vo.vertex.name
         per_layer[key] = {"fwd_s": c.fwd_s, "bwd_s": c.bwd_s, "comm_s": c.comm_fwd_s + c.comm_bwd_s + r,
