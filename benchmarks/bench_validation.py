@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -308,6 +309,13 @@ def measure(model: str, ranks: int, batch: int, steps: int, layout: list[str]) -
     return step, comm, out["steps"][-1].get("comm_bytes", {}), statistics.median(times)
 
 
+def _steps_for(steps: int, min_seconds: float, est_s: float | None, cap: int = 400) -> int:
+    """At least `steps`, and enough after warm-up for `min_seconds` at `est_s` a step (at most `cap`)."""
+    if not min_seconds or not est_s or est_s <= 0:
+        return steps
+    return max(steps, min(cap, WARMUP_STEPS + math.ceil(min_seconds / est_s)))
+
+
 def predict(model: str, ranks: int, batch: int, extra: list[str]) -> dict:
     return run(["plan", "--model", model, "--cluster", "localhost", "--gpus", str(ranks), "--batch", str(batch),
                 "--json", *extra])
@@ -385,6 +393,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="hybridpar profile rounds (per op the median is kept)")
     ap.add_argument("--keep", choices=("median", "fastest"), default="median",
                     help="per op, which profile round to keep (fastest: the choice before 2026-12-01)")
+    ap.add_argument("--min-seconds", type=float, default=1.5,
+                    help="each run takes at least --steps steps and at least this many seconds of steps after "
+                         "warm-up (at most 400 steps): ten steps of a 4 ms model moved its lower quartile by a "
+                         "quarter from run to run; 0: --steps alone (the rule before 2026-12-05)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="measure every run this many times, round-robin; a run's figure is their median")
     ap.add_argument("--no-interleave", action="store_true",
@@ -459,8 +471,10 @@ def main() -> None:
         runs = [(s, ["--strategy", s, *extra], ["--strategy", s]) for s in strategies]
         runs.append(("plan: " + " | ".join(chosen), ["--plan", plan_file, *extra], []))
         for label, train_args, plan_args in runs:
+            # the plan's predicted step sizes the first repeat's run; the first measurement the rest
             jobs.append({"model": model, "ranks": ranks, "batch": batch, "label": label, "train_args": train_args,
-                         "plan_args": plan_args, "plan_file": plan_file, "mp": None})
+                         "plan_args": plan_args, "plan_file": plan_file, "mp": None,
+                         "est_s": plan["predicted"]["step_time_s"]})
     for model, batch, dp in mp_groups:
         plan_file = tmp / f"mp-{_short(model)}-{dp}.json"
         placed = place_mp(model, batch, dp, plan_file)
@@ -480,7 +494,9 @@ def main() -> None:
             if job.get("failed"):
                 continue
             try:
-                lq, comm, nbytes, med = measure(job["model"], job["ranks"], job["batch"], args.steps, job["train_args"])
+                est = out[0][4] if out else job.get("est_s")
+                steps = _steps_for(args.steps, args.min_seconds, est)
+                lq, comm, nbytes, med = measure(job["model"], job["ranks"], job["batch"], steps, job["train_args"])
                 out.append((lq, comm, nbytes, stretch, med))
             except RuntimeError as err:  # a run that does not train is reported as such, never dropped
                 job["failed"] = str(err)[-300:]
@@ -628,7 +644,8 @@ def report(state: dict) -> None:
 def markdown(summary: dict, args) -> str:
     """The run as Markdown: how it was made, the figures against their targets, every row."""
     cmd = "python benchmarks/bench_validation.py" + (" --holdout" if args.holdout else "") + \
-        f" --repeats {args.repeats} --rounds {args.rounds} --steps {args.steps} --docs"
+        f" --repeats {args.repeats} --rounds {args.rounds} --steps {args.steps}" + \
+        (f" --min-seconds {args.min_seconds:g}" if getattr(args, "min_seconds", 0) else "") + " --docs"
     t = summary["targets"]
     picks = summary["planner_choice_fastest"]
     rows = ["| model | ranks | batch | family | layout | predicted | measured | error |",

@@ -152,7 +152,6 @@ def test_the_fake_world_step_leaves_out_collectives_and_redistributions():
             assert 0 < s["collectives_s"] < s["step_s"]
         assert 0 < s["rest_s"] < s["step_s"]
         assert s["rest_s"] == pytest.approx(s["step_s"] - s["collectives_s"] - s["redistributions_s"], rel=0.5)
-    assert got["reference_s"] > 0
 
 
 

@@ -14,18 +14,22 @@ op table (2026-12-04). The plan adds the difference for a layout measured here (
 Timed as the runtime_overhead chains are: thread CPU time (other jobs' time does not count), PyTorch's
 fake process group (`torch.testing._internal.distributed.fake_pg`: collectives are no-ops), one thread.
 The step's loss is the sum of the model's floating-point outputs (the dry run's; the loss is priced
-apart). The subprocess's speed is one draw of this VM's per-process speed (hybridpar.profile.rank_skew):
-it times the skew's reference iteration too, and the profile scales its figures to a fresh process's
-pace as it scales the op table.
+apart). The subprocess is a fresh process, one draw of this VM's per-process speed as each rank is
+(hybridpar.profile.rank_skew): its figures are filed as measured. Each layout takes at least `repeats`
+steps and at least MIN_SECONDS of them: seven steps of a 3 ms model are too few to take a median of.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
 from collections.abc import Sequence
+
+MIN_SECONDS = 0.5  # of timed steps per layout (at most MAX_REPEATS steps)
+MAX_REPEATS = 200
 
 
 def layouts_for(splits: Sequence[int]) -> list[tuple[str, int]]:
@@ -70,8 +74,11 @@ def measure_layout(spec: str, batch: int, input_shape: tuple[int, ...] | None, l
         step = _step_of(model, inputs)
         for _ in range(warmup):
             step()
+        t0 = time.thread_time()
+        step()
+        once = max(time.thread_time() - t0, 1e-6)
         rows = []
-        for _ in range(repeats):
+        for _ in range(max(repeats, min(MAX_REPEATS, math.ceil(MIN_SECONDS / once)))):
             c0 = CLOCK.seconds
             with counting_redistributions() as moves:
                 t0 = time.thread_time()
@@ -89,11 +96,9 @@ def measure_layout(spec: str, batch: int, input_shape: tuple[int, ...] | None, l
 
 def measure(spec: str, batch: int, input_shape: tuple[int, ...] | None, layouts: Sequence[tuple[str, int]],
             warmup: int = 2, repeats: int = 7) -> dict:
-    """Every layout in turn, and the reference iteration's CPU time in this process. A layout the runtime
-    cannot run on this model (the dry run refuses it, so no plan uses it) is left out, with why."""
+    """Every layout in turn. A layout the runtime cannot run on this model (the dry run refuses it, so no
+    plan uses it) is left out, with why."""
     import torch
-
-    from hybridpar.profile.rank_skew import reference_here_s
 
     torch.set_num_threads(1)
     steps, skipped = [], {}
@@ -102,7 +107,7 @@ def measure(spec: str, batch: int, input_shape: tuple[int, ...] | None, layouts:
             steps.append(measure_layout(spec, batch, input_shape, lay, world, warmup, repeats))
         except Exception as err:  # noqa: BLE001 - a layout the runtime cannot run on this model: not timed
             skipped[lay] = " ".join(f"{type(err).__name__}: {err}".split())[:200]
-    return {"steps": steps, "skipped": skipped, "reference_s": reference_here_s(5)}
+    return {"steps": steps, "skipped": skipped}
 
 
 def layout_steps(spec: str, batch: int, input_shape: tuple[int, ...] | None, splits: Sequence[int], *,

@@ -246,7 +246,7 @@ def run_profile(opts: ProfileOptions, out: str | os.PathLike | None = None,
                                    redistribute_s=rt.get("redistribute_s"))
     records, draw = _as_fresh_process(records, timed_here, skew)
     old = _previous(path) if opts.merge else None
-    steps, skipped = _layout_steps(opts, steps_run, draw, old)
+    steps, skipped = _layout_steps(opts, steps_run, old)
     if old is not None:
         untimed = {k: v for k, v in {**old.untimed, **untimed}.items() if k not in records}
         records = {**old.ops, **records}
@@ -279,23 +279,25 @@ def _dist_layers(opts: ProfileOptions, records: dict, step: Callable[[str], None
     return layout_steps(opts.model, opts.batch, opts.input_shape, opts.splits)
 
 
-def _layout_steps(opts: ProfileOptions, run: dict | None, draw: ProcessDraw | None,
+def _layout_steps(opts: ProfileOptions, run: dict | None,
                   old: Calibration | None = None) -> tuple[list[LayoutStep], dict[str, str]]:
-    """The fake-world steps (hybridpar.profile.layout_steps) at a fresh process's pace: scaled by the
-    fresh processes' reference iteration over the subprocess's own, as the op table is; and the
-    layouts the runtime could not run, with why. Merged into `old`'s (this profile's replace them)."""
+    """The fake-world steps (hybridpar.profile.layout_steps) as measured, and the layouts the runtime
+    could not run, with why; merged into `old`'s (this profile's replace them). Not scaled by the
+    process draw as the op table is: the subprocess is itself a fresh process, one draw as each rank
+    is, and the scale was noise here: four fresh subprocesses timed CosmoFlow's `sample=2` step at
+    163-170 ms while the fresh workers' reference over the subprocess's moved the filed figure by 4-19%
+    between profile calls (2026-12-05)."""
     steps: list[LayoutStep] = []
     skipped: dict[str, str] = {}
     if run:
-        scale = draw.fresh_s / run["reference_s"] if draw is not None and run.get("reference_s") else 1.0
         shape = list(opts.input_shape) if opts.input_shape else None
         model = model_key(opts.model or "")
         # filed under the shape the model ran at (its own, when the profile was given none): the
         # planner looks them up under the shape it traced, and a plan file holds that shape
         steps = [LayoutStep(model=model, batch=opts.batch, input_shape=r.get("input_shape") or shape,
                             world_size=r["world_size"],
-                            layout=r["layout"], **{k: r[k] * scale for k in ("step_s", "collectives_s",
-                                                                              "redistributions_s", "rest_s")})
+                            layout=r["layout"], **{k: r[k] for k in ("step_s", "collectives_s",
+                                                                      "redistributions_s", "rest_s")})
                  for r in run["steps"]]
         skipped = {f"{model} | {lay}": why for lay, why in run.get("skipped", {}).items()}
     if old is not None:
