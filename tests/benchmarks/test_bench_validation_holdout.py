@@ -61,3 +61,13 @@ def test_merged_rounds_name_the_median_process_draw(tmp_path):
     target = tmp_path / "cal.json"
     b.merge_rounds([last], calls, target)
     assert json.loads(target.read_text())["process_draw"] == {"here_s": 1.0, "fresh_s": 1.02}
+
+
+def test_a_short_step_runs_for_at_least_min_seconds():
+    """Ten steps of a 4 ms model are too few for a lower quartile: a run takes `--min-seconds` of steps
+    after warm-up (capped), never fewer than `--steps`; 0 keeps `--steps` alone."""
+    b = _bench()
+    assert b._steps_for(12, 1.5, 0.004) == b.WARMUP_STEPS + 375
+    assert b._steps_for(12, 1.5, 0.001) == 400  # the cap
+    assert b._steps_for(12, 1.5, 0.35) == 12  # a long step: --steps already covers it
+    assert b._steps_for(12, 0, 0.004) == 12 and b._steps_for(12, 1.5, None) == 12

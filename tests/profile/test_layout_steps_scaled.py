@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpar.cluster.calibration import Calibration
+from hybridpar.cluster.calibration import Calibration, LayoutStep
 from hybridpar.profile.layout_steps import layouts_for
 from hybridpar.profile.run import ProfileOptions, _layout_steps
 
@@ -45,3 +45,20 @@ def test_a_new_profile_of_a_model_replaces_its_skipped_layouts():
 def test_every_split_times_every_kind():
     assert layouts_for((1, 2, 4, 2)) == [("sample=2", 2), ("channel=2", 2), ("filter=2", 2),
                                          ("sample=4", 4), ("channel=4", 4), ("filter=4", 4)]
+
+
+def test_hybridpar_profile_prints_the_steps_and_what_it_could_not_time(tmp_path, monkeypatch):
+    from hybridpar.cli.commands.profile import _print
+    from hybridpar.cli.output import console
+
+    monkeypatch.chdir(tmp_path)
+    model = f"{tmp_path.resolve()}/net.py:f"
+    st = LayoutStep(model=model, batch=8, world_size=2, layout="sample=2", step_s=0.01, collectives_s=0.0,
+                    redistributions_s=0.0, rest_s=0.01)
+    cal = Calibration(cpu_count=2, peak_flops_fp32=1e10, mem_bw_Bps=1e10, layout_steps=[st],
+                      layout_steps_skipped={f"{model} | channel=2": "UserError: pool3d has no rule"})
+    with console.capture() as got:
+        _print(cal, tmp_path / "cal.json")
+    text = got.get().split("models' steps on a fake world", 1)[1]  # (the file's path is printed above)
+    assert "net.py:f" in text and str(tmp_path.resolve()) not in text  # shown relative to here
+    assert "not timed on a fake world: net.py:f | channel=2" in text and "pool3d has no rule" in text

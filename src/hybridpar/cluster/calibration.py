@@ -148,8 +148,8 @@ def model_key(spec: str) -> str:
 
 class LayoutStep(_Model):
     """A model's step under one sample or channel/filter layout on a fake world, as `hybridpar train`
-    runs it (hybridpar.profile.layout_steps): CPU seconds of rank 0's thread, scaled to a fresh
-    process's pace; `rest_s` is the step less the time inside its collectives and DTensor's
+    runs it (hybridpar.profile.layout_steps): CPU seconds of rank 0's thread in a fresh process, as
+    measured; `rest_s` is the step less the time inside its collectives and DTensor's
     redistributions (each priced apart), the work the op table and the runtime-overhead terms price."""
 
     model: str  # the model spec as `hybridpar profile --model` took it (a file's path resolved: model_key)

@@ -107,16 +107,15 @@ def _print(cal, path, overhead_kept: bool = False) -> None:
         console.print(table("gloo collectives in a step: T(n) = a + b n (what the localhost cost model uses)",
                             ["kind", "ranks", "group", "a ms", "T(1 MiB) ms", "worst fit error"], c_rows,
                             justify_right=lambda c: c != "kind"))
+    here = os.getcwd() + os.sep  # the specs are filed with their paths resolved (model_key): shown relative
     if cal.layout_steps:  # the plan prices these layouts' compute with them (search.layers.measured)
-        here = os.getcwd() + os.sep  # the specs are filed with their paths resolved (model_key)
         st_rows = [[st.model.replace(here, ""), st.batch, st.layout, st.step_s * 1e3, st.collectives_s * 1e3,
                     st.redistributions_s * 1e3, st.rest_s * 1e3] for st in cal.layout_steps]
         console.print(table("models' steps on a fake world (rank 0's CPU, ms; plans price these layouts with `rest`)",
                             ["model", "batch", "layout", "step", "collectives", "redistributions", "rest"], st_rows,
                             justify_right=lambda c: c not in ("model", "layout")))
     for what, why in cal.layout_steps_skipped.items():  # the dry run refuses these: no plan uses them
-        console.print(f"not timed on a fake world: {what.replace(os.getcwd() + os.sep, '')}: the runtime cannot "
-                      f"run it ({why})")
+        console.print(f"not timed on a fake world: {what.replace(here, '')}: the runtime cannot run it ({why})")
     if cal.untimed:  # priced by the roofline; plans on this file say so in their notes
         console.print(f"{len(cal.untimed)} op shape(s) could not be timed (the file's `untimed` lists why; the "
                       f"roofline prices them): {', '.join(sorted({k.split('|', 1)[0] for k in cal.untimed}))}")
